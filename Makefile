@@ -1,0 +1,39 @@
+# Two commands for a fresh machine with Python 3.11: `make demo` and `make test`.
+# Each creates the local virtualenv .venv/ on first use and installs pinned packages.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+WORKDIR ?= workdirs/demo
+
+.PHONY: demo test lint format install install-dev clean
+
+$(VENV)/.runtime: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+install: $(VENV)/.runtime
+install-dev: $(VENV)/.dev
+
+## The main job on the embedded default (CPU is fine).
+demo: $(VENV)/.runtime
+	$(PY) -m experiments.train --config=configs/sao.py --workdir=$(WORKDIR)
+
+## Lint, format check and the whole test suite (8 fake CPU devices).
+test: $(VENV)/.dev
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+format: $(VENV)/.dev
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,137 @@
+"""One validated config: ':arg' variant parsing and up-front validation.
+
+Configs are Python files under `configs/` exposing `get_config(arg=None)` that returns an
+`ml_collections.ConfigDict` (big_vision style). Variants come through the `:arg` suffix of
+the config path (`configs/sao.py:smoke,seed=3`), parsed by `parse_arg`, which rejects keys
+the config file did not declare. Command-line overrides (`--config.rl.k_critic=1`) are
+applied by `ml_collections.config_flags`, which already rejects unknown fields and wrong
+types. `validate` then checks ranges and cross-field constraints once, before anything
+compiles, and names the offending field.
+
+Each section owns its checks: a validator is registered per top-level section with
+`register_validator`, next to the code that consumes that section.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+
+ConfigDict = ml_collections.ConfigDict
+
+
+class ConfigError(ValueError):
+    """A config field is missing, unknown, mistyped or out of range. The message names it."""
+
+
+def parse_arg(arg: str | None, **spec: Any) -> ConfigDict:
+    """Parses a variant string like ``"smoke,k=3,name=x"`` against declared defaults.
+
+    Args:
+      arg: the text after ':' in a config path, or None/"" for all defaults.
+      **spec: every accepted key with its default; the default's type converts the value
+        (bool keys may be given bare: ``smoke`` means ``smoke=True``).
+
+    Returns:
+      A locked ConfigDict holding every key of `spec`.
+
+    Raises:
+      ConfigError: a key that `spec` does not declare, or a value that does not convert.
+    """
+    out = ConfigDict(dict(spec))
+    for item in filter(None, (s.strip() for s in (arg or "").split(","))):
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if key not in spec:
+            raise ConfigError(f"unknown config variant key {key!r}; accepted keys: {sorted(spec)}")
+        default = spec[key]
+        if not eq:
+            if not isinstance(default, bool):
+                raise ConfigError(f"config variant key {key!r} needs a value ({key}=...)")
+            out[key] = True
+            continue
+        out[key] = _convert(key, text.strip(), default)
+    out.lock()
+    return out
+
+
+def _convert(key: str, text: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        if text.lower() in ("1", "true", "yes"):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ConfigError(f"config variant {key}={text!r}: expected a boolean")
+    if isinstance(default, str):
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError) as e:
+        raise ConfigError(f"config variant {key}={text!r}: not a literal") from e
+    if default is not None and not isinstance(value, type(default)):
+        if isinstance(default, float) and isinstance(value, int):
+            return float(value)
+        raise ConfigError(
+            f"config variant {key}={text!r}: expected {type(default).__name__}, "
+            f"got {type(value).__name__}"
+        )
+    return value
+
+
+def load_config(path: str) -> ConfigDict:
+    """Loads ``path[:arg]`` (a configs/*.py file) the way `config_flags` does."""
+    file, _, arg = path.partition(":")
+    p = pathlib.Path(file)
+    if not p.is_file():
+        raise ConfigError(f"config file {file!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_sao_config_{p.stem}", p)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {file!r} defines no get_config(arg)")
+    return module.get_config(arg or None)
+
+
+Validator = Callable[[ConfigDict], None]
+_VALIDATORS: dict[str, Validator] = {}
+
+
+def register_validator(section: str) -> Callable[[Validator], Validator]:
+    """Registers `fn(config)` to check the top-level `section` of a run config."""
+
+    def wrap(fn: Validator) -> Validator:
+        _VALIDATORS[section] = fn
+        return fn
+
+    return wrap
+
+
+def validate(config: ConfigDict) -> ConfigDict:
+    """Runs every registered section validator present in `config`; returns it locked.
+
+    Sections are validated only when present, so partial configs (a model-only config for
+    the memory plan, say) validate too.
+    """
+    _import_validators()
+    for section, fn in sorted(_VALIDATORS.items()):
+        if section in config:
+            fn(config)
+    config.lock()
+    return config
+
+
+def _import_validators() -> None:
+    # Importing these modules registers their sections' validators.
+    import sao_jax.models.config
+    import sao_jax.parallel.mesh  # noqa: F401
+
+
+def require(ok: bool, field: str, message: str) -> None:
+    """Raises ConfigError naming `field` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"config field {field}: {message}")

@@ -1,0 +1,142 @@
+"""Grouped-query attention with per-head q/k RMSNorm, RoPE and an optional KV cache.
+
+One masking rule serves training, packed batches and cached decoding: query t attends
+key s iff `key_pos[s] <= query_pos[t]` and both carry the same nonzero segment id. With
+a cache, key s is cache slot s, which always holds position s of that row: a row's
+tokens are written contiguously from position 0, so stale or padded entries sit at
+positions beyond the query and are masked by causality alone.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sao_jax.models.layers import RMSNorm, apply_rope, normal, param, rope_tables
+from sao_jax.parallel.mesh import Sharder
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+class KVCache(NamedTuple):
+    """One layer's cache; slot s of row b holds the key/value of position s."""
+
+    k_bskh: jax.Array  # [B, S, K, H]
+    v_bskh: jax.Array  # [B, S, K, H]
+
+
+def init_cache(batch: int, length: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
+    shape = (batch, length, num_kv_heads, head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def write_cache(cache: KVCache, k_btkh, v_btkh, positions_bt) -> KVCache:
+    """Writes new keys/values at their positions (out-of-range positions are dropped)."""
+    rows_b1 = jnp.arange(k_btkh.shape[0])[:, None]
+    k = cache.k_bskh.at[rows_b1, positions_bt].set(k_btkh.astype(cache.k_bskh.dtype), mode="drop")
+    v = cache.v_bskh.at[rows_b1, positions_bt].set(v_btkh.astype(cache.v_bskh.dtype), mode="drop")
+    return KVCache(k, v)
+
+
+def attention_mask(q_pos_bt, k_pos_bs, q_seg_bt, k_seg_bs) -> jax.Array:
+    """[B, T, S] boolean: causal by position, same nonzero segment."""
+    causal = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
+    same = (q_seg_bt[:, :, None] == k_seg_bs[:, None, :]) & (k_seg_bs[:, None, :] != 0)
+    return causal & same
+
+
+def grouped_attention(q_btnh, k_bskh, v_bskh, mask_bts) -> jax.Array:
+    """softmax(q k^T / sqrt(H) + mask) v with N query heads sharing K key/value heads."""
+    b, t, n, h = q_btnh.shape
+    kv = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, kv, n // kv, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh.astype(q_btnh.dtype))
+    logits = logits.astype(jnp.float32) * (h**-0.5)
+    logits = jnp.where(mask_bts[:, None, None], logits, _MASKED)
+    probs = jax.nn.softmax(logits, axis=-1).astype(q_btnh.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh.astype(q_btnh.dtype))
+    return out.reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+    """Qwen3 attention: q/k/v projections, per-head q/k RMSNorm, RoPE, GQA, output proj.
+
+    All of its parameters live under this module (`...attn.*`), so a critic can freeze
+    attention as one group by path.
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope_theta: float,
+        eps: float,
+        init_std: float,
+        param_dtype,
+        sharder: Sharder,
+        rngs: nnx.Rngs,
+    ):
+        self.head_dim = head_dim
+        self.rope_theta = rope_theta
+        self.sharder = sharder
+        init = normal(init_std)
+        self.q_proj = param(
+            rngs, init, (dim, num_heads, head_dim), ("embed", "q_heads", "head_dim"), param_dtype
+        )
+        self.k_proj = param(
+            rngs,
+            init,
+            (dim, num_kv_heads, head_dim),
+            ("embed", "kv_heads", "head_dim"),
+            param_dtype,
+        )
+        self.v_proj = param(
+            rngs,
+            init,
+            (dim, num_kv_heads, head_dim),
+            ("embed", "kv_heads", "head_dim"),
+            param_dtype,
+        )
+        self.o_proj = param(
+            rngs, init, (num_heads, head_dim, dim), ("q_heads", "head_dim", "embed"), param_dtype
+        )
+        self.q_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype, rngs=rngs)
+        self.k_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        x_btd: jax.Array,
+        positions_bt: jax.Array,
+        segment_ids_bt: jax.Array,
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        dt = x_btd.dtype
+        c = self.sharder.constrain
+        q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj.value.astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj.value.astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj.value.astype(dt))
+        q = c(self.q_norm(q), ("batch", "length", "act_heads", None))
+        k = c(self.k_norm(k), ("batch", "length", "act_kv_heads", None))
+        v = c(v, ("batch", "length", "act_kv_heads", None))
+        cos, sin = rope_tables(positions_bt, self.head_dim, self.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if cache is None:
+            mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt)
+            out = grouped_attention(q, k, v, mask)
+        else:
+            cache = write_cache(cache, k, v, positions_bt)
+            b, s = cache.k_bskh.shape[:2]
+            k_pos_bs = jnp.broadcast_to(jnp.arange(s, dtype=positions_bt.dtype), (b, s))
+            ones_bs = jnp.ones((b, s), segment_ids_bt.dtype)
+            mask = attention_mask(positions_bt, k_pos_bs, jnp.ones_like(segment_ids_bt), ones_bs)
+            out = grouped_attention(q, cache.k_bskh, cache.v_bskh, mask)
+        out = c(out, ("batch", "length", "act_heads", None))
+        y = jnp.einsum("btnh,nhd->btd", out, self.o_proj.value.astype(dt))
+        return y, cache

@@ -1,0 +1,75 @@
+"""Dropless token dispatch: sort (token, slot) pairs by expert and run grouped matmuls.
+
+Unsharded, every expert is local. On a mesh the experts are split over the `expert`
+logical axis (expert parallelism) and their hidden width over `expert_mlp` (tensor
+parallelism) inside a `shard_map`: each device all-gathers the tokens of its expert
+group, computes the contributions of its own experts with `ragged_dot`, and the partial
+outputs are summed back with `psum_scatter` (tokens sharded there) or `psum`. Expert
+weights are never gathered and no token is ever dropped.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from sao_jax.models.moe.experts import grouped_swiglu
+from sao_jax.parallel.mesh import Sharder
+
+
+def local_moe(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, expert_offset):
+    """Sum over each token's k slots of weight * expert(x), for experts in
+    [expert_offset, expert_offset + E_local); other slots contribute zero. Returns [N, D]."""
+    k = experts_nk.shape[1]
+    e_local = w_gate_edf.shape[0]
+    expert_m = experts_nk.reshape(-1) - expert_offset  # [M = N * k]
+    is_local_m = (expert_m >= 0) & (expert_m < e_local)
+    key_m = jnp.where(is_local_m, expert_m, e_local)  # non-local slots sort to the end
+    order_m = jnp.argsort(key_m, stable=True)
+    token_m = order_m // k
+    group_sizes_e = jnp.bincount(key_m, length=e_local + 1)[:e_local].astype(jnp.int32)
+    y_md = grouped_swiglu(x_nd[token_m], group_sizes_e, w_gate_edf, w_up_edf, w_down_efd)
+    w_m = jnp.where(is_local_m, weights_nk.reshape(-1), 0)[order_m]
+    y_md = y_md.astype(jnp.float32) * w_m[:, None].astype(jnp.float32)
+    return jnp.zeros(x_nd.shape, jnp.float32).at[token_m].add(y_md).astype(x_nd.dtype)
+
+
+def _as_tuple(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def moe_dispatch(
+    x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, sharder: Sharder
+) -> jax.Array:
+    """Expert-parallel dropless MoE forward; equals `local_moe` with offset 0."""
+    if sharder.mesh is None:
+        return local_moe(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, 0)
+    batch_axes = _as_tuple(sharder.spec(("batch",), x_nd.shape[:1])[0])
+    exp_axes = sharder.mesh_axes("expert")
+    mlp_axes = tuple(a for a in sharder.mesh_axes("expert_mlp") if a not in exp_axes)
+    gather_axes = tuple(a for a in batch_axes if a in exp_axes + mlp_axes)
+    reduce_axes = tuple(a for a in exp_axes + mlp_axes if a not in gather_axes)
+    tok = P(batch_axes or None, None)
+    up_spec = P(exp_axes or None, None, mlp_axes or None)
+    down_spec = P(exp_axes or None, mlp_axes or None, None)
+
+    def body(x, e, w, g, u, d):
+        if gather_axes:
+            x, e, w = (jax.lax.all_gather(a, gather_axes, axis=0, tiled=True) for a in (x, e, w))
+        offset = jax.lax.axis_index(exp_axes) * g.shape[0] if exp_axes else 0
+        y = local_moe(x, e, w, g, u, d, offset)
+        if reduce_axes:
+            y = jax.lax.psum(y, reduce_axes)
+        if gather_axes:
+            y = jax.lax.psum_scatter(y, gather_axes, scatter_dimension=0, tiled=True)
+        return y
+
+    return jax.shard_map(
+        body,
+        mesh=sharder.mesh,
+        in_specs=(tok, tok, tok, up_spec, up_spec, down_spec),
+        out_specs=tok,
+    )(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd)

@@ -1,0 +1,206 @@
+"""The Qwen3-MoE-style decoder: a shared trunk, a policy (LM head) and a critic (value head).
+
+Policy = trunk + LM head (tied to the embedding or not). Critic = the same trunk + a scalar
+value per token; `Critic.from_policy` copies a policy's trunk. Attention parameters sit
+under `trunk.layers.<i>.attn`, so the critic can freeze them by path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sao_jax.models.attention import Attention, KVCache, init_cache
+from sao_jax.models.config import ModelConfig
+from sao_jax.models.layers import DenseMLP, Embed, RMSNorm, normal, param, zeros
+from sao_jax.models.moe.block import MoEBlock
+from sao_jax.models.moe.router import load_balancing_loss
+from sao_jax.parallel.mesh import Sharder
+
+
+class ModelOutput(NamedTuple):
+    out: jax.Array  # policy: logits [B, T, V] float32; critic: values [B, T] float32
+    experts_btlk: jax.Array | None  # chosen experts per MoE layer [B, T, L_moe, k] int32
+    aux_loss: jax.Array  # load-balancing loss (already scaled by router_aux_loss_coef)
+    cache: tuple[KVCache, ...] | None  # updated per-layer KV cache when one was given
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); mlp is MoE or dense."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, sharder: Sharder, rngs: nnx.Rngs):
+        d, pd, std, eps = cfg.hidden_size, cfg.weight_dtype, cfg.initializer_range, cfg.rms_norm_eps
+        self.input_norm = RMSNorm(d, eps=eps, param_dtype=pd, rngs=rngs)
+        self.attn = Attention(
+            dim=d,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            rope_theta=cfg.rope_theta,
+            eps=eps,
+            init_std=std,
+            param_dtype=pd,
+            sharder=sharder,
+            rngs=rngs,
+        )
+        self.post_attn_norm = RMSNorm(d, eps=eps, param_dtype=pd, rngs=rngs)
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.mlp = MoEBlock(
+                dim=d,
+                hidden=cfg.moe_intermediate_size,
+                num_experts=cfg.num_experts,
+                top_k=cfg.num_experts_per_tok,
+                norm_topk=cfg.norm_topk_prob,
+                init_std=std,
+                param_dtype=pd,
+                sharder=sharder,
+                rngs=rngs,
+            )
+        else:
+            self.mlp = DenseMLP(
+                d, cfg.intermediate_size, init_std=std, param_dtype=pd, sharder=sharder, rngs=rngs
+            )
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, cache, forced_experts_btk):
+        h, cache = self.attn(self.input_norm(x_btd), positions_bt, segment_ids_bt, cache)
+        x_btd = x_btd + h
+        routing = None
+        if self.is_moe:
+            h, routing = self.mlp(self.post_attn_norm(x_btd), forced_experts_btk)
+        else:
+            h = self.mlp(self.post_attn_norm(x_btd))
+        return x_btd + h, cache, routing
+
+
+class Trunk(nnx.Module):
+    """Embedding, decoder layers and final norm; returns the last hidden states."""
+
+    def __init__(self, cfg: ModelConfig, *, sharder: Sharder, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.sharder = sharder
+        self.embed = Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            init_std=cfg.initializer_range,
+            param_dtype=cfg.weight_dtype,
+            rngs=rngs,
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, sharder=sharder, rngs=rngs) for i in range(cfg.num_hidden_layers)]
+        )
+        self.final_norm = RMSNorm(
+            cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype, rngs=rngs
+        )
+
+    def __call__(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array | None = None,
+        segment_ids_bt: jax.Array | None = None,
+        *,
+        cache: tuple[KVCache, ...] | None = None,
+        forced_experts_btlk: jax.Array | None = None,
+    ):
+        cfg = self.cfg
+        b, t = tokens_bt.shape
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids_bt is None:
+            segment_ids_bt = jnp.ones((b, t), jnp.int32)
+        x = self.sharder.constrain(
+            self.embed(tokens_bt, cfg.compute_dtype), ("batch", "length", "act_embed")
+        )
+        new_cache, experts, aux = [], [], []
+        token_mask_n = (segment_ids_bt != 0).reshape(-1)
+        moe_index = 0
+        for i, layer in enumerate(self.layers):
+            forced = None
+            if layer.is_moe and forced_experts_btlk is not None:
+                forced = forced_experts_btlk[:, :, moe_index]
+            x, layer_cache, routing = layer(
+                x, positions_bt, segment_ids_bt, None if cache is None else cache[i], forced
+            )
+            x = self.sharder.constrain(x, ("batch", "length", "act_embed"))
+            new_cache.append(layer_cache)
+            if routing is not None:
+                moe_index += 1
+                experts.append(routing.experts_nk.reshape(b, t, -1))
+                aux.append(load_balancing_loss(routing, cfg.num_experts, token_mask_n))
+        hidden = self.final_norm(x)
+        experts_btlk = jnp.stack(experts, axis=2) if experts else None
+        aux_loss = cfg.router_aux_loss_coef * (jnp.mean(jnp.stack(aux)) if aux else 0.0)
+        return (
+            hidden,
+            experts_btlk,
+            jnp.asarray(aux_loss, jnp.float32),
+            (None if cache is None else tuple(new_cache)),
+        )
+
+    def init_cache(self, batch: int, length: int) -> tuple[KVCache, ...]:
+        cfg = self.cfg
+        return tuple(
+            init_cache(batch, length, cfg.num_key_value_heads, cfg.head_dim, cfg.compute_dtype)
+            for _ in range(cfg.num_hidden_layers)
+        )
+
+
+class Policy(nnx.Module):
+    """Trunk + LM head: next-token logits [B, T, V] in float32."""
+
+    def __init__(self, cfg: ModelConfig, *, sharder: Sharder | None = None, rngs: nnx.Rngs):
+        sharder = sharder or Sharder()
+        self.cfg = cfg
+        self.sharder = sharder
+        self.trunk = Trunk(cfg, sharder=sharder, rngs=rngs)
+        self.lm_head = nnx.data(None)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param(
+                rngs,
+                normal(cfg.initializer_range),
+                (cfg.hidden_size, cfg.vocab_size),
+                ("embed", "vocab"),
+                cfg.weight_dtype,
+            )
+
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, **kw) -> ModelOutput:
+        hidden, experts, aux, cache = self.trunk(tokens_bt, positions_bt, segment_ids_bt, **kw)
+        if self.lm_head is None:
+            logits = self.trunk.embed.attend(hidden)
+        else:
+            logits = jnp.einsum("btd,dv->btv", hidden, self.lm_head.value.astype(hidden.dtype))
+        logits = self.sharder.constrain(
+            logits.astype(jnp.float32), ("batch", "length", "act_vocab")
+        )
+        return ModelOutput(logits, experts, aux, cache)
+
+
+class Critic(nnx.Module):
+    """Trunk + scalar value head: V [B, T] in float32.
+
+    The value head starts at zero (weights and bias), so V = 0 before value pretraining
+    instead of an arbitrary scale that blows up the first critic loss.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, sharder: Sharder | None = None, rngs: nnx.Rngs):
+        sharder = sharder or Sharder()
+        self.cfg = cfg
+        self.sharder = sharder
+        self.trunk = Trunk(cfg, sharder=sharder, rngs=rngs)
+        self.value_head = param(rngs, zeros, (cfg.hidden_size,), ("embed",), jnp.float32)
+        self.value_bias = param(rngs, zeros, (), (), jnp.float32)
+
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, **kw) -> ModelOutput:
+        hidden, experts, aux, cache = self.trunk(tokens_bt, positions_bt, segment_ids_bt, **kw)
+        values = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), self.value_head.value)
+        return ModelOutput(values + self.value_bias.value, experts, aux, cache)
+
+
+def critic_params_from_policy(policy_params: dict, critic_params: dict) -> dict:
+    """Critic params whose trunk is a copy of the policy's (value head kept as given)."""
+    out = dict(critic_params)
+    out["trunk"] = jax.tree.map(jnp.copy, policy_params["trunk"])
+    return out
