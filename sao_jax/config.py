@@ -128,7 +128,8 @@ def validate(config: ConfigDict) -> ConfigDict:
 def _import_validators() -> None:
     # Importing these modules registers their sections' validators.
     import sao_jax.models.config
-    import sao_jax.parallel.mesh  # noqa: F401
+    import sao_jax.parallel.mesh
+    import sao_jax.rl.optim  # noqa: F401
 
 
 def require(ok: bool, field: str, message: str) -> None:

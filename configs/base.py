@@ -1,0 +1,32 @@
+"""Shared defaults of every run config. Experiment configs start from `get_config()`.
+
+Sections: model (sao_jax.models.config.ModelConfig fields), mesh (device mesh and the
+logical-axis rules table), optim (policy and critic AdamW). Each section is validated
+by the module that consumes it (sao_jax.config.validate).
+"""
+
+import ml_collections
+
+from configs.models import tiny
+from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
+from sao_jax.rl.optim import ATTENTION_PATTERNS, optimizer_section
+
+
+def get_config(arg=None):
+    del arg
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # the one seed every named RNG stream is split from
+
+    c.model = tiny.get_config()
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.axes = MESH_AXES  # named mesh axes
+    c.mesh.shape = (-1, 1, 1, 1)  # one size may be -1 (all remaining devices)
+    c.mesh.rules = DEFAULT_RULES  # logical axis -> mesh axes (the one rules table)
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.policy = optimizer_section(1e-6)  # paper: policy lr 1e-6
+    c.optim.critic = optimizer_section(5e-6)  # paper: critic lr 5e-6
+    c.optim.critic.freeze_attention = True  # SAO's frozen-attention critic
+    c.optim.critic.frozen_patterns = ATTENTION_PATTERNS  # regexes on parameter paths
+    return c
