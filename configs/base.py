@@ -1,7 +1,8 @@
 """Shared defaults of every run config. Experiment configs start from `get_config()`.
 
 Sections: model (sao_jax.models.config.ModelConfig fields), mesh (device mesh and the
-logical-axis rules table), optim (policy and critic AdamW). Each section is validated
+logical-axis rules table), optim (policy and critic AdamW), rl (the update step's
+algorithm: estimator, loss, TTUR, lambdas; sao_jax.rl.settings). Each section is validated
 by the module that consumes it (sao_jax.config.validate).
 """
 
@@ -10,6 +11,8 @@ import ml_collections
 from configs.models import tiny
 from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
 from sao_jax.rl.optim import ATTENTION_PATTERNS, optimizer_section
+from sao_jax.rl.settings import rl_section
+from sao_jax.sampling.sampler import sampling_section
 
 
 def get_config(arg=None):
@@ -29,4 +32,9 @@ def get_config(arg=None):
     c.optim.critic = optimizer_section(5e-6)  # paper: critic lr 5e-6
     c.optim.critic.freeze_attention = True  # SAO's frozen-attention critic
     c.optim.critic.frozen_patterns = ATTENTION_PATTERNS  # regexes on parameter paths
+    c.optim.critic.warmup_steps = 10  # the paper's 10-step critic warm-up, read as LR
+    # warm-up; rl.critic_only_steps gives the other reading (critic-only updates)
+
+    c.rl = rl_section()
+    c.sampling = sampling_section()  # generation engine + async sampler
     return c

@@ -9,7 +9,7 @@ types. `validate` then checks ranges and cross-field constraints once, before an
 compiles, and names the offending field.
 
 Each section owns its checks: a validator is registered per top-level section with
-`register_validator`, next to the code that consumes that section.
+`sao_jax.schema.register_validator`, next to the code that consumes that section.
 """
 
 from __future__ import annotations
@@ -17,16 +17,11 @@ from __future__ import annotations
 import ast
 import importlib.util
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
-import ml_collections
+from sao_jax.schema import VALIDATORS, ConfigDict, ConfigError
 
-ConfigDict = ml_collections.ConfigDict
-
-
-class ConfigError(ValueError):
-    """A config field is missing, unknown, mistyped or out of range. The message names it."""
+__all__ = ["ConfigDict", "ConfigError", "load_config", "parse_arg", "validate"]
 
 
 def parse_arg(arg: str | None, **spec: Any) -> ConfigDict:
@@ -97,20 +92,6 @@ def load_config(path: str) -> ConfigDict:
     return module.get_config(arg or None)
 
 
-Validator = Callable[[ConfigDict], None]
-_VALIDATORS: dict[str, Validator] = {}
-
-
-def register_validator(section: str) -> Callable[[Validator], Validator]:
-    """Registers `fn(config)` to check the top-level `section` of a run config."""
-
-    def wrap(fn: Validator) -> Validator:
-        _VALIDATORS[section] = fn
-        return fn
-
-    return wrap
-
-
 def validate(config: ConfigDict) -> ConfigDict:
     """Runs every registered section validator present in `config`; returns it locked.
 
@@ -118,7 +99,7 @@ def validate(config: ConfigDict) -> ConfigDict:
     the memory plan, say) validate too.
     """
     _import_validators()
-    for section, fn in sorted(_VALIDATORS.items()):
+    for section, fn in sorted(VALIDATORS.items()):
         if section in config:
             fn(config)
     config.lock()
@@ -129,10 +110,6 @@ def _import_validators() -> None:
     # Importing these modules registers their sections' validators.
     import sao_jax.models.config
     import sao_jax.parallel.mesh
-    import sao_jax.rl.optim  # noqa: F401
-
-
-def require(ok: bool, field: str, message: str) -> None:
-    """Raises ConfigError naming `field` unless `ok`."""
-    if not ok:
-        raise ConfigError(f"config field {field}: {message}")
+    import sao_jax.rl.optim
+    import sao_jax.rl.settings
+    import sao_jax.sampling.sampler  # noqa: F401

@@ -118,9 +118,9 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, KVCache | None]:
         dt = x_btd.dtype
         c = self.sharder.constrain
-        q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj.value.astype(dt))
-        k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj.value.astype(dt))
-        v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj.value.astype(dt))
+        q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj[...].astype(dt))
         q = c(self.q_norm(q), ("batch", "length", "act_heads", None))
         k = c(self.k_norm(k), ("batch", "length", "act_kv_heads", None))
         v = c(v, ("batch", "length", "act_kv_heads", None))
@@ -138,5 +138,5 @@ class Attention(nnx.Module):
             mask = attention_mask(positions_bt, k_pos_bs, jnp.ones_like(segment_ids_bt), ones_bs)
             out = grouped_attention(q, cache.k_bskh, cache.v_bskh, mask)
         out = c(out, ("batch", "length", "act_heads", None))
-        y = jnp.einsum("btnh,nhd->btd", out, self.o_proj.value.astype(dt))
+        y = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt))
         return y, cache

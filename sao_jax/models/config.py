@@ -13,7 +13,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from sao_jax.config import ConfigDict, ConfigError, register_validator, require
+from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

@@ -55,7 +55,7 @@ class RMSNorm(nnx.Module):
         dtype = x.dtype
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale.value.astype(dtype) * x32.astype(dtype)
+        return self.scale[...].astype(dtype) * x32.astype(dtype)
 
 
 class Embed(nnx.Module):
@@ -67,10 +67,10 @@ class Embed(nnx.Module):
         )
 
     def __call__(self, tokens_bt: jax.Array, dtype) -> jax.Array:
-        return jnp.take(self.embedding.value, tokens_bt, axis=0).astype(dtype)  # [B, T, D]
+        return jnp.take(self.embedding[...], tokens_bt, axis=0).astype(dtype)  # [B, T, D]
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
-        return jnp.einsum("btd,vd->btv", x_btd, self.embedding.value.astype(x_btd.dtype))
+        return jnp.einsum("btd,vd->btv", x_btd, self.embedding[...].astype(x_btd.dtype))
 
 
 def rope_tables(positions_bt: jax.Array, head_dim: int, theta: float):
@@ -111,9 +111,9 @@ class DenseMLP(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dt = x_btd.dtype
-        gate_btf = jnp.einsum("btd,df->btf", x_btd, self.gate_proj.value.astype(dt))
-        up_btf = jnp.einsum("btd,df->btf", x_btd, self.up_proj.value.astype(dt))
+        gate_btf = jnp.einsum("btd,df->btf", x_btd, self.gate_proj[...].astype(dt))
+        up_btf = jnp.einsum("btd,df->btf", x_btd, self.up_proj[...].astype(dt))
         h_btf = self.sharder.constrain(
             jax.nn.silu(gate_btf) * up_btf, ("batch", "length", "act_mlp")
         )
-        return jnp.einsum("btf,fd->btd", h_btf, self.down_proj.value.astype(dt))
+        return jnp.einsum("btf,fd->btd", h_btf, self.down_proj[...].astype(dt))

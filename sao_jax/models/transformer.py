@@ -171,7 +171,7 @@ class Policy(nnx.Module):
         if self.lm_head is None:
             logits = self.trunk.embed.attend(hidden)
         else:
-            logits = jnp.einsum("btd,dv->btv", hidden, self.lm_head.value.astype(hidden.dtype))
+            logits = jnp.einsum("btd,dv->btv", hidden, self.lm_head[...].astype(hidden.dtype))
         logits = self.sharder.constrain(
             logits.astype(jnp.float32), ("batch", "length", "act_vocab")
         )
@@ -195,8 +195,8 @@ class Critic(nnx.Module):
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, **kw) -> ModelOutput:
         hidden, experts, aux, cache = self.trunk(tokens_bt, positions_bt, segment_ids_bt, **kw)
-        values = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), self.value_head.value)
-        return ModelOutput(values + self.value_bias.value, experts, aux, cache)
+        values = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), self.value_head[...])
+        return ModelOutput(values + self.value_bias[...], experts, aux, cache)
 
 
 def critic_params_from_policy(policy_params: dict, critic_params: dict) -> dict:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from sao_jax.config import ConfigDict, ConfigError, register_validator, require
+from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 

@@ -16,8 +16,8 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from sao_jax.config import ConfigError
 from sao_jax.parallel.mesh import Sharder
+from sao_jax.schema import ConfigError
 
 Params = dict[str, Any]
 
@@ -61,7 +61,7 @@ class ModelDef:
         """Pure dict of logical-axis tuples, one per parameter."""
         out = nnx.to_pure_dict(
             jax.tree.map(
-                lambda v: v.replace(v.get_metadata().get("axes", (None,) * len(v.value.shape))),
+                lambda v: v.replace(v.get_metadata().get("axes", (None,) * len(v.shape))),
                 self.abstract,
                 is_leaf=lambda x: isinstance(x, nnx.Variable),
             )

@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from sao_jax.config import ConfigError
+from sao_jax.schema import ConfigError
 
 # name -> (rank, dtype kind: 'i' int, 'f' float, 'b' bool, required)
 BATCH_FIELDS: dict[str, tuple[int, str, bool]] = {
@@ -29,7 +29,7 @@ BATCH_FIELDS: dict[str, tuple[int, str, bool]] = {
     "terminated": (1, "b", True),  # [B] episode ended (bootstrap 0) vs truncated
     "turn_ids": (2, "i", True),  # [B, T] model-turn index of action tokens, -1 elsewhere
     "group_ids": (1, "i", False),  # [B] prompt group for GRPO-style estimators
-    "forced_experts": (5, "i", False),  # [B, T, L_moe, k] recorded routing (replay)
+    "forced_experts": (4, "i", False),  # [B, T, L_moe, k] recorded routing (replay)
 }
 
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from sao_jax.config import ConfigDict, ConfigError, register_validator, require
 from sao_jax.parallel.partition import Params, path_str
+from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
 # Attention of every decoder layer: q/k/v/o projections and the q/k norms.
 ATTENTION_PATTERNS = (r"(^|\.)attn\.",)

@@ -35,7 +35,7 @@ class Experts(nnx.Module):
         )
 
     def weights(self):
-        return self.gate_proj.value, self.up_proj.value, self.down_proj.value
+        return self.gate_proj[...], self.up_proj[...], self.down_proj[...]
 
 
 def reference_moe(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd) -> jax.Array:

@@ -65,4 +65,4 @@ class Router(nnx.Module):
         )
 
     def __call__(self, x_nd: jax.Array) -> jax.Array:
-        return jnp.einsum("nd,de->ne", x_nd, self.kernel.value.astype(x_nd.dtype))
+        return jnp.einsum("nd,de->ne", x_nd, self.kernel[...].astype(x_nd.dtype))

@@ -1,0 +1,157 @@
+"""Tool-integrated reasoning with a Python interpreter (the code runs in `sandbox.py`).
+
+Turn format (prompts are the arithmetic ones, `q:<expr>\\n`):
+```
+q:(123*45)-67\\n                 prompt
+```python\\nprint((123*45)-67)\\n```\\n      model: any text, then a fenced code block
+```output\\n5468\\n```\\n          env: stdout (+ last stderr lines and the limit hit, if any)
+a:5468\\n                        model: final answer -> done, reward 1.0 / 0.0
+```
+The only stop string is the closing fence "```\\n" (the opening "```python\\n" does not
+contain it); an answer turn ends at EOS (or "\\n" at the end of the `a:` line when the
+sampler also stops there). A turn runs the last "```python\\n" block in it; a block
+that is never closed, or a turn with neither code nor an `a:` line, gets `e:bad\\n`.
+Turns count towards `max_turns` exactly as in the arithmetic env.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from sao_jax.envs import arithmetic, sandbox
+from sao_jax.envs.base import Prompt, StepResult
+
+CODE_OPEN, FENCE_CLOSE, OUTPUT_OPEN = "```python\n", "```\n", "```output\n"
+STOP_STRINGS = (FENCE_CLOSE,)
+_ANSWER_RE = re.compile(r"^a:[ \t]*(-?[0-9]{1,18})[ \t]*$", re.MULTILINE)
+
+
+def render_output(
+    result: sandbox.SandboxResult, *, max_chars: int = 512, err_lines: int = 3
+) -> str:
+    """The observation body: stdout (cut to fit), then the last stderr lines and the error.
+
+    The error part is kept whole (each line cut to 200 chars) so the model always sees why
+    the code failed; stdout gets the rest of `max_chars`.
+    """
+    tail: list[str] = []
+    if not result.ok:
+        tail = [line[:200] for line in result.stderr.splitlines() if line.strip()][-err_lines:]
+        if not result.error.startswith("exit status") or not tail:
+            tail.append(f"error: {result.error}")
+    err = "".join(line + "\n" for line in tail)
+    out = result.stdout
+    room = max(0, max_chars - len(err))
+    if len(out) > room:
+        out = out[:room] + "\n...(truncated)"
+    if out and not out.endswith("\n"):
+        out += "\n"
+    return out + err
+
+
+def extract_code(text: str) -> tuple[str | None, str | None]:
+    """(code, None) for the last closed ```python block, (None, error) when not closed,
+    (None, None) when the text has no code block."""
+    start = text.rfind(CODE_OPEN)
+    if start < 0:
+        return None, None
+    rest = text[start + len(CODE_OPEN) :]
+    end = rest.find("```")
+    if end < 0:
+        return None, "code block not closed"
+    return rest[:end], None
+
+
+class PythonToolEnv:
+    """Python as a tool; reward 1.0 for a correct `a:` answer, else 0.0."""
+
+    stop_strings = STOP_STRINGS
+
+    def __init__(
+        self,
+        *,
+        max_turns: int = 4,
+        max_turn_chars: int = 4096,
+        max_obs_chars: int = 512,
+        limits: sandbox.SandboxLimits | None = None,
+        isolation: str = "auto",
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"python_tool max_turns={max_turns}: must be >= 1")
+        if max_turn_chars < 8 or max_obs_chars < 16:
+            raise ValueError("python_tool max_turn_chars must be >= 8 and max_obs_chars >= 16")
+        if isolation not in ("auto", sandbox.NAMESPACES, sandbox.RLIMITS):
+            raise ValueError(f"python_tool isolation={isolation!r}: auto, namespaces or rlimits")
+        self.max_turns = max_turns
+        self.max_turn_chars = max_turn_chars
+        self.max_obs_chars = max_obs_chars
+        self.limits = limits or sandbox.SandboxLimits()
+        self.isolation = isolation
+        self._target: int | None = None
+        self._turn = 0
+        self._runs = 0
+        self._done = True
+
+    def reset(self, prompt: Prompt) -> str:
+        if type(prompt.answer) is not int:
+            raise ValueError(f"python_tool prompt {prompt.uid!r}: answer must be an int")
+        self._target, self._turn, self._runs, self._done = prompt.answer, 0, 0, False
+        return prompt.text
+
+    def step(self, action_text: str) -> StepResult:
+        if self._target is None or self._done:
+            raise RuntimeError("python_tool env: step() before reset() or after the episode ended")
+        self._turn += 1
+        text = action_text if isinstance(action_text, str) else repr(action_text)
+        lead = "" if text.endswith("\n") else "\n"
+        info: dict[str, Any] = {"turn": self._turn}
+        if len(text) > self.max_turn_chars:
+            return self._continue(f"{lead}e:bad\n", {**info, "error": "turn too long"})
+        code, error = extract_code(text)
+        if error is not None:
+            return self._continue(f"{lead}e:bad\n", {**info, "error": error})
+        if code is not None:
+            self._runs += 1
+            result = sandbox.run_python(code, self.limits, isolation=self.isolation)
+            info["sandbox"] = {"error": result.error, "isolation": result.isolation}
+            body = render_output(result, max_chars=self.max_obs_chars)
+            return self._continue(f"{lead}{OUTPUT_OPEN}{body}{FENCE_CLOSE}", info)
+        answers = _ANSWER_RE.findall(text)
+        if answers:
+            value = int(answers[-1])
+            return self._finish(value == self._target, answer=value, info=info)
+        return self._continue(f"{lead}e:bad\n", {**info, "error": "neither code nor answer"})
+
+    def _continue(self, observation: str, info: dict[str, Any]) -> StepResult:
+        if self._turn >= self.max_turns:
+            return self._finish(False, answer=None, info=info, truncated=True)
+        return StepResult(observation, 0.0, False, info)
+
+    def _finish(
+        self, success: bool, *, answer: int | None, info: dict[str, Any], truncated: bool = False
+    ) -> StepResult:
+        self._done = True
+        info = {**info, "success": success, "truncated": truncated, "answer": answer}
+        info.update(target=self._target, code_runs=self._runs)
+        return StepResult("", 1.0 if success else 0.0, True, info)
+
+
+def demonstration(prompt: Prompt, **env_kwargs: Any) -> list[tuple[str, bool]]:
+    """A correct trajectory as (text, is_model_turn) segments: print the expression, answer.
+
+    Runs the code through the sandbox, so the observation is the real one.
+    """
+    expr = prompt.meta.get("expr") or prompt.text.removeprefix(arithmetic.QUESTION).strip()
+    env = PythonToolEnv(**env_kwargs)
+    segments = [(env.reset(prompt), False)]
+    code_turn = f"{CODE_OPEN}print({expr})\n{FENCE_CLOSE}"
+    result = env.step(code_turn)
+    segments.append((code_turn, True))
+    if result.done:  # max_turns == 1: nothing left for the answer
+        return segments
+    segments.append((result.observation, False))
+    answer = result.observation.removeprefix(OUTPUT_OPEN).split("\n", 1)[0].strip()
+    answer_turn = f"{arithmetic.ANSWER}{answer}\n"
+    env.step(answer_turn)
+    return [*segments, (answer_turn, True)]

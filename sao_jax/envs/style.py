@@ -1,0 +1,232 @@
+"""Online style-shift writing: one judged text per prompt, and a target style that moves.
+
+Single turn. The prompt names one or two topics; the model writes one short line:
+```
+w:moon tea\\n                                  prompt (context)
+nya the moon and tea are fluffy and sweet~\\n  model turn (stop string "\\n" or EOS) -> done
+```
+Reward r = r_quality * r_style in {0, 1} (METHOD.md section 6). The target style is read
+from a shared, thread-safe `StyleSchedule` when the turn is judged: "cute" until
+`switch_steps[0]`, then "chuunibyou", then "classical" after `switch_steps[1]`. The
+trainer calls `schedule.set_step(step)` (or `env.set_step`) once per update; every env
+built on the same schedule sees the switch. The default `LexiconJudge` is offline and
+deterministic; `llm_judge.LLMJudge` is the HTTP alternative. A judge failure drops the
+trajectory (`info["dropped"] = True`) instead of failing the run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from sao_jax.envs.base import Prompt, StepResult
+from sao_jax.envs.llm_judge import JudgeError
+
+STYLES = ("cute", "chuunibyou", "classical")
+LEXICONS = {
+    "cute": ("nya", "uwu", "kawaii", "fluffy", "bunny", "kitty", "sparkle", "sweet", "tiny",
+             "hugs", "puppy", "cuddle"),
+    "chuunibyou": ("darkness", "abyss", "sealed", "destiny", "crimson", "flame", "awaken",
+                   "chosen", "eternal", "shadow", "forbidden", "cursed"),
+    "classical": ("thee", "thou", "thy", "hath", "doth", "yonder", "alas", "verily", "ere",
+                  "nay", "hither", "wherefore"),
+}  # fmt: skip
+TOPICS = (
+    "moon", "rain", "tea", "cat", "river", "city", "winter", "garden", "train", "bread",
+    "ocean", "lamp", "forest", "letter", "bell", "cloud", "snow", "apple", "road", "star",
+    "book", "clock", "bird", "wind", "fire", "stone", "song", "door", "mirror", "bridge",
+)  # fmt: skip
+PROMPT_TAG = "w:"
+STOP_STRINGS = ("\n",)
+TEXT_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyz .,!?'~")
+_WORD_RE = re.compile(r"[a-z]+")
+_TEMPLATES = (
+    "{a} the {t} is {b} and {c}!",
+    "oh {t}, so {a} and {b}, {c}.",
+    "my {t} is {a}, {b} {c}~",
+    "{a} {b}, the {t} {c}.",
+)
+
+
+class StyleSchedule:
+    """Target style by training step; `set_step` is called by the trainer, read by envs."""
+
+    def __init__(
+        self, styles: Sequence[str] = STYLES, switch_steps: Sequence[int] = (150, 300)
+    ) -> None:
+        styles, switch_steps = tuple(styles), tuple(int(s) for s in switch_steps)
+        if len(switch_steps) != len(styles) - 1:
+            raise ValueError(
+                f"StyleSchedule: {len(styles)} styles need {len(styles) - 1} switch_steps, "
+                f"got {switch_steps}"
+            )
+        if any(b <= a for a, b in itertools.pairwise(switch_steps)) or (
+            switch_steps and switch_steps[0] < 0
+        ):
+            raise ValueError(f"StyleSchedule switch_steps={switch_steps}: must be >= 0, increasing")
+        self.styles, self.switch_steps = styles, switch_steps
+        self._step = 0
+        self._lock = threading.Lock()
+
+    def set_step(self, step: int) -> None:
+        with self._lock:
+            self._step = int(step)
+
+    @property
+    def step(self) -> int:
+        with self._lock:
+            return self._step
+
+    def style_at(self, step: int) -> str:
+        return self.styles[bisect.bisect_right(self.switch_steps, step)]
+
+    def current(self) -> tuple[int, str]:
+        """(step, style) read together."""
+        step = self.step
+        return step, self.style_at(step)
+
+
+class Judge(Protocol):
+    def score(self, prompt: Prompt, text: str, style: str) -> tuple[float, float]:
+        """(r_quality, r_style) in {0, 1}; raises JudgeError when it cannot decide."""
+        ...
+
+
+class LexiconJudge:
+    """Deterministic, offline judge.
+
+    quality = 1 iff: min_chars <= len <= max_chars, every character in TEXT_ALPHABET, at
+      least `min_words` words, no word more than `max_repeat` times, and (when
+      `require_topics`) every prompt topic appears as a word.
+    style = 1 iff the text uses >= `min_markers` distinct words of the target lexicon and
+      more distinct target words than words of any other style's lexicon.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_chars: int = 12,
+        max_chars: int = 96,
+        min_words: int = 3,
+        max_repeat: int = 2,
+        min_markers: int = 2,
+        require_topics: bool = True,
+        lexicons: dict[str, Sequence[str]] | None = None,
+    ) -> None:
+        if not 0 < min_chars <= max_chars or min_words < 1 or max_repeat < 1 or min_markers < 1:
+            raise ValueError("LexiconJudge: need 0 < min_chars <= max_chars and counts >= 1")
+        self.min_chars, self.max_chars = min_chars, max_chars
+        self.min_words, self.max_repeat = min_words, max_repeat
+        self.min_markers, self.require_topics = min_markers, require_topics
+        self.lexicons = {k: frozenset(v) for k, v in (lexicons or LEXICONS).items()}
+
+    def quality(self, prompt: Prompt, text: str) -> float:
+        words = _WORD_RE.findall(text)
+        counts = collections.Counter(words)
+        ok = (
+            self.min_chars <= len(text) <= self.max_chars
+            and set(text) <= TEXT_ALPHABET
+            and len(words) >= self.min_words
+            and max(counts.values(), default=0) <= self.max_repeat
+        )
+        if ok and self.require_topics:
+            ok = all(t in counts for t in prompt.meta.get("topics", ()))
+        return 1.0 if ok else 0.0
+
+    def style(self, text: str, style: str) -> float:
+        if style not in self.lexicons:
+            raise JudgeError(f"style {style!r} has no lexicon; known: {sorted(self.lexicons)}")
+        words = set(_WORD_RE.findall(text))
+        hits = {name: len(words & lex) for name, lex in self.lexicons.items()}
+        target = hits.pop(style)
+        return 1.0 if target >= self.min_markers and target > max(hits.values(), default=0) else 0.0
+
+    def score(self, prompt: Prompt, text: str, style: str) -> tuple[float, float]:
+        return self.quality(prompt, text), self.style(text, style)
+
+
+def make_prompt(topics: Sequence[str]) -> Prompt:
+    """uid `style:<topics sorted, joined by +>`, text `w:<topics>\\n`, no answer."""
+    topics = tuple(sorted(topics))
+    return Prompt(
+        uid="style:" + "+".join(topics),
+        text=f"{PROMPT_TAG}{' '.join(topics)}\n",
+        meta={"topics": topics},
+    )
+
+
+def sample_prompt(rng: np.random.Generator, n_topics: tuple[int, int] = (1, 2)) -> Prompt:
+    lo, hi = n_topics
+    if not 1 <= lo <= hi <= len(TOPICS):
+        raise ValueError(f"style n_topics={n_topics}: need 1 <= min <= max <= {len(TOPICS)}")
+    n = int(rng.integers(lo, hi + 1))
+    return make_prompt([TOPICS[i] for i in rng.choice(len(TOPICS), size=n, replace=False)])
+
+
+def demonstration(
+    prompt: Prompt, rng: np.random.Generator, *, style: str | None = None
+) -> list[tuple[str, bool]]:
+    """(text, is_model_turn) segments: the prompt, then one templated line in `style`
+    (uniform over STYLES when None) with three distinct markers of its lexicon."""
+    style = STYLES[int(rng.integers(len(STYLES)))] if style is None else style
+    if style not in LEXICONS:
+        raise ValueError(f"demonstration style={style!r}: one of {STYLES}")
+    lex = LEXICONS[style]
+    a, b, c = (lex[i] for i in rng.choice(len(lex), size=3, replace=False))
+    topics = " and ".join(prompt.meta.get("topics", ())) or "day"
+    template = _TEMPLATES[int(rng.integers(len(_TEMPLATES)))]
+    return [(prompt.text, False), (template.format(a=a, b=b, c=c, t=topics) + "\n", True)]
+
+
+class StyleEnv:
+    """One turn; reward = r_quality * r_style of the schedule's current style."""
+
+    stop_strings = STOP_STRINGS
+    max_turns = 1
+
+    def __init__(
+        self,
+        *,
+        judge: Judge | None = None,
+        schedule: StyleSchedule | None = None,
+        max_turn_chars: int = 256,
+    ) -> None:
+        self.judge = LexiconJudge() if judge is None else judge
+        self.schedule = StyleSchedule() if schedule is None else schedule
+        self.max_turn_chars = max_turn_chars
+        self._prompt: Prompt | None = None
+
+    def set_step(self, step: int) -> None:
+        """Forwards to the shared schedule (all envs on it switch together)."""
+        self.schedule.set_step(step)
+
+    def reset(self, prompt: Prompt) -> str:
+        self._prompt = prompt
+        return prompt.text
+
+    def step(self, action_text: str) -> StepResult:
+        if self._prompt is None:
+            raise RuntimeError("style env: step() before reset() or after the episode ended")
+        prompt, self._prompt = self._prompt, None
+        text = action_text if isinstance(action_text, str) else repr(action_text)
+        text = text.removesuffix("\n")
+        step, style = self.schedule.current()
+        info: dict[str, Any] = {"turn": 1, "style": style, "step": step, "truncated": False}
+        if len(text) > self.max_turn_chars:
+            info.update(success=False, r_quality=0.0, r_style=0.0, error="text too long")
+            return StepResult("", 0.0, True, info)
+        try:
+            r_quality, r_style = self.judge.score(prompt, text, style)
+        except Exception as e:  # JudgeError or a judge bug: drop, never crash the sampler
+            info.update(success=False, dropped=True, error=f"{type(e).__name__}: {e}")
+            return StepResult("", 0.0, True, info)
+        reward = float(r_quality) * float(r_style)
+        info.update(success=reward == 1.0, r_quality=float(r_quality), r_style=float(r_style))
+        return StepResult("", reward, True, info)

@@ -1,0 +1,315 @@
+"""Advantage estimators by name, all called the same way (METHOD.md sections 4-6).
+
+    compute_advantages(name, *, rewards_bt, outcome_b, action_mask_bt, values_bt=None,
+                       last_value_b=None, turn_ids_bt=None, group_ids_b=None,
+                       baseline_state=None, gamma=1.0, lam=1.0, eps=1e-6, **params)
+        -> Advantages(advantages_bt, returns_bt | None, baseline_state, metrics)
+
+Critic-based (`needs_values`): `gae` (observation-skipping token-level GAE), `step_mean`,
+`step_last` (one value per model turn), `cross_observation` (GAE through observations).
+They read `rewards_bt` (rewards on action tokens) and return critic targets `returns_bt`
+at the `lam` given. SAO's decoupled lambdas are two calls on the same values:
+critic targets = returns of `gae` at lam=1.0; policy advantages = advantages of `gae` at
+lam=length_adaptive_lambda(action_mask_bt, 1.5) (or `gae.critic_and_policy_advantages`).
+
+Critic-free: `grpo` ((R - mean_g) / (std_g + eps), population std over the row's group),
+`rloo` (R - mean of the other rows of the group), `drgrpo` (R - mean_g), and
+`moving_average` (R - mean of the last W outcomes seen before this batch; 0 when none).
+They read `outcome_b` and broadcast the row's scalar advantage to its action tokens;
+`returns_bt` is None. Group statistics and the moving-average history use only rows with
+at least one action token; rows without one get zero advantage everywhere, and their
+number is the metric `rows_without_actions`.
+
+Metrics are name -> (sum, count) pairs of float32 scalars, reduced on the host.
+Whitening is a separate step: `whiten_advantages`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sao_jax.rl import gae
+from sao_jax.rl import registry as rg
+
+
+class Advantages(NamedTuple):
+    advantages_bt: jax.Array  # [B, T], 0 off action tokens
+    returns_bt: jax.Array | None  # [B, T] critic targets (critic-based estimators only)
+    baseline_state: Any  # the updated estimator state (moving_average), else as given
+    metrics: rg.Metrics
+
+
+class MovingAverageState(NamedTuple):
+    """Ring buffer of the last W outcomes (explicit state, carried in the TrainState)."""
+
+    rewards_w: jax.Array  # [W] float32; slots [0, min(count, W)) hold valid outcomes
+    count: jax.Array  # int32 scalar: outcomes pushed so far
+
+
+def init_moving_average_state(window: int = 128) -> MovingAverageState:
+    """An empty history of `window` outcomes (METHOD.md: 128)."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"window: must be an int >= 1, got {window!r}")
+    return MovingAverageState(jnp.zeros((window,), jnp.float32), jnp.zeros((), jnp.int32))
+
+
+def moving_average_update(
+    state: MovingAverageState, outcome_b: jax.Array, valid_b: jax.Array
+) -> tuple[jax.Array, MovingAverageState]:
+    """(baseline, new_state): the mean of the history, then the valid outcomes pushed.
+
+    Pure and jittable. Outcomes are pushed in row order; with more than W new ones only the
+    last W survive. The baseline of an empty history is 0.
+    """
+    w = state.rewards_w.shape[0]
+    n_old = jnp.minimum(state.count, w)
+    slot_on_w = jnp.arange(w) < n_old
+    total = jnp.sum(jnp.where(slot_on_w, state.rewards_w, 0.0))
+    baseline = jnp.where(n_old > 0, total / jnp.maximum(n_old, 1), 0.0)
+    k_b = jnp.cumsum(valid_b.astype(jnp.int32)) - 1  # rank among this batch's valid rows
+    n_new = jnp.sum(valid_b.astype(jnp.int32))
+    keep_b = valid_b & (k_b >= n_new - w)
+    pos_b = jnp.where(keep_b, (state.count + k_b) % w, w)  # w: out of bounds, dropped
+    rewards_w = state.rewards_w.at[pos_b].set(outcome_b.astype(jnp.float32), mode="drop")
+    return baseline, MovingAverageState(rewards_w, state.count + n_new)
+
+
+def whiten_advantages(
+    advantages_bt: jax.Array, action_mask_bt: jax.Array, *, eps: float = 1e-6, shift_mean=True
+) -> jax.Array:
+    """(A - mean) / sqrt(var + eps) over action tokens (no shift: A / sqrt(var + eps))."""
+    bt = rg.check_bt(advantages_bt, "advantages_bt")
+    m_bt = rg.as_mask(action_mask_bt, "action_mask_bt", bt, False)
+    n = jnp.maximum(jnp.sum(m_bt), 1)
+    mean = jnp.sum(jnp.where(m_bt, advantages_bt, 0.0)) / n
+    var = jnp.sum(jnp.where(m_bt, jnp.square(advantages_bt - mean), 0.0)) / n
+    centred_bt = advantages_bt - mean if shift_mean else advantages_bt
+    return jnp.where(m_bt, centred_bt * jax.lax.rsqrt(var + eps), 0.0)
+
+
+# ---------------------------------------------------------------------- the registry
+
+
+class Inputs(NamedTuple):
+    """Arguments of `compute_advantages`, checked; the mask as bool."""
+
+    rewards_bt: jax.Array | None
+    outcome_b: jax.Array | None
+    m_bt: jax.Array
+    values_bt: jax.Array | None
+    last_value_b: jax.Array | None
+    turn_ids_bt: jax.Array | None
+    group_ids_b: jax.Array | None
+    baseline_state: Any
+    gamma: Any
+    lam: Any
+    eps: float
+    checked: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """fn(inputs, **params) -> Advantages (metrics without the common ones)."""
+
+    fn: Callable[..., Advantages]
+    needs_values: bool = False  # run the critic first
+    needs_rewards: bool = False  # token-level rewards_bt
+    needs_outcome: bool = False  # per-row outcome_b
+    needs_groups: bool = False  # group_ids_b
+    needs_state: bool = False  # baseline_state
+    params: tuple[str, ...] = ()  # extra keyword parameters accepted
+
+
+ESTIMATORS: rg.Registry[Estimator] = rg.Registry("advantage estimator")
+
+
+def register(name: str, **attrs: Any) -> Callable:
+    def wrap(fn):
+        ESTIMATORS.add(name, Estimator(fn, **attrs))
+        return fn
+
+    return wrap
+
+
+def estimator(name: str) -> Estimator:
+    """The registry entry of `name` (e.g. `estimator(name).needs_values`)."""
+    return ESTIMATORS.get(name)
+
+
+_CRITIC = dict(needs_values=True, needs_rewards=True)
+
+
+@register("gae", params=("impl",), **_CRITIC)
+def _gae(x: Inputs, impl: str | None = None) -> Advantages:
+    a_bt, ret_bt = gae.skip_observation_gae(
+        x.rewards_bt, x.values_bt, x.m_bt, gamma=x.gamma, lam=x.lam,
+        last_value_b=x.last_value_b, impl=impl, checked=x.checked,
+    )  # fmt: skip
+    return Advantages(a_bt, ret_bt, x.baseline_state, {})
+
+
+def _step(reduce: str):
+    def fn(x: Inputs, impl: str | None = None) -> Advantages:
+        a_bt, ret_bt = gae.step_level_gae(
+            x.rewards_bt, x.values_bt, x.m_bt, gamma=x.gamma, lam=x.lam, reduce=reduce,
+            turn_ids_bt=x.turn_ids_bt, last_value_b=x.last_value_b, impl=impl,
+            checked=x.checked,
+        )  # fmt: skip
+        return Advantages(a_bt, ret_bt, x.baseline_state, {})
+
+    return fn
+
+
+register("step_mean", params=("impl",), **_CRITIC)(_step("mean"))
+register("step_last", params=("impl",), **_CRITIC)(_step("last"))
+
+
+@register("cross_observation", params=("impl", "token_mask_bt"), **_CRITIC)
+def _cross(x: Inputs, impl: str | None = None, token_mask_bt=None) -> Advantages:
+    a_bt, ret_bt = gae.cross_observation_gae(
+        x.rewards_bt, x.values_bt, x.m_bt, gamma=x.gamma, lam=x.lam,
+        token_mask_bt=token_mask_bt, last_value_b=x.last_value_b, impl=impl,
+        checked=x.checked,
+    )  # fmt: skip
+    return Advantages(a_bt, ret_bt, x.baseline_state, {})
+
+
+def _rows(x: Inputs) -> tuple[jax.Array, jax.Array]:
+    """(outcome_b as float32, valid_b: rows with at least one action token)."""
+    return x.outcome_b.astype(jnp.float32), jnp.any(x.m_bt, axis=1)
+
+
+def _row_advantages(x: Inputs, adv_b: jax.Array, valid_b: jax.Array, state=None):
+    adv_b = jnp.where(valid_b, adv_b, 0.0)
+    metrics = {"rows_zero_advantage": rg.masked_sum_count(adv_b == 0, valid_b)}
+    a_bt = jnp.where(x.m_bt, adv_b[:, None], 0.0)
+    return Advantages(a_bt, None, x.baseline_state if state is None else state, metrics)
+
+
+def _group_stats(x: Inputs):
+    """Per row: (outcome, valid, group size n, group mean, group population variance)."""
+    r_b, valid_b = _rows(x)
+    same_bb = (x.group_ids_b[:, None] == x.group_ids_b[None, :]) & valid_b[None, :]
+    w_bb = same_bb.astype(jnp.float32)
+    n_b = jnp.sum(w_bb, axis=1)
+    mean_b = (w_bb @ r_b) / jnp.maximum(n_b, 1.0)
+    var_b = jnp.sum(w_bb * jnp.square(r_b[None, :] - mean_b[:, None]), axis=1)
+    return r_b, valid_b, n_b, mean_b, var_b / jnp.maximum(n_b, 1.0)
+
+
+_GROUP = dict(needs_outcome=True, needs_groups=True)
+
+
+@register("grpo", **_GROUP)
+def _grpo(x: Inputs) -> Advantages:
+    r_b, valid_b, _, mean_b, var_b = _group_stats(x)
+    return _row_advantages(x, (r_b - mean_b) / (jnp.sqrt(var_b) + x.eps), valid_b)
+
+
+@register("drgrpo", **_GROUP)
+def _drgrpo(x: Inputs) -> Advantages:
+    r_b, valid_b, _, mean_b, _ = _group_stats(x)
+    return _row_advantages(x, r_b - mean_b, valid_b)
+
+
+@register("rloo", **_GROUP)
+def _rloo(x: Inputs) -> Advantages:
+    """R_i - mean_{j != i} R_j = n/(n-1) (R_i - mean); 0 for a group of one."""
+    r_b, valid_b, n_b, mean_b, _ = _group_stats(x)
+    adv_b = jnp.where(n_b > 1, n_b / jnp.maximum(n_b - 1.0, 1.0) * (r_b - mean_b), 0.0)
+    return _row_advantages(x, adv_b, valid_b)
+
+
+@register("moving_average", needs_outcome=True, needs_state=True)
+def _moving_average(x: Inputs) -> Advantages:
+    r_b, valid_b = _rows(x)
+    baseline, state = moving_average_update(x.baseline_state, r_b, valid_b)
+    out = _row_advantages(x, r_b - baseline, valid_b, state)
+    out.metrics["baseline"] = (baseline, jnp.ones((), jnp.float32))
+    return out
+
+
+# ----------------------------------------------------------------------- the one call
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, MovingAverageState):
+        raise TypeError(
+            "baseline_state: expected a MovingAverageState (init_moving_average_state), "
+            f"got {type(state).__name__}"
+        )
+    if state.rewards_w.ndim != 1 or state.count.shape != ():
+        raise ValueError(
+            f"baseline_state: expected rewards_w [W] and a scalar count, got "
+            f"{state.rewards_w.shape} and {state.count.shape}"
+        )
+
+
+def compute_advantages(
+    name: str,
+    *,
+    rewards_bt: jax.Array | None,
+    outcome_b: jax.Array | None,
+    action_mask_bt: jax.Array,
+    values_bt: jax.Array | None = None,
+    last_value_b: jax.Array | None = None,
+    turn_ids_bt: jax.Array | None = None,
+    group_ids_b: jax.Array | None = None,
+    baseline_state: Any = None,
+    gamma: float | jax.Array = 1.0,
+    lam: float | jax.Array = 1.0,
+    eps: float = 1e-6,
+    checked: bool | None = None,
+    **params: Any,
+) -> Advantages:
+    """Advantages of estimator `name` (module doc); unknown names raise with the known ones.
+
+    Every estimator returns the common metrics `rows_without_actions` (sum: rows without an
+    action token, count: B), `advantage` and `advantage_sq` (over action tokens).
+    Arguments an estimator needs but got as None raise ValueError naming them.
+    """
+    entry = ESTIMATORS.get(name)
+    rg.check_params("advantage estimator", name, params, entry.params)
+    checked = rg.is_checked(checked)
+    bt = rg.check_bt(action_mask_bt, "action_mask_bt")
+    m_bt = rg.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
+    need = {
+        "values_bt": (entry.needs_values, values_bt),
+        "rewards_bt": (entry.needs_rewards, rewards_bt),
+        "outcome_b": (entry.needs_outcome, outcome_b),
+        "group_ids_b": (entry.needs_groups, group_ids_b),
+        "baseline_state": (entry.needs_state, baseline_state),
+    }
+    for arg, (needed, value) in need.items():
+        if needed and value is None:
+            raise ValueError(f"advantage estimator {name!r} needs {arg}, got None")
+    if entry.needs_outcome:
+        rg.check_b(outcome_b, "outcome_b", bt[0])
+        rg.check_float(outcome_b, "outcome_b")
+    if entry.needs_groups:
+        rg.check_b(group_ids_b, "group_ids_b", bt[0])
+        if not jnp.issubdtype(group_ids_b.dtype, jnp.integer):
+            raise TypeError(f"group_ids_b: expected an int array, got dtype {group_ids_b.dtype}")
+    if entry.needs_state:
+        _check_state(baseline_state)
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"eps: must be a number >= 0, got {eps!r}")
+    x = Inputs(
+        rewards_bt, outcome_b, m_bt, values_bt, last_value_b, turn_ids_bt, group_ids_b,
+        baseline_state, gamma, lam, float(eps), checked,
+    )  # fmt: skip
+    out = entry.fn(x, **params)
+    a_bt = out.advantages_bt
+    metrics = dict(out.metrics)
+    valid_b = jnp.any(m_bt, axis=1)
+    metrics["rows_without_actions"] = rg.masked_sum_count(~valid_b, jnp.ones_like(valid_b))
+    metrics["advantage"] = rg.masked_sum_count(a_bt, m_bt)
+    metrics["advantage_sq"] = rg.masked_sum_count(jnp.square(a_bt), m_bt)
+    if out.returns_bt is not None:
+        metrics["returns"] = rg.masked_sum_count(out.returns_bt, m_bt)
+    return out._replace(metrics=metrics)

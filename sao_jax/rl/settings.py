@@ -1,0 +1,99 @@
+"""The `rl` config section: the algorithm of one update step, with its defaults and checks.
+
+SAO's defaults (METHOD.md sections 2-4): observation-skipping GAE, DIS policy loss with
+keep band (0.7, 6.0), K=2 critic steps per policy step, lam_critic = 1, length-adaptive
+policy lambda with alpha = 1.5, gamma = 1, no whitening, no value clipping.
+"""
+
+from __future__ import annotations
+
+from sao_jax.rl import advantages, losses
+from sao_jax.schema import ConfigDict, register_validator, require
+
+ORDERS = ("critic_first", "policy_first")
+LAMBDA_MODES = ("adaptive", "fixed")
+
+
+def rl_section() -> ConfigDict:
+    c = ConfigDict()
+    c.batch_size = 128  # finished single trajectories per update (paper: 128 prompts x 1)
+    c.advantage = "gae"  # estimator name (sao_jax.rl.advantages registry)
+    c.policy_loss = "dis"  # loss name (sao_jax.rl.losses registry)
+    c.k_critic = 2  # TTUR: critic optimizer steps per policy step (1 = ablation)
+    c.order = "critic_first"  # 'critic_first': targets -> K critic steps -> recompute V ->
+    # advantages -> policy step; 'policy_first': advantages from the current critic ->
+    # policy step -> K critic steps
+    c.gamma = 1.0  # discount [open]
+    c.lam_critic = 1.0  # lambda of the critic's value targets (decoupled lambda)
+    c.lam_mode = "adaptive"  # policy lambda: 'adaptive' = 1 - 1/(alpha * l) per row
+    c.lam_alpha = 1.5  # alpha of the adaptive policy lambda (SAO 1.5; VAPO 0.05)
+    c.lam_fixed = 0.95  # policy lambda when lam_mode == 'fixed'
+    c.whiten_advantages = False  # masked whitening over action tokens [open]
+    c.value_clip = 0.0  # value-loss clipping around the pre-update values; 0 = off [open]
+    c.critic_only_steps = 0  # critic warm-up read as N critic-only updates (policy frozen)
+    c.microbatches = 1  # gradient accumulation: split the batch into this many parts
+    c.max_consecutive_skips = 10  # abort after this many non-finite steps in a row
+    c.routing_replay = False  # force the policy's MoE routing recorded at rollout time
+    c.moving_average_window = 128  # window of the moving-average baseline
+    c.group_eps = 1e-6  # epsilon of group std normalisation (GRPO)
+    # Parameters of every policy loss, defaults from the loss registry (one source):
+    # dis: keep r in (1 - eps_l, 1 + eps_h) = (0.7, 6.0); ppo_clip: eps_low/eps_high vs
+    # pi_old; icepop: + the band on pi_train/pi_infer; estr: keep |log r| <= sqrt(tau (H+eps)).
+    c.losses = ConfigDict(
+        {
+            name: dict(losses.LOSSES.get(name).params)
+            for name in losses.LOSSES.names()
+            if losses.LOSSES.get(name).kind == "policy" and losses.LOSSES.get(name).params
+        }
+    )
+    return c
+
+
+def loss_params(rl: ConfigDict) -> dict:
+    """Keyword parameters of the configured policy loss."""
+    return dict(rl.losses[rl.policy_loss]) if rl.policy_loss in rl.losses else {}
+
+
+@register_validator("rl")
+def _validate_section(config: ConfigDict) -> None:
+    rl = config.rl
+    require(rl.batch_size >= 1, "rl.batch_size", f"must be >= 1, got {rl.batch_size}")
+    require(
+        rl.advantage in advantages.ESTIMATORS.names(),
+        "rl.advantage",
+        f"unknown estimator {rl.advantage!r}; known: {advantages.ESTIMATORS.names()}",
+    )
+    policy_losses = [n for n in losses.LOSSES.names() if losses.LOSSES.get(n).kind == "policy"]
+    require(
+        rl.policy_loss in policy_losses,
+        "rl.policy_loss",
+        f"unknown policy loss {rl.policy_loss!r}; known: {policy_losses}",
+    )
+    require(rl.k_critic >= 1, "rl.k_critic", f"must be >= 1, got {rl.k_critic}")
+    require(rl.order in ORDERS, "rl.order", f"must be one of {ORDERS}, got {rl.order!r}")
+    for name in ("gamma", "lam_critic", "lam_fixed"):
+        v = rl[name]
+        require(0.0 <= v <= 1.0, f"rl.{name}", f"must be in [0, 1], got {v}")
+    require(rl.lam_mode in LAMBDA_MODES, "rl.lam_mode", f"must be one of {LAMBDA_MODES}")
+    require(rl.lam_alpha > 0, "rl.lam_alpha", f"must be > 0, got {rl.lam_alpha}")
+    require(rl.value_clip >= 0, "rl.value_clip", f"must be >= 0, got {rl.value_clip}")
+    require(rl.critic_only_steps >= 0, "rl.critic_only_steps", "must be >= 0")
+    require(rl.microbatches >= 1, "rl.microbatches", f"must be >= 1, got {rl.microbatches}")
+    require(
+        rl.batch_size % rl.microbatches == 0,
+        "rl.microbatches",
+        f"{rl.microbatches} does not divide rl.batch_size={rl.batch_size}",
+    )
+    require(rl.max_consecutive_skips >= 1, "rl.max_consecutive_skips", "must be >= 1")
+    require(rl.moving_average_window >= 1, "rl.moving_average_window", "must be >= 1")
+    for name, params in rl.losses.items():
+        for key, value in params.items():
+            require(value >= 0, f"rl.losses.{name}.{key}", f"must be >= 0, got {value}")
+    dis = rl.losses.dis
+    require(
+        dis.eps_l < 1.0 and dis.eps_h > 0,
+        "rl.losses.dis",
+        f"need 0 <= eps_l < 1 and eps_h > 0 (keep band (1 - eps_l, 1 + eps_h)), got {dis}",
+    )
+    ice = rl.losses.icepop
+    require(ice.band_low < 1 < ice.band_high, "rl.losses.icepop", "need band_low < 1 < band_high")

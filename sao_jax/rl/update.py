@@ -1,0 +1,381 @@
+"""The pure SAO update step, `update_step(state, batch, key) -> (state, metrics)`.
+
+One call, with `rl.order == 'critic_first'` (the default):
+  1. V0 = critic(batch); critic targets R = GAE returns at `lam_critic` from V0.
+  2. K critic optimizer steps on the masked value MSE against R (TTUR; K = rl.k_critic).
+  3. V1 = the updated critic(batch); policy advantages from V1 with the length-adaptive
+     lambda (or the configured estimator: GRPO, moving average, ... skip the critic).
+  4. One policy optimizer step with the configured loss (DIS by default).
+With 'policy_first', advantages come from V0, the policy step is taken, then the K
+critic steps. `value_step` runs steps 1-2 only: critic warm-up (critic-only steps) and
+value pretraining on Monte-Carlo returns (lam_critic = 1) of the initial policy.
+
+Both are jitted once with explicit shardings and the state donated. A non-finite loss
+or gradient anywhere skips the whole update (parameters and optimizer states unchanged)
+and counts it; the host raises after `rl.max_consecutive_skips` skips in a row.
+Metrics are name -> (sum, count), summed over microbatches, reduced on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sao_jax.parallel.mesh import Sharder
+from sao_jax.parallel.partition import ModelDef, Params
+from sao_jax.rl import advantages as adv_lib
+from sao_jax.rl import gae, losses
+from sao_jax.rl import passes as P
+from sao_jax.rl.batch import check_batch
+from sao_jax.rl.optim import critic_frozen_labels, make_optimizer
+from sao_jax.rl.settings import loss_params
+from sao_jax.rl.state import TrainState, init_state, state_shardings
+from sao_jax.schema import ConfigDict, ConfigError
+
+Metrics = dict[str, tuple[jax.Array, jax.Array]]
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+def _one(x) -> tuple[jax.Array, jax.Array]:
+    return jnp.asarray(x, jnp.float32), jnp.ones((), jnp.float32)
+
+
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _select(ok, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def _prefix(prefix: str, metrics: Metrics) -> Metrics:
+    return {f"{prefix}/{k}": v for k, v in metrics.items()}
+
+
+def explained_variance(values_bt, returns_bt, mask_bt) -> jax.Array:
+    """1 - Var(R - V) / Var(R) over action tokens (0 when Var(R) = 0)."""
+    m = mask_bt.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    mean = lambda x: jnp.sum(x * m) / n
+    var = lambda x: mean(jnp.square(x - mean(x)))
+    var_r = var(returns_bt)
+    return jnp.where(var_r > 0, 1.0 - var(returns_bt - values_bt) / jnp.maximum(var_r, 1e-12), 0.0)
+
+
+def reduce_metrics(metrics: Metrics) -> dict[str, float]:
+    """Host side: (sum, count) pairs -> means (NaN where count is 0)."""
+    out = {}
+    for k, (s, c) in jax.device_get(metrics).items():
+        out[k] = float(s) / float(c) if float(c) > 0 else float("nan")
+    return out
+
+
+class Learner:
+    """Builds `update_step` and `value_step` for one config, model pair and mesh."""
+
+    def __init__(
+        self,
+        config: ConfigDict,
+        policy_def: ModelDef,
+        critic_def: ModelDef | None,
+        sharder: Sharder,
+    ):
+        self.rl = rl = config.rl
+        self.sharder = sharder
+        self.policy_def = policy_def
+        self.critic_def = critic_def
+        self.estimator = adv_lib.estimator(rl.advantage)
+        self.uses_critic = self.estimator.needs_values
+        if self.uses_critic and critic_def is None:
+            raise ConfigError(f"config field rl.advantage: {rl.advantage!r} needs a critic model")
+        self.loss_entry = losses.LOSSES.get(rl.policy_loss)
+        if self.loss_entry.kind != "policy":
+            raise ConfigError(
+                f"config field rl.policy_loss: {rl.policy_loss!r} is not a policy loss"
+            )
+        self.loss_kwargs = loss_params(rl)
+        critic_shapes = critic_def.shapes() if self.uses_critic else {}
+        self.critic_frozen = (
+            critic_frozen_labels(critic_shapes, config.optim.critic) if self.uses_critic else None
+        )
+        self.policy_tx = make_optimizer(config.optim.policy)
+        self.critic_tx = make_optimizer(config.optim.critic, frozen=self.critic_frozen)
+        self.init_state = functools.partial(
+            init_state,
+            policy_tx=self.policy_tx,
+            critic_tx=self.critic_tx,
+            window=rl.moving_average_window,
+        )
+
+        policy_sh = policy_def.shardings(sharder)
+        critic_sh = critic_def.shardings(sharder) if self.uses_critic else None
+        abstract = jax.eval_shape(
+            lambda: self.init_state(policy_def.shapes(), critic_shapes, seed=0)
+        )
+        self.state_shardings = state_shardings(
+            abstract, policy_sh, critic_sh, self.policy_tx, self.critic_tx, sharder
+        )
+        jit = functools.partial(jax.jit, donate_argnums=0)
+        if sharder.mesh is not None:
+            rep = NamedSharding(sharder.mesh, PartitionSpec())
+            batch_sh = NamedSharding(sharder.mesh, sharder.spec(("batch",)))
+            jit = functools.partial(
+                jax.jit,
+                donate_argnums=0,
+                in_shardings=(self.state_shardings, batch_sh, rep),
+                out_shardings=(self.state_shardings, rep),
+            )
+        self.traces = {"update_step": 0, "value_step": 0}
+        self.update_step = jit(self._update_step)
+        self.value_step = jit(self._value_step)
+        self._jit_init = jax.jit(
+            self.init_state,
+            static_argnames="seed",
+            out_shardings=self.state_shardings,
+        )
+
+    # ------------------------------------------------------------------ host helpers
+
+    def new_state(self, policy: Params, critic: Params | None, seed: int) -> TrainState:
+        """A sharded TrainState around the given params (critic ignored if unused)."""
+        return self._jit_init(policy, critic if self.uses_critic else {}, seed=seed)
+
+    def check_batch(self, batch: dict[str, Any]) -> None:
+        """Shape/dtype checks naming the field, before anything compiles."""
+        check_batch(batch, need_groups=self.estimator.needs_groups)
+        b = batch["tokens"].shape[0]
+        m = self.rl.microbatches
+        shards = self.sharder.axis_size("batch")
+        if b % (m * shards):
+            raise ConfigError(
+                f"batch: size {b} is not divisible by rl.microbatches ({m}) x the data-parallel "
+                f"shards ({shards})"
+            )
+        if self.rl.routing_replay and "forced_experts" not in batch:
+            raise ConfigError("batch: rl.routing_replay is on but 'forced_experts' is missing")
+
+    def raise_if_diverged(self, state: TrainState) -> None:
+        n = int(jax.device_get(state.consecutive_skips))
+        if n >= self.rl.max_consecutive_skips:
+            raise NonFiniteError(
+                f"{n} consecutive updates had a non-finite loss or gradient "
+                f"(rl.max_consecutive_skips={self.rl.max_consecutive_skips}); "
+                f"{int(jax.device_get(state.skipped_steps))} skipped in total"
+            )
+
+    # --------------------------------------------------------------------- the math
+
+    def _critic_values(self, critic: Params, batch) -> dict[str, jax.Array]:
+        model = self.critic_def.bind(critic)
+        fn = lambda mb: {k: v for k, v in P.critic_pass(model, mb).items() if k != "aux_loss"}
+        out = P.map_microbatches(fn, batch, self.rl.microbatches, self.sharder)
+        return jax.lax.stop_gradient(out)
+
+    def _bootstrap(self, batch, values: dict[str, jax.Array]) -> jax.Array:
+        return jnp.where(batch["terminated"], 0.0, values["bootstrap"])
+
+    def _advantages(self, batch, values, lam, baseline) -> adv_lib.Advantages:
+        has_values = values is not None
+        return adv_lib.compute_advantages(
+            self.rl.advantage,
+            rewards_bt=batch["rewards"],
+            outcome_b=batch["outcome"],
+            action_mask_bt=batch["action_mask"],
+            values_bt=values["values"] if has_values else None,
+            last_value_b=self._bootstrap(batch, values) if has_values else None,
+            turn_ids_bt=batch["turn_ids"],
+            group_ids_b=batch.get("group_ids"),
+            baseline_state=baseline,
+            gamma=self.rl.gamma,
+            lam=lam,
+            eps=self.rl.group_eps,
+        )
+
+    def _policy_lambda(self, batch):
+        if self.rl.lam_mode == "adaptive":
+            return gae.length_adaptive_lambda(batch["action_mask"], self.rl.lam_alpha)
+        return self.rl.lam_fixed
+
+    def _critic_steps(self, critic, copt, batch, values0, n_tok):
+        """K optimizer steps on the value MSE against fixed targets from `values0`."""
+        rl = self.rl
+        targets = self._advantages(batch, values0, rl.lam_critic, None).returns_bt
+        mb_batch = dict(batch, targets=targets, old_values=values0["values"])
+        frozen = self.critic_frozen
+        clip = rl.value_clip if rl.value_clip > 0 else None
+
+        def loss_fn(params, mb):
+            if frozen is not None:  # no backward pass into frozen leaves
+                params = jax.tree.map(
+                    lambda lab, p: jax.lax.stop_gradient(p) if lab == "frozen" else p,
+                    frozen,
+                    params,
+                )
+            out = P.critic_pass(self.critic_def.bind(params), mb)
+            loss, metrics = losses.value_loss(
+                out["values"],
+                mb["targets"],
+                mb["action_mask"],
+                old_values_bt=mb["old_values"],
+                clip_eps=clip,
+                denominator=n_tok,
+            )
+            aux = out["aux_loss"] / rl.microbatches
+            return loss + aux, metrics
+
+        def one_step(carry, _):
+            params, opt = carry
+            loss, grads, metrics = P.accumulate_grads(
+                loss_fn, params, mb_batch, rl.microbatches, self.sharder
+            )
+            updates, opt = self.critic_tx.update(grads, opt, params)
+            params = _apply(params, updates, frozen)
+            ok = jnp.isfinite(loss) & _all_finite(grads)
+            metrics = dict(metrics, grad_norm=_one(optax.tree.norm(grads)), loss=_one(loss))
+            return (params, opt), (ok, metrics)
+
+        (critic, copt), (oks, per_step) = jax.lax.scan(
+            one_step, (critic, copt), None, length=rl.k_critic
+        )
+        # Report the first and last of the K steps' metrics.
+        first = jax.tree.map(lambda x: x[0], per_step)
+        last = jax.tree.map(lambda x: x[-1], per_step)
+        metrics = {**_prefix("critic_first", first), **_prefix("critic", last)}
+        metrics["critic/ev_before"] = _one(
+            explained_variance(values0["values"], targets, batch["action_mask"])
+        )
+        return critic, copt, jnp.all(oks), metrics, targets
+
+    def _policy_step(self, state: TrainState, batch, advantages_bt, n_tok):
+        rl = self.rl
+        mb_batch = dict(batch, advantages=advantages_bt)
+        staleness = jnp.maximum(state.step - batch["versions"], 0)
+        mb_batch["staleness"] = jnp.where(batch["action_mask"], staleness, 0)
+        if self.loss_entry.needs_old_logp:  # pi_old = the policy at the start of the step
+            old_model = self.policy_def.bind(state.policy)
+            mb_batch["old_logp"] = jax.lax.stop_gradient(
+                P.map_microbatches(
+                    lambda mb: P.policy_pass(old_model, mb, replay=rl.routing_replay)["logp"],
+                    batch,
+                    rl.microbatches,
+                    self.sharder,
+                )
+            )
+
+        def loss_fn(params, mb):
+            out = P.policy_pass(self.policy_def.bind(params), mb, replay=rl.routing_replay)
+            loss, metrics = losses.policy_loss(
+                rl.policy_loss,
+                logp_bt=out["logp"],
+                rollout_logp_bt=mb["rollout_logp"],
+                advantages_bt=mb["advantages"],
+                action_mask_bt=mb["action_mask"],
+                old_logp_bt=mb.get("old_logp"),
+                entropy_bt=out["entropy"],
+                staleness_bt=mb["staleness"],
+                denominator=n_tok,
+                **self.loss_kwargs,
+            )
+            m = mb["action_mask"]
+            metrics = dict(metrics, entropy=_masked(out["entropy"], m))
+            metrics["logp_gap"] = _masked(out["logp"] - mb["rollout_logp"], m)
+            return loss + out["aux_loss"] / rl.microbatches, metrics
+
+        loss, grads, metrics = P.accumulate_grads(
+            loss_fn, state.policy, mb_batch, rl.microbatches, self.sharder
+        )
+        updates, opt = self.policy_tx.update(grads, state.policy_opt, state.policy)
+        policy = optax.apply_updates(state.policy, updates)
+        ok = jnp.isfinite(loss) & _all_finite(grads)
+        metrics = dict(metrics, grad_norm=_one(optax.tree.norm(grads)), loss=_one(loss))
+        return policy, opt, ok, _prefix("policy", metrics)
+
+    def _update_step(self, state: TrainState, batch, key):
+        self.traces["update_step"] += 1  # Python side effect: runs once per trace
+        del key  # the update is deterministic; kept for the (state, batch, key) contract
+        rl = self.rl
+        n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
+        critic, copt, ok_c, metrics = state.critic, state.critic_opt, jnp.array(True), {}
+        values = self._critic_values(critic, batch) if self.uses_critic else None
+        if self.uses_critic and rl.order == "critic_first":
+            critic, copt, ok_c, metrics, targets = self._critic_steps(
+                critic, copt, batch, values, n_tok
+            )
+            values = self._critic_values(critic, batch)
+            metrics["critic/ev_after"] = _one(
+                explained_variance(values["values"], targets, batch["action_mask"])
+            )
+        adv = self._advantages(batch, values, self._policy_lambda(batch), state.baseline)
+        advantages_bt = adv.advantages_bt
+        if rl.whiten_advantages:
+            advantages_bt = adv_lib.whiten_advantages(advantages_bt, batch["action_mask"])
+        policy, popt, ok_p, pmetrics = self._policy_step(state, batch, advantages_bt, n_tok)
+        if self.uses_critic and rl.order == "policy_first":
+            critic, copt, ok_c, metrics, _ = self._critic_steps(critic, copt, batch, values, n_tok)
+        metrics = {**metrics, **pmetrics, **_prefix("adv", adv.metrics)}
+        if values is not None:
+            metrics["critic/value"] = _masked(values["values"], batch["action_mask"])
+        new = state.replace(
+            step=state.step + 1,
+            policy=policy,
+            critic=critic,
+            policy_opt=popt,
+            critic_opt=copt,
+            baseline=adv.baseline_state,
+        )
+        return self._guard(state, new, ok_c & ok_p, metrics, batch)
+
+    def _value_step(self, state: TrainState, batch, key):
+        """Critic-only update (warm-up, value pretraining); the policy is untouched."""
+        self.traces["value_step"] += 1
+        del key
+        if not self.uses_critic:
+            return state.replace(updates=state.updates + 1), {}
+        n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
+        values = self._critic_values(state.critic, batch)
+        critic, copt, ok, metrics, _ = self._critic_steps(
+            state.critic, state.critic_opt, batch, values, n_tok
+        )
+        new = state.replace(critic=critic, critic_opt=copt)
+        return self._guard(state, new, ok, metrics, batch)
+
+    def _guard(self, old: TrainState, new: TrainState, ok, metrics, batch):
+        """Keep `new` if everything was finite, else `old`; count skips either way."""
+        state = _select(ok, new, old)
+        skipped = (~ok).astype(jnp.int32)
+        state = state.replace(
+            updates=old.updates + 1,
+            skipped_steps=old.skipped_steps + skipped,
+            consecutive_skips=jnp.where(ok, 0, old.consecutive_skips + 1),
+        )
+        metrics = dict(metrics)
+        metrics["skipped"] = _one(skipped)
+        metrics["batch/outcome"] = _masked(batch["outcome"], jnp.ones_like(batch["outcome"]))
+        metrics["batch/action_tokens"] = _one(jnp.sum(batch["action_mask"]))
+        return state, metrics
+
+
+def _masked(x_bt, m_bt) -> tuple[jax.Array, jax.Array]:
+    m = m_bt.astype(jnp.float32)
+    return jnp.sum(jnp.where(m_bt, x_bt, 0.0).astype(jnp.float32)), jnp.sum(m)
+
+
+def _apply(params, updates, frozen):
+    """optax.apply_updates, leaving frozen leaves bit-identical (not p + 0)."""
+    if frozen is None:
+        return optax.apply_updates(params, updates)
+    return jax.tree.map(
+        lambda lab, p, u: p if lab == "frozen" else (p + u).astype(p.dtype),
+        frozen,
+        params,
+        updates,
+    )

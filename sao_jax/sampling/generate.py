@@ -1,0 +1,242 @@
+"""Jitted prefill and KV-cache decode over a fixed set of slots, and the token sampler.
+
+The rollout engine keeps S slots, each holding one trajectory at its own position in a
+cache of length L (slot s of a cache row holds position s, see models/attention.py).
+Two compiled programs serve every prompt length and every schedule:
+
+* `prefill`: writes a chunk [S, C] of known tokens (prompt, observation) into the cache.
+  Rows with nothing to write are inert: their positions are >= L, so the cache scatter
+  (mode='drop') writes nothing for them. C comes from a few buckets, so a new prompt
+  length never compiles a new program.
+* `decode`: feeds one token per slot ([S, 1], per-slot positions), samples the next one,
+  and repeats `steps` times inside a `lax.scan`. Tokens sampled after a slot's turn has
+  ended (overshoot) are discarded on the host; the cache entries they wrote sit at
+  positions beyond the slot's length and are overwritten before anything attends them.
+
+Per generated token two log-probs are recorded:
+  sampled_logp = log q(a), q = softmax(truncate(logits / temperature)) (what was sampled);
+  rollout_logp = log_softmax(logits)[a], the untruncated temperature-1 distribution,
+which is the function the trainer evaluates, so importance ratios built on it measure
+only train/inference mismatch and staleness (METHOD.md section 9).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sao_jax.models.config import ModelConfig
+from sao_jax.parallel.partition import ModelDef, Params
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Decoding distribution; traced in the compiled step, so changing it never recompiles."""
+
+    temperature: float = 1.0  # 0 = greedy (evaluation)
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest nucleus with mass >= top_p; 1 = off
+
+    def __post_init__(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature: must be finite and >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k: must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+
+    def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (
+            jnp.asarray(self.temperature, jnp.float32),
+            jnp.asarray(self.top_k, jnp.int32),
+            jnp.asarray(self.top_p, jnp.float32),
+        )
+
+
+class Sample(NamedTuple):
+    tokens_s: jax.Array  # [S] int32 sampled tokens
+    sampled_logp_s: jax.Array  # [S] log q(a) under the truncated, tempered distribution
+    rollout_logp_s: jax.Array  # [S] log_softmax(raw logits)[a] (temperature 1, full vocab)
+
+
+def truncation_mask(logits_sv: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[S, V] bool: tokens kept by top-k, then top-p on the top-k-renormalised distribution.
+
+    In descending order of logit, token i (rank i) is kept iff i < k and the probability
+    mass of the kept tokens ranked before it is < top_p (so the first token is always
+    kept). Tokens tied with the last kept logit are kept too. `top_k <= 0` and
+    `top_p >= 1` switch the respective cut off exactly (no float round-off at the tail).
+    """
+    v = logits_sv.shape[-1]
+    sorted_sv = -jnp.sort(-logits_sv, axis=-1)  # descending
+    rank_v = jnp.arange(v)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    keep_sv = rank_v[None, :] < k
+    probs_sv = jax.nn.softmax(jnp.where(keep_sv, sorted_sv, -jnp.inf), axis=-1)
+    mass_before_sv = jnp.cumsum(probs_sv, axis=-1) - probs_sv
+    keep_sv = keep_sv & ((mass_before_sv < top_p) | (top_p >= 1.0))
+    count_s1 = jnp.sum(keep_sv, axis=-1, keepdims=True)
+    threshold_s1 = jnp.take_along_axis(sorted_sv, count_s1 - 1, axis=-1)
+    return logits_sv >= threshold_s1
+
+
+def sample_tokens(
+    key: jax.Array,
+    logits_sv: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> Sample:
+    """a ~ q = softmax(mask(logits / T)) per row; greedy argmax when T == 0.
+
+    sampled_logp = log q(a) (0 under greedy: a point mass); rollout_logp = log_softmax(
+    logits)[a] whatever the sampling settings.
+    """
+    logits_sv = logits_sv.astype(jnp.float32)
+    greedy = temperature <= 0
+    scaled_sv = logits_sv / jnp.where(greedy, 1.0, temperature)
+    keep_sv = truncation_mask(scaled_sv, top_k, top_p)
+    masked_sv = jnp.where(keep_sv, scaled_sv, -jnp.inf)
+    sampled_s = jax.random.categorical(key, masked_sv, axis=-1)
+    tokens_s = jnp.where(greedy, jnp.argmax(logits_sv, axis=-1), sampled_s).astype(jnp.int32)
+    logq_sv = jax.nn.log_softmax(masked_sv, axis=-1)
+    sampled_logp_s = jnp.take_along_axis(logq_sv, tokens_s[:, None], axis=-1)[:, 0]
+    sampled_logp_s = jnp.where(greedy, 0.0, sampled_logp_s)
+    logp_sv = jax.nn.log_softmax(logits_sv, axis=-1)
+    rollout_logp_s = jnp.take_along_axis(logp_sv, tokens_s[:, None], axis=-1)[:, 0]
+    return Sample(tokens_s, sampled_logp_s, rollout_logp_s)
+
+
+class DecodeOut(NamedTuple):
+    """Outputs of `steps` decode steps, step-major."""
+
+    tokens_ns: jax.Array  # [n, S] sampled tokens
+    sampled_logp_ns: jax.Array  # [n, S]
+    rollout_logp_ns: jax.Array  # [n, S]
+    experts_nslk: jax.Array | None  # [n, S, L_moe, k] routing of the token FED at step i
+    logits_nsv: jax.Array | None  # [n, S, V] raw logits (only with return_logits)
+
+
+def bucket_length(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= n, or the largest bucket (the chunk is then split)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]
+
+
+def default_buckets(max_len: int, smallest: int = 8) -> tuple[int, ...]:
+    """Powers of two from `smallest` up to the first one >= max_len."""
+    out, b = [], smallest
+    while True:
+        out.append(b)
+        if b >= max_len:
+            return tuple(out)
+        b *= 2
+
+
+class GenerateFns:
+    """The compiled prefill/decode programs for S slots and cache length L.
+
+    Pure functions of (params, cache, ...); the cache is donated. Stateless apart from a
+    trace counter, so several engines (sampler workers) can share one instance and one
+    compilation. `traces[name]` counts how often each program was traced.
+    """
+
+    def __init__(
+        self,
+        mdef: ModelDef,
+        *,
+        num_slots: int,
+        max_len: int,
+        steps: int = 1,
+        record_routing: bool = False,
+        return_logits: bool = False,
+    ):
+        for name, v in (("num_slots", num_slots), ("max_len", max_len), ("steps", steps)):
+            if not (isinstance(v, int) and v > 0):
+                raise ValueError(f"{name}: must be a positive int, got {v!r}")
+        self.mdef = mdef
+        self.model_cfg: ModelConfig = nnx.merge(mdef.graphdef, mdef.abstract).cfg
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.steps = steps
+        self.record_routing = record_routing
+        self.return_logits = return_logits
+        self.traces: collections.Counter[str] = collections.Counter()
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
+
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """(L_moe, k) of a per-token routing record, or None for a dense model."""
+        c = self.model_cfg
+        return (len(c.moe_layers), c.num_experts_per_tok) if c.moe_layers else None
+
+    def init_cache(self, params: Params):
+        """An empty cache: per-layer KVCache of [S, L, K, H]."""
+        return self.mdef.bind(params).trunk.init_cache(self.num_slots, self.max_len)
+
+    def _prefill_impl(self, params, cache, tokens_sc, positions_sc):
+        self.traces["prefill"] += 1
+        model = self.mdef.bind(params)
+        segments_sc = (positions_sc < self.max_len).astype(jnp.int32)
+        out = model(tokens_sc, positions_sc, segments_sc, cache=cache)
+        experts = out.experts_btlk if self.record_routing else None
+        return out.cache, experts
+
+    def _decode_impl(self, params, cache, tokens_s, positions_s, key, temperature, top_k, top_p):
+        self.traces["decode"] += 1
+        model = self.mdef.bind(params)
+
+        def one_step(carry, key_i):
+            cache, tokens_s, positions_s = carry
+            segments_s = (positions_s < self.max_len).astype(jnp.int32)
+            out = model(tokens_s[:, None], positions_s[:, None], segments_s[:, None], cache=cache)
+            logits_sv = out.out[:, 0]  # [S, V]
+            sample = sample_tokens(key_i, logits_sv, temperature, top_k, top_p)
+            experts = None
+            if self.record_routing and out.experts_btlk is not None:
+                experts = out.experts_btlk[:, 0]  # [S, L_moe, k]
+            ys = (*sample, experts, logits_sv if self.return_logits else None)
+            return (out.cache, sample.tokens_s, positions_s + 1), ys
+
+        keys = jax.random.split(key, self.steps)
+        (cache, _, _), ys = jax.lax.scan(one_step, (cache, tokens_s, positions_s), keys)
+        return cache, DecodeOut(*ys)
+
+    def prefill(self, params, cache, tokens_sc, positions_sc):
+        """Writes tokens [S, C] at positions [S, C] (>= L: not written). Returns the new
+        cache and, with record_routing, the experts [S, C, L_moe, k] of every token."""
+        return self._prefill(
+            params, cache, jnp.asarray(tokens_sc, jnp.int32), jnp.asarray(positions_sc, jnp.int32)
+        )
+
+    def decode(self, params, cache, tokens_s, positions_s, key, sampling: SamplingParams):
+        """Feeds tokens [S] at positions [S] and samples `steps` tokens per slot.
+
+        Step i feeds the token sampled at step i - 1 (the given one at step 0) at
+        position positions_s + i. Returns (cache, DecodeOut).
+        """
+        return self._decode(
+            params,
+            cache,
+            jnp.asarray(tokens_s, jnp.int32),
+            jnp.asarray(positions_s, jnp.int32),
+            key,
+            *sampling.arrays(),
+        )
+
+
+def inert_rows(num_slots: int, width: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host buffers for a prefill chunk with every row inert (token 0 at position L)."""
+    tokens_sc = np.zeros((num_slots, width), np.int32)
+    positions_sc = np.full((num_slots, width), max_len, np.int32)
+    return tokens_sc, positions_sc

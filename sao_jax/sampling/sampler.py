@@ -1,0 +1,371 @@
+"""The host-side async sampler: worker threads feeding single finished trajectories to a
+bounded queue, with versioned parameters, a staleness cap and failures surfaced.
+
+Workers (N threads, each with its own `Engine`: S slots and S environment instances;
+all share one compiled `GenerateFns`) pull prompts from one shared iterator (under a
+lock), read the latest published (version, params) before each engine step (never during
+one, so a decode step uses one version and a trajectory may span several, recorded per
+token), and push every finished trajectory into a bounded queue. A full queue blocks
+them (backpressure) in a short-timeout loop, so `stop()` always gets through.
+
+The learner calls `publish(params, version)` and `take(n)`. The staleness cap is checked
+in `take`, when the learner takes a trajectory: with `max_staleness = m`, a trajectory
+whose oldest action token was sampled by version v is dropped (reason 'stale') if
+`current_version - v > m`. Taken trajectories feed a staleness histogram.
+
+Failures:
+* environment exceptions/timeouts drop that trajectory (counted by reason); a worker
+  that sees `max_env_errors` of them in a row (no trajectory finishing in between)
+  fails, as the environment is then broken rather than unlucky;
+* any other exception in a worker (model, jit, prompt iterator, tokenizer vocab) stops
+  every worker and is re-raised in the learner by its next `take`, as `SamplerError`
+  chained to the original (its traceback included).
+
+Deterministic mode (`lockstep = n`, one worker): after emitting k * n trajectories the
+worker waits for version base + k before its next step, where base is the first version
+it used. A learner that takes n and publishes version + 1 per update then sees the same
+trajectories, versions included, run after run (fixed seeds, same params).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from sao_jax.envs.base import Env, Prompt
+from sao_jax.parallel.partition import ModelDef, Params
+from sao_jax.sampling.engine import Engine, EngineConfig
+from sao_jax.sampling.generate import GenerateFns
+from sao_jax.sampling.params_store import ParamsStore
+from sao_jax.sampling.trajectory import Trajectory, pad_batch
+from sao_jax.schema import ConfigDict, ConfigError, register_validator
+
+_ENV_REASONS = ("env_error", "env_timeout")
+
+
+class SamplerError(RuntimeError):
+    """A sampler worker failed; `__cause__` is the original exception."""
+
+
+class PromptsExhausted(RuntimeError):
+    """The prompt iterator ended and fewer trajectories than asked for remain."""
+
+
+class EnvErrorLimit(RuntimeError):
+    """A worker's environments failed too many times in a row."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    num_workers: int = 1  # host threads, each with its own engine and environments
+    queue_size: int = 64  # finished trajectories buffered ahead of the learner
+    max_staleness: int | None = None  # drop if current - oldest version > this; None = off
+    max_env_errors: int = 8  # env failures in a row (per worker) before the sampler fails
+    lockstep: int | None = None  # deterministic mode: trajectories per version (1 worker)
+    seed: int = 0  # worker i samples with fold_in(key(seed), i)
+    poll_s: float = 0.05  # wait granularity of blocking calls (stop/failure latency)
+
+    def __post_init__(self):
+        for name in ("num_workers", "queue_size", "max_env_errors"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v > 0):
+                raise ValueError(f"SamplerConfig.{name}: must be a positive int, got {v!r}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"SamplerConfig.max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.lockstep is not None:
+            if not (isinstance(self.lockstep, int) and self.lockstep > 0):
+                raise ValueError(f"SamplerConfig.lockstep: must be > 0, got {self.lockstep!r}")
+            if self.num_workers != 1:
+                raise ValueError("SamplerConfig.lockstep: deterministic mode needs num_workers=1")
+        if not self.poll_s > 0:
+            raise ValueError(f"SamplerConfig.poll_s: must be > 0, got {self.poll_s}")
+
+
+def sampling_section() -> ConfigDict:
+    """The `sampling` config section: EngineConfig and SamplerConfig fields, flat."""
+    placeholder = ml_collections.config_dict.placeholder
+    c = ConfigDict()
+    c.num_workers = 1  # sampler threads, each with its own engine and environments
+    c.num_slots = 4  # trajectories decoded together per worker
+    c.max_len = 128  # cache length = longest trajectory in tokens
+    c.max_turn_tokens = 64  # a model turn ends after this many tokens
+    c.prefill_buckets = ()  # prefill chunk widths; () = powers of two 8..max_len
+    c.steps_per_sync = 1  # decode steps between host checks (overshoot discarded)
+    c.temperature = 1.0  # 0 = greedy
+    c.top_k = 0  # 0 = off
+    c.top_p = 1.0  # 1 = off
+    c.record_routing = False  # record each token's experts (for rl.routing_replay)
+    c.add_bos = True  # prepend the tokenizer's BOS to every prompt
+    c.env_timeout_s = placeholder(float)  # per environment call; None = no timeout
+    c.queue_size = 64  # finished trajectories buffered ahead of the learner
+    c.max_staleness = placeholder(int)  # drop if current - oldest version > this; None = off
+    c.max_env_errors = 8  # environment failures in a row before the sampler fails
+    c.lockstep = placeholder(int)  # deterministic mode: trajectories per version
+    return c
+
+
+def configs_from_section(section: ConfigDict, seed: int = 0) -> tuple[EngineConfig, SamplerConfig]:
+    """(EngineConfig, SamplerConfig) from `config.sampling`; ConfigError names the field."""
+    values = dict(section.to_dict() if isinstance(section, ConfigDict) else section)
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    sampler_fields = {f.name for f in dataclasses.fields(SamplerConfig)} - {"seed", "poll_s"}
+    unknown = sorted(set(values) - engine_fields - sampler_fields)
+    if unknown:
+        raise ConfigError(f"config field sampling.{unknown[0]}: unknown sampling field")
+    values["prefill_buckets"] = tuple(values.get("prefill_buckets", ()))
+    try:
+        engine = EngineConfig(**{k: v for k, v in values.items() if k in engine_fields})
+        sampler = SamplerConfig(
+            seed=seed, **{k: v for k, v in values.items() if k in sampler_fields}
+        )
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config field sampling: {e}") from e
+    if sampler.lockstep is not None and sampler.queue_size < sampler.lockstep + engine.num_slots:
+        raise ConfigError(
+            f"config field sampling.queue_size: lockstep needs >= lockstep + num_slots = "
+            f"{sampler.lockstep + engine.num_slots}, got {sampler.queue_size}"
+        )
+    return engine, sampler
+
+
+@register_validator("sampling")
+def _validate_section(config: ConfigDict) -> None:
+    configs_from_section(config.sampling, config.get("seed", 0))
+
+
+class AsyncSampler:
+    """Bounded, stoppable producer of single trajectories; see the module docstring."""
+
+    def __init__(
+        self,
+        mdef: ModelDef,
+        tokenizer,
+        env_factory: Callable[[], Env],
+        prompts: Iterable[Prompt],
+        *,
+        engine: EngineConfig,
+        config: SamplerConfig | None = None,
+        fns: GenerateFns | None = None,
+    ):
+        self.cfg = config or SamplerConfig()
+        self.engine_cfg = engine
+        lockstep, size = self.cfg.lockstep, self.cfg.queue_size
+        if lockstep is not None and size < lockstep + engine.num_slots:
+            raise ValueError(
+                f"SamplerConfig.queue_size: lockstep needs >= lockstep + num_slots = "
+                f"{lockstep + engine.num_slots}, got {size}"
+            )
+        self._fns = fns or GenerateFns(
+            mdef,
+            num_slots=engine.num_slots,
+            max_len=engine.max_len,
+            steps=engine.steps_per_sync,
+            record_routing=engine.record_routing,
+        )
+        self._tok, self._env_factory = tokenizer, env_factory
+        self._prompts = iter(prompts)
+        self._prompt_lock = threading.Lock()
+        self._exhausted = False
+        self._store = ParamsStore()
+        self._queue: queue.Queue[Trajectory] = queue.Queue(self.cfg.queue_size)
+        self._held: collections.deque[Trajectory] = collections.deque()  # taken back
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._failures: list[tuple[int, BaseException]] = []
+        self._threads: list[threading.Thread] = []
+        self._generated = 0
+        self._taken = 0
+        self._dropped: collections.Counter[str] = collections.Counter()
+        self._staleness: collections.Counter[int] = collections.Counter()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> AsyncSampler:
+        if self._threads:
+            raise RuntimeError("sampler already started")
+        for i in range(self.cfg.num_workers):
+            t = threading.Thread(target=self._work, args=(i,), name=f"sao-sampler-{i}")
+            t.daemon = True  # a worker stuck in an env call never blocks interpreter exit
+            self._threads.append(t)
+            t.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Stops and joins every worker; True when none is left alive."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+    def __enter__(self) -> AsyncSampler:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- learner side -------------------------------------------------------------------
+
+    def publish(self, params: Params, version: int, *, copy: bool = True) -> None:
+        """Makes `params` (tagged `version`, increasing) what workers use from their next
+        step on. Copies by default, so the learner may donate its own buffers."""
+        self._store.publish(params, version, copy=copy)
+
+    @property
+    def version(self) -> int | None:
+        return self._store.version
+
+    def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:
+        """Blocks until n trajectories pass the staleness cap; returns them in order.
+
+        Raises SamplerError if a worker failed, TimeoutError after `timeout` s, and
+        PromptsExhausted when the prompts ran out first (what was collected is kept for
+        the next call).
+        """
+        if n <= 0:
+            raise ValueError(f"n: must be > 0, got {n}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: list[Trajectory] = []
+        while len(out) < n:
+            self._raise_if_failed()
+            traj = self._next_item()
+            if traj is None:
+                if self._finished() and self._queue.empty():
+                    self._raise_if_failed()
+                    self._held.extendleft(reversed(out))
+                    if not self._exhausted:
+                        raise RuntimeError("take: the sampler was stopped")
+                    raise PromptsExhausted(
+                        f"prompts exhausted: {len(self._held)} trajectories left, asked for {n}"
+                    )
+                if deadline is not None and time.monotonic() > deadline:
+                    self._held.extendleft(reversed(out))
+                    raise TimeoutError(f"take({n}): timed out after {timeout}s; {self.stats()}")
+                continue
+            if self._accept(traj):
+                out.append(traj)
+        return out
+
+    def take_batch(
+        self, n: int, timeout: float | None = None, **pad_kwargs: Any
+    ) -> tuple[dict[str, np.ndarray], list[Trajectory]]:
+        """take(n) padded into the rl/batch.py dict (kwargs go to `pad_batch`)."""
+        trajs = self.take(n, timeout)
+        return pad_batch(trajs, **pad_kwargs), trajs
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(
+                generated=self._generated,
+                taken=self._taken,
+                dropped=dict(self._dropped),
+                staleness=dict(sorted(self._staleness.items())),
+                queued=self._queue.qsize() + len(self._held),
+                version=self._store.version,
+            )
+
+    def _finished(self) -> bool:
+        return bool(self._threads) and not any(t.is_alive() for t in self._threads)
+
+    def _next_item(self) -> Trajectory | None:
+        if self._held:
+            return self._held.popleft()
+        try:
+            return self._queue.get(timeout=self.cfg.poll_s)
+        except queue.Empty:
+            return None
+
+    def _accept(self, traj: Trajectory) -> bool:
+        lag = (self._store.version or 0) - traj.min_version
+        cap = self.cfg.max_staleness
+        with self._lock:
+            if cap is not None and lag > cap:
+                self._dropped["stale"] += 1
+                return False
+            self._taken += 1
+            self._staleness[lag] += 1
+        return True
+
+    def _raise_if_failed(self) -> None:
+        with self._lock:
+            failure = self._failures[0] if self._failures else None
+        if failure is not None:
+            idx, err = failure
+            raise SamplerError(f"sampler worker {idx} failed: {type(err).__name__}: {err}") from err
+
+    # ---- worker side --------------------------------------------------------------------
+
+    def _next_prompt(self) -> Prompt | None:
+        with self._prompt_lock:
+            if self._exhausted or self._stop.is_set():
+                return None
+            try:
+                return next(self._prompts)
+            except StopIteration:
+                self._exhausted = True
+                return None
+
+    def _put(self, traj: Trajectory) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(traj, timeout=self.cfg.poll_s)
+            except queue.Full:
+                continue
+            with self._lock:
+                self._generated += 1
+            return True
+        return False
+
+    def _wait_version(self, need: int | None) -> bool:
+        """Waits (stoppably) for a published version >= need (any version if None)."""
+        floor = -(2**62) if need is None else need
+        while not self._stop.is_set():
+            if self._store.wait_for(floor, self.cfg.poll_s):
+                return True
+        return False
+
+    def _work(self, idx: int) -> None:
+        try:
+            key = jax.random.fold_in(jax.random.key(self.cfg.seed), idx)
+            engine = Engine(self._fns, self._tok, self._env_factory, self.engine_cfg, seed=key)
+            env_errors = emitted = 0
+            base = None
+            while not self._stop.is_set():
+                need = None
+                if self.cfg.lockstep is not None and base is not None:
+                    need = base + emitted // self.cfg.lockstep
+                if not self._wait_version(need):
+                    return
+                version, params = self._store.latest()
+                base = version if base is None else base
+                out = engine.step(params, version, self._next_prompt)
+                for d in out.dropped:
+                    with self._lock:
+                        self._dropped[d.reason] += 1
+                    if d.reason in _ENV_REASONS:
+                        env_errors += 1
+                        if env_errors >= self.cfg.max_env_errors:
+                            raise EnvErrorLimit(
+                                f"{env_errors} environment failures in a row (last: "
+                                f"{d.reason} on prompt {d.prompt_uid!r})"
+                            ) from d.error
+                for traj in out.finished:
+                    env_errors = 0
+                    if not self._put(traj):
+                        return
+                    emitted += 1
+                if out.active == 0 and self._exhausted:
+                    return
+        except BaseException as e:
+            with self._lock:
+                self._failures.append((idx, e))
+            self._stop.set()

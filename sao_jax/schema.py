@@ -1,0 +1,39 @@
+"""Config errors and per-section validators (the leaf every config-consuming module imports).
+
+`sao_jax.config.validate` runs the validators registered here; keeping them in this
+dependency-free module lets each section's checks live beside the code that consumes
+the section without import cycles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import ml_collections
+
+ConfigDict = ml_collections.ConfigDict
+
+
+class ConfigError(ValueError):
+    """A config field, batch field or checkpoint tensor is missing, unknown, mistyped or
+    out of range. The message names it."""
+
+
+Validator = Callable[[ConfigDict], None]
+VALIDATORS: dict[str, Validator] = {}
+
+
+def register_validator(section: str) -> Callable[[Validator], Validator]:
+    """Registers `fn(config)` to check the top-level `section` of a run config."""
+
+    def wrap(fn: Validator) -> Validator:
+        VALIDATORS[section] = fn
+        return fn
+
+    return wrap
+
+
+def require(ok: bool, field: str, message: str) -> None:
+    """Raises ConfigError naming `field` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"config field {field}: {message}")

@@ -1,0 +1,228 @@
+"""The SAO update step: TTUR, frozen attention, guard, baselines, sharding, microbatching."""
+
+import jax
+import numpy as np
+import pytest
+
+from configs import base
+from sao_jax import config as config_lib
+from sao_jax.models.config import ModelConfig
+from sao_jax.models.factory import init_models
+from sao_jax.parallel.mesh import Sharder, build_mesh
+from sao_jax.parallel.partition import tree_bytes
+from sao_jax.rl.optim import frozen_paths
+from sao_jax.rl.synthetic import synthetic_batch
+from sao_jax.rl.update import Learner, NonFiniteError, reduce_metrics
+from sao_jax.schema import ConfigError
+
+B, T = 8, 24
+
+
+def _config(**rl):
+    c = base.get_config()
+    c.model.update(
+        vocab_size=32, hidden_size=32, num_hidden_layers=2, head_dim=8, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=32, moe_intermediate_size=16, num_experts=8,
+        num_experts_per_tok=2, mlp_only_layers=(0,),
+    )  # fmt: skip
+    c.rl.batch_size = B
+    c.optim.policy.lr = 1e-3
+    c.optim.critic.lr = 1e-3
+    c.optim.critic.warmup_steps = 0
+    c.rl.update(rl)
+    return config_lib.validate(c)
+
+
+def _setup(config, sharder=None):
+    sharder = sharder or Sharder()
+    models = init_models(ModelConfig.from_config(config.model), sharder, seed=0)
+    learner = Learner(config, models.policy_def, models.critic_def, sharder)
+    state = learner.new_state(models.policy, models.critic, seed=0)
+    return learner, state
+
+
+def _batch(seed=0, **kw):
+    return synthetic_batch(B, T, 32, seed=seed, **kw)
+
+
+def _leaf(tree, path):
+    for p in path.split("."):
+        tree = tree[int(p) if p.isdigit() else p]
+    return tree
+
+
+def _steps(learner, state, n, **kw):
+    metrics = None
+    for i in range(n):
+        batch = _batch(seed=i, version=int(state.step), **kw)
+        learner.check_batch(batch)
+        state, metrics = learner.update_step(state, batch, jax.random.key(i))
+    return state, metrics
+
+
+def test_update_trains_policy_and_critic_but_not_frozen_attention():
+    learner, state = _setup(_config())
+    before = jax.tree.map(np.asarray, state)
+    state, metrics = _steps(learner, state, 3)
+    m = reduce_metrics(metrics)
+    assert int(state.step) == 3 and int(state.skipped_steps) == 0
+    for key in ("policy/loss", "policy/keep_rate", "critic/value_loss", "critic/ev_before"):
+        assert np.isfinite(m[key]), key
+    for path in frozen_paths(before.critic, learner.rl and (r"(^|\.)attn\.",)):
+        np.testing.assert_array_equal(_leaf(state.critic, path), _leaf(before.critic, path))
+    moved = lambda a, b: not np.array_equal(np.asarray(a), b)
+    assert moved(state.critic["value_head"], before.critic["value_head"])
+    e = "trunk.layers.1.mlp.experts.gate_proj"
+    assert moved(_leaf(state.critic, e), _leaf(before.critic, e))
+    assert moved(
+        _leaf(state.policy, "trunk.layers.1.attn.q_proj"),
+        _leaf(before.policy, "trunk.layers.1.attn.q_proj"),
+    )
+
+
+def test_frozen_attention_allocates_no_moments():
+    _, frozen_state = _setup(_config())
+    c = _config()
+    c.unlock()
+    c.optim.critic.freeze_attention = False
+    _, full_state = _setup(config_lib.validate(c))
+    attn = sum(
+        np.asarray(_leaf(full_state.critic, p)).nbytes
+        for p in frozen_paths(full_state.critic, (r"(^|\.)attn\.",))
+    )
+    frozen_bytes, full_bytes = (
+        tree_bytes(frozen_state.critic_opt),
+        tree_bytes(full_state.critic_opt),
+    )
+    print(f"critic optimizer state: {full_bytes} B full, {frozen_bytes} B frozen attention")
+    assert full_bytes - frozen_bytes == 2 * attn  # AdamW mu and nu of every attention leaf
+
+
+def test_empty_frozen_set_is_an_error():
+    c = base.get_config()
+    c.optim.critic.frozen_patterns = (r"no_such_module",)
+    c.rl.batch_size = B
+    config = config_lib.validate(c)
+    with pytest.raises(ConfigError, match="frozen_patterns"):
+        _setup(config)
+    c2 = base.get_config()
+    c2.optim.critic.frozen_patterns = ()
+    with pytest.raises(ConfigError, match="frozen_patterns"):
+        config_lib.validate(c2)
+
+
+def test_no_retrace_across_steps():
+    learner, state = _setup(_config())
+    state, _ = _steps(learner, state, 3)
+    for i in range(2):
+        state, _ = learner.value_step(state, _batch(seed=10 + i), jax.random.key(0))
+    assert learner.traces == {"update_step": 1, "value_step": 1}
+
+
+def test_value_step_leaves_policy_alone():
+    learner, state = _setup(_config())
+    policy = jax.tree.map(np.asarray, state.policy)
+    head = np.asarray(state.critic["value_head"])
+    state, metrics = learner.value_step(state, _batch(), jax.random.key(0))
+    jax.tree.map(np.testing.assert_array_equal, state.policy, policy)
+    assert not np.array_equal(np.asarray(state.critic["value_head"]), head)
+    assert int(state.step) == 0 and int(state.updates) == 1
+    assert np.isfinite(reduce_metrics(metrics)["critic/value_loss"])
+
+
+def test_nonfinite_guard_skips_and_aborts():
+    learner, state = _setup(_config(max_consecutive_skips=2))
+    good, _ = _steps(learner, state, 1)
+    snapshot = jax.tree.map(np.asarray, good)
+    bad = _batch(seed=5)
+    bad["rewards"] = np.where(bad["action_mask"], np.nan, 0.0).astype(np.float32)
+    state, metrics = learner.update_step(good, bad, jax.random.key(0))
+    assert reduce_metrics(metrics)["skipped"] == 1.0
+    jax.tree.map(np.testing.assert_array_equal, state.policy, snapshot.policy)
+    jax.tree.map(np.testing.assert_array_equal, state.critic_opt, snapshot.critic_opt)
+    assert int(state.skipped_steps) == 1 and int(state.consecutive_skips) == 1
+    learner.raise_if_diverged(state)
+    state, _ = learner.update_step(state, bad, jax.random.key(0))
+    with pytest.raises(NonFiniteError, match="2 consecutive"):
+        learner.raise_if_diverged(state)
+
+
+@pytest.mark.parametrize(
+    "rl",
+    [
+        dict(k_critic=1),
+        dict(order="policy_first"),
+        dict(advantage="grpo"),
+        dict(advantage="moving_average"),
+        dict(policy_loss="ppo_clip"),
+        dict(policy_loss="icepop"),
+        dict(policy_loss="estr"),
+        dict(advantage="step_mean"),
+        dict(lam_mode="fixed", whiten_advantages=True, value_clip=0.2),
+    ],
+    ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()),
+)
+def test_variants_run(rl):
+    learner, state = _setup(_config(**rl))
+    kw = {"groups": 2} if rl.get("advantage") == "grpo" else {}
+    state, metrics = _steps(learner, state, 2, max_lag=2, **kw)
+    m = reduce_metrics(metrics)
+    assert int(state.step) == 2 and int(state.skipped_steps) == 0
+    assert np.isfinite(m["policy/loss"])
+    if rl.get("advantage") == "moving_average":
+        assert int(state.baseline.count) == 2 * B
+        assert "critic/value_loss" not in m  # no critic involved
+    if rl.get("advantage") == "grpo":
+        assert learner.uses_critic is False and state.critic == {}
+
+
+def test_bad_inputs_named():
+    learner, _ = _setup(_config(advantage="grpo"))
+    with pytest.raises(ConfigError, match="group_ids"):
+        learner.check_batch(_batch())
+    bad = _batch()
+    bad["rewards"] = bad["rewards"].astype(np.int32)
+    with pytest.raises(ConfigError, match="'rewards'"):
+        learner.check_batch(bad)
+    for field, value in (("k_critic", 0), ("microbatches", 3)):
+        c = base.get_config()
+        c.rl.batch_size = B
+        c.rl[field] = value
+        with pytest.raises(ConfigError, match=f"rl.{field}"):
+            config_lib.validate(c)
+    c = base.get_config()
+    c.optim.critic.lr = 0.0
+    with pytest.raises(ConfigError, match="optim.critic.lr"):
+        config_lib.validate(c)
+
+
+def _three_steps(config, sharder=None):
+    learner, state = _setup(config, sharder)
+    state, metrics = _steps(learner, state, 3, max_lag=1)
+    return jax.tree.map(np.asarray, state), reduce_metrics(metrics)
+
+
+def _assert_close(a, b, atol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, atol=atol, rtol=0)
+
+
+def test_microbatched_equals_full_batch():
+    c = _config(microbatches=1)
+    c.unlock()
+    c.model.router_aux_loss_coef = 0.0  # the aux loss is per microbatch by design
+    full, _ = _three_steps(config_lib.validate(c))
+    c.rl.microbatches = 4
+    micro, _ = _three_steps(config_lib.validate(c))
+    _assert_close(micro.policy, full.policy)
+    _assert_close(micro.critic, full.critic)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 1, 8, 1)], ids=str)
+def test_sharded_equals_unsharded(shape):
+    c = _config()
+    ref, _ = _three_steps(c)
+    got, _ = _three_steps(c, Sharder(build_mesh(shape)))
+    _assert_close(got.policy, ref.policy)
+    _assert_close(got.critic, ref.critic)
+    _assert_close(got.critic_opt, ref.critic_opt)
