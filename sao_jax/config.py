@@ -112,4 +112,5 @@ def _import_validators() -> None:
     import sao_jax.parallel.mesh
     import sao_jax.rl.optim
     import sao_jax.rl.settings
+    import sao_jax.run_settings
     import sao_jax.sampling.sampler  # noqa: F401

@@ -118,7 +118,7 @@ class Learner:
 
         policy_sh = policy_def.shardings(sharder)
         critic_sh = critic_def.shardings(sharder) if self.uses_critic else None
-        abstract = jax.eval_shape(
+        self.abstract_state = abstract = jax.eval_shape(
             lambda: self.init_state(policy_def.shapes(), critic_shapes, seed=0)
         )
         self.state_shardings = state_shardings(

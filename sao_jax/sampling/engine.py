@@ -48,6 +48,7 @@ from sao_jax.sampling.trajectory import Trajectory
 DROP_REASONS = (
     "env_error",  # env.reset / env.step raised or returned something invalid
     "env_timeout",  # env call exceeded env_timeout_s
+    "env_dropped",  # the env asked to drop the episode (info["dropped"], e.g. judge failure)
     "tokenizer_error",  # encode/decode raised
     "empty_prompt",  # the rendered prompt has no tokens
     "prompt_too_long",  # prompt leaves no room for one generated token in max_len
@@ -394,6 +395,8 @@ class Engine:
         if len(ids) and ids[-1] == getattr(self.tok, "eos_id", None):
             ids = ids[:-1]
         result = _checked(self._env_call(s, "step", self._decode_text(ids)))
+        if result.info.get("dropped"):
+            raise _DropError("env_dropped", RuntimeError(str(result.info.get("error", ""))))
         sl.turn_rewards.append(float(result.reward))
         sl.infos.append(dict(result.info))
         sl.turn += 1

@@ -262,6 +262,15 @@ class AsyncSampler:
         trajs = self.take(n, timeout)
         return pad_batch(trajs, **pad_kwargs), trajs
 
+    def prompt_state(self) -> Any:
+        """The prompt iterator's `get_state()` (taken under the workers' prompt lock).
+
+        Prompts already handed to a worker are past this state: on resume from it,
+        trajectories in flight at save time are not regenerated.
+        """
+        with self._prompt_lock:
+            return self._prompts.get_state()
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return dict(

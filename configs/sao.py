@@ -1,0 +1,60 @@
+r"""SAO on the embedded calculator task: the README's main job.
+
+A small Qwen3-MoE-style model (configs/models/tiny.py) is warm-started by SFT on
+deliberately imperfect tool-use demonstrations, its critic is value-pretrained on
+Monte-Carlo returns, then it trains with single rollouts, asynchronously: DIS policy
+loss, K=2 critic steps per policy step, frozen-attention critic, observation-skipping
+GAE with the length-adaptive lambda. Learning rates are scaled for a model trained from
+scratch on CPU (the paper's 1e-6 / 5e-6 are for a pretrained 30B model).
+
+  python -m experiments.train --config=configs/sao.py --workdir=workdirs/sao
+  python -m experiments.train --config=configs/sao.py:smoke --workdir=/tmp/sao_smoke
+
+Variants (`:a,b=1`): smoke (a run of seconds for tests), sync (deterministic rollouts),
+seed=N.
+"""
+
+from configs import base
+from sao_jax.config import parse_arg
+
+
+def get_config(arg=None):
+    arg = parse_arg(arg, smoke=False, sync=False, seed=0)
+    c = base.get_config()
+    c.seed = arg.seed
+
+    c.sft.steps = 300
+    c.sft.error_rate = 0.3
+    c.value_pretrain.steps = 10
+    c.value_pretrain.rollouts = 256
+
+    c.rl.batch_size = 64
+    c.optim.policy.lr = 1e-4
+    c.optim.critic.lr = 1e-3
+    c.optim.critic.warmup_steps = 10
+
+    c.sampling.num_slots = 32
+    c.sampling.max_len = 96
+    c.sampling.max_turn_tokens = 24
+    c.sampling.queue_size = 128
+
+    c.train.total_steps = 60
+    c.train.eval_every = 20
+    c.train.checkpoint_every = 20
+    c.train.rollouts = "sync" if arg.sync else "async"
+
+    if arg.smoke:
+        c.model.update(hidden_size=32, num_hidden_layers=2, mlp_only_layers=(0,), num_experts=4)
+        c.sft.steps = 4
+        c.sft.batch_size = 8
+        c.value_pretrain.steps = 2
+        c.value_pretrain.rollouts = 8
+        c.rl.batch_size = 8
+        c.sampling.num_slots = 8
+        c.env.eval_size = 8
+        c.train.total_steps = 4
+        c.train.log_every = 2
+        c.train.eval_every = 2
+        c.train.checkpoint_every = 2
+        c.train.progress = False
+    return c

@@ -1,0 +1,155 @@
+"""The workdir guard: a resumed run must use the config it started with.
+
+The first run writes `<workdir>/config.json`. A later run in the same workdir compares
+its config with it, field by field (dotted names, lists compared whole), ignoring the
+fields matched by `RESUMABLE_FIELDS` (fnmatch patterns: loop length, logging, eval and
+checkpoint cadence, the mesh). The first other difference raises ConfigError naming the
+field. `overwrite=True` starts fresh: every entry of the workdir moves into
+`<workdir>/previous-<UTC time>/` (nothing is deleted, nothing is mixed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import itertools
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from sao_jax.checkpointing.meta import encode_meta
+from sao_jax.schema import ConfigError
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+PREVIOUS_PREFIX = "previous-"  # folders of moved-aside runs (never moved again)
+
+# Config fields that may differ between a run and its resume: loop length, logging,
+# evaluation and checkpoint cadence, and the mesh (restore re-shards onto any mesh).
+RESUMABLE_FIELDS = (
+    "train.total_steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_sampled",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.async_checkpoints",
+    "train.take_timeout_s",
+    "train.report",
+    "train.progress",
+    "mesh.*",
+)
+
+_ABSENT = object()
+_BARRIERS = itertools.count()  # barrier names must be unique
+
+
+def flatten_config(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}, 'c': [1]} -> {'a.b': 1, 'c': [1]}; an empty dict stays a leaf."""
+    out = {}
+    for k, v in d.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten_config(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+def config_differences(
+    old: dict, new: dict, resumable: Sequence[str] = RESUMABLE_FIELDS
+) -> tuple[list[str], list[str]]:
+    """(fields that differ and block a resume, resumable fields that differ), sorted."""
+    a, b = flatten_config(old), flatten_config(new)
+    blocking, allowed = [], []
+    for name in sorted(set(a) | set(b)):
+        if a.get(name, _ABSENT) == b.get(name, _ABSENT):
+            continue
+        ok = any(fnmatch.fnmatchcase(name, p) for p in resumable)
+        (allowed if ok else blocking).append(name)
+    return blocking, allowed
+
+
+def check_workdir_config(
+    workdir, config_dict: dict, *, overwrite: bool, resumable: Sequence[str] = RESUMABLE_FIELDS
+) -> None:
+    """Writes `<workdir>/config.json` on a first run; on a resume checks it matches.
+
+    Raises:
+      ConfigError: naming the first field (outside `resumable`) whose value differs from
+        the stored config, or when the workdir holds files but no config.json; neither
+        when `overwrite`, which moves the previous run aside instead.
+      TypeError: a config value that is not JSON-serialisable (named).
+    """
+    workdir = pathlib.Path(workdir)
+    path = workdir / CONFIG_FILE
+    new = json.loads(json.dumps(encode_meta(dict(config_dict), "config")))
+    entries = _run_entries(workdir)
+    if entries and overwrite:
+        moved = _move_previous_run(workdir, entries)
+        log.warning("overwrite: moved the previous run in %s to %s", workdir, moved)
+        _write_json(path, new)
+    elif entries and not path.exists():
+        raise ConfigError(
+            f"workdir {workdir} holds {sorted(e.name for e in entries)[:5]} but no "
+            f"{CONFIG_FILE}; use an empty workdir, or pass overwrite=True (--overwrite) to "
+            f"move its contents aside"
+        )
+    elif entries:
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"workdir config {path}: unreadable ({e})") from e
+        blocking, allowed = config_differences(old, new, resumable)
+        if blocking:
+            name = blocking[0]
+            before = flatten_config(old).get(name, "(absent)")
+            after = flatten_config(new).get(name, "(absent)")
+            raise ConfigError(
+                f"config field {name}: the run in {workdir} used {before!r}, this config has "
+                f"{after!r} ({len(blocking)} non-resumable field(s) differ); resume with the "
+                f"same config, or pass overwrite=True (--overwrite) to move the old run aside"
+            )
+        if allowed:
+            log.info("resuming %s with changed fields %s", workdir, allowed)
+            _write_json(path, new)
+    else:
+        _write_json(path, new)
+    # Other processes continue once the primary one has moved / written the files.
+    ocp.multihost.sync_global_processes(f"sao_jax_check_workdir_config_{next(_BARRIERS)}")
+
+
+def _run_entries(workdir: pathlib.Path) -> list[pathlib.Path]:
+    if not workdir.is_dir():
+        return []
+    return [e for e in workdir.iterdir() if not e.name.startswith(PREVIOUS_PREFIX)]
+
+
+def _move_previous_run(workdir: pathlib.Path, entries: list[pathlib.Path]) -> pathlib.Path:
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    dst = workdir / f"{PREVIOUS_PREFIX}{stamp}"
+    n = 1
+    while dst.exists():
+        dst, n = workdir / f"{PREVIOUS_PREFIX}{stamp}.{n}", n + 1
+    if jax.process_index() == 0:
+        dst.mkdir()
+        for e in entries:
+            os.replace(e, dst / e.name)
+    return dst
+
+
+def _write_json(path: pathlib.Path, data: Any) -> None:
+    """Atomic (write a sibling, then rename), on the primary process only."""
+    if jax.process_index() != 0:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,191 @@
+"""Analytic parameter and FLOP counts of the policy, the critic and one SAO update step.
+
+Counts follow the model code (sao_jax/models): D = hidden_size, L = num_hidden_layers,
+N / K = query / key-value heads, H = head_dim, F = intermediate_size (dense layers),
+F_e = moe_intermediate_size, E / k = experts / experts per token, V = vocab_size.
+
+FLOPs are matmul FLOPs (2 per multiply-add) of what the code executes:
+  forward  = 2 x matmul_params x B x T  +  attention scores,
+  backward = 2 x forward (gradients with respect to inputs and to weights),
+so one forward + backward pass = 6 x matmul_params x tokens + 3 x attention scores.
+`matmul_params` are the active parameters that multiply every token: the top-k of the
+experts, not the embedding table (a gather; it counts once as the LM head when tied),
+not the RMSNorm scales or the value bias (elementwise). Attention scores are
+2 x 2 x B x T^2 x N x H per layer (q k^T, then probs @ v) over the full T x T square,
+which is what `grouped_attention` computes (a masked square, no causal skipping);
+`causal=True` halves them to the useful work of a causal mask. Softmaxes, norms, RoPE,
+the router's top-k and the MoE sort/gather are not counted. B x T counts every
+position of the padded batch, since the model computes on all of them.
+"""
+
+from __future__ import annotations
+
+from sao_jax.models.config import ModelConfig
+from sao_jax.schema import ConfigError
+
+HEADS = ("policy", "critic")
+ORDERS = ("critic_first", "policy_first")
+
+
+def _check_head(head: str) -> None:
+    if head not in HEADS:
+        raise ConfigError(f"argument head: must be one of {HEADS}, got {head!r}")
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"argument {name}: must be a positive int, got {v!r}")
+
+
+def attention_proj_params(cfg: ModelConfig) -> int:
+    """q, k, v, o projections of one layer: 2 D N H + 2 D K H (q/k norms not included)."""
+    d, h = cfg.hidden_size, cfg.head_dim
+    return 2 * d * cfg.num_attention_heads * h + 2 * d * cfg.num_key_value_heads * h
+
+
+def param_counts(cfg: ModelConfig, head: str = "policy") -> dict[str, int]:
+    """Parameter counts by the categories of sao_jax.parallel.memory (zero ones omitted).
+
+    attention = L (2 D N H + 2 D K H + 2 H)      (projections + per-head q/k norms)
+    router    = L_moe D E;  experts = L_moe 3 E D F_e;  dense mlp = L_dense 3 D F
+    norms     = 2 L D + D                          (two per layer + the final norm)
+    embedding + lm_head = V D (+ D V for an untied policy head); value head = D + 1
+    """
+    _check_head(head)
+    d, moe = cfg.hidden_size, len(cfg.moe_layers)
+    dense = cfg.num_hidden_layers - moe
+    counts = {
+        "attention": cfg.num_hidden_layers * (attention_proj_params(cfg) + 2 * cfg.head_dim),
+        "router": moe * d * cfg.num_experts,
+        "experts": moe * 3 * cfg.num_experts * d * cfg.moe_intermediate_size,
+        "dense mlp": dense * 3 * d * cfg.intermediate_size,
+        "norms": 2 * cfg.num_hidden_layers * d + d,
+        "embedding + lm_head": cfg.vocab_size * d,
+        "value head": 0,
+    }
+    if head == "policy" and not cfg.tie_word_embeddings:
+        counts["embedding + lm_head"] += d * cfg.vocab_size
+    if head == "critic":
+        counts["value head"] = d + 1
+    return {k: v for k, v in counts.items() if v}
+
+
+def total_params(cfg: ModelConfig, head: str = "policy") -> int:
+    """Every parameter of the policy (or critic): the sum of `param_counts`."""
+    return sum(param_counts(cfg, head).values())
+
+
+def active_params(cfg: ModelConfig, head: str = "policy") -> int:
+    """Parameters a token touches: all non-expert parameters + k / E of the experts."""
+    counts = param_counts(cfg, head)
+    experts = counts.get("experts", 0)
+    return (
+        total_params(cfg, head)
+        - experts
+        + experts * cfg.num_experts_per_tok // max(cfg.num_experts, 1)
+    )
+
+
+def matmul_params(cfg: ModelConfig, head: str = "policy") -> int:
+    """Active parameters that multiply every token in a matmul (see the module docstring).
+
+    L (2 D N H + 2 D K H) + L_dense 3 D F + L_moe (D E + 3 k D F_e) + head, where the
+    head is D V for the policy (tied or not) and D for the critic's value head.
+    """
+    _check_head(head)
+    d, moe = cfg.hidden_size, len(cfg.moe_layers)
+    dense = cfg.num_hidden_layers - moe
+    n = cfg.num_hidden_layers * attention_proj_params(cfg)
+    n += dense * 3 * d * cfg.intermediate_size
+    n += moe * (d * cfg.num_experts + 3 * cfg.num_experts_per_tok * d * cfg.moe_intermediate_size)
+    return n + (d * cfg.vocab_size if head == "policy" else d)
+
+
+def attention_score_flops(cfg: ModelConfig, batch: int, length: int, *, causal: bool = False):
+    """Forward FLOPs of q k^T and probs @ v over all layers: L x 2 x 2 B T^2 N H
+    (halved when `causal`: only the lower triangle is useful work)."""
+    _check_positive(batch=batch, length=length)
+    per_layer = 2 * 2 * batch * length * length * cfg.num_attention_heads * cfg.head_dim
+    total = cfg.num_hidden_layers * per_layer
+    return total // 2 if causal else total
+
+
+def model_pass_flops(
+    cfg: ModelConfig,
+    batch: int,
+    length: int,
+    *,
+    backward: bool,
+    head: str = "policy",
+    frozen_attention: bool = False,
+    causal: bool = False,
+) -> int:
+    """FLOPs of one pass of the policy (or critic) over a [batch, length] batch.
+
+    forward = 2 P B T + S with P = matmul_params(cfg, head), S = attention scores;
+    with `backward`, 3 x forward; a frozen attention (stop_gradient on its weights)
+    skips the weight gradients of the q/k/v/o projections: - 2 L P_attn B T.
+    """
+    _check_positive(batch=batch, length=length)
+    tokens = batch * length
+    forward = 2 * matmul_params(cfg, head) * tokens
+    forward += attention_score_flops(cfg, batch, length, causal=causal)
+    if not backward:
+        return forward
+    total = 3 * forward
+    if frozen_attention:
+        total -= 2 * cfg.num_hidden_layers * attention_proj_params(cfg) * tokens
+    return total
+
+
+def update_step_passes(
+    cfg: ModelConfig,
+    batch: int,
+    length: int,
+    k_critic: int,
+    *,
+    order: str = "critic_first",
+    frozen_attention: bool = True,
+    old_logp: bool = False,
+    causal: bool = False,
+) -> dict[str, int]:
+    """FLOPs of each model pass of one `update_step` (sao_jax/rl/update.py), in order.
+
+    critic_first (SAO's default): critic forward for the targets, K critic forward +
+    backward steps, critic forward recompute, policy forward + backward.
+    policy_first: critic forward, policy forward + backward, K critic steps.
+    `old_logp`: one more policy forward for pi_old (losses that need it, e.g. ppo_clip).
+    """
+    _check_positive(k_critic=k_critic)
+    if order not in ORDERS:
+        raise ConfigError(f"argument order: must be one of {ORDERS}, got {order!r}")
+    fwd = dict(batch=batch, length=length, causal=causal, backward=False)
+    bwd = dict(fwd, backward=True)
+    critic_fwd = model_pass_flops(cfg, head="critic", **fwd)
+    critic_step = model_pass_flops(cfg, head="critic", frozen_attention=frozen_attention, **bwd)
+    passes = {"critic forward (targets)": critic_fwd}
+    critic_steps = {f"critic step {i + 1} (fwd+bwd)": critic_step for i in range(k_critic)}
+    policy = {}
+    if old_logp:
+        policy["policy forward (old logp)"] = model_pass_flops(cfg, head="policy", **fwd)
+    policy["policy step (fwd+bwd)"] = model_pass_flops(cfg, head="policy", **bwd)
+    if order == "critic_first":
+        passes.update(critic_steps)
+        passes["critic forward (recompute)"] = critic_fwd
+        passes.update(policy)
+    else:
+        passes.update(policy)
+        passes.update(critic_steps)
+    return passes
+
+
+def update_step_flops(
+    cfg: ModelConfig,
+    batch: int,
+    length: int,
+    k_critic: int,
+    **options,
+) -> int:
+    """Total FLOPs of one update step: the sum of `update_step_passes` (same options)."""
+    return sum(update_step_passes(cfg, batch, length, k_critic, **options).values())

@@ -1,0 +1,313 @@
+"""The end-of-run report: workdir/report.md with PNG plots under workdir/plots/.
+
+Input is the metric history (the records of workdir/metrics.jsonl: {"step", "time",
+name: value}), an optional run summary and an optional staleness histogram. Series are
+picked by name, so train and eval records of any writer fit:
+
+  success            names whose last part contains "success" (train/success,
+                     eval/greedy_success, eval/sampled_success, ...)
+  reward             names whose last part contains "reward", and batch/outcome
+  value loss         .../value_loss (critic_first/ = before the K critic steps)
+  explained var.     .../explained_variance, .../ev_before, .../ev_after
+  DIS keep-rate      .../keep_rate; per staleness bucket .../keep_rate_stale_<bucket>
+  staleness          the `staleness_hist` argument, else summary["staleness_hist"], else
+                     the last record's sampler/staleness_hist/<k> (cumulative counts)
+  skipped updates    .../skipped_steps (cumulative), else the per-window fraction
+                     `skipped` times the steps since the previous record (approximate)
+
+A plot whose series are all absent (or all null) is not drawn, and a PNG of that name
+left by an earlier report is removed. Figures are drawn on matplotlib's Agg canvas
+directly (no pyplot, never a window). The markdown depends only on the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from sao_jax.metrics import METRICS_FILE, read_jsonl
+
+REPORT_FILE = "report.md"
+PLOTS_DIR = "plots"
+STALENESS_HIST_PREFIX = "sampler/staleness_hist/"  # + k: trajectories taken at staleness k
+MARKERS_UP_TO = 30  # series with at most this many points get markers (sparse evals)
+
+Series = dict[str, tuple[list[int], list[float]]]  # name -> (steps, values)
+
+# (summary key, label) shown first in the summary table, in this order.
+SUMMARY_ROWS = (
+    ("eval_success_before", "Eval success before training"),
+    ("eval_success_after", "Eval success after training"),
+    ("steps", "Steps"),
+    ("wall_time_s", "Wall time"),
+    ("machine", "Machine"),
+    ("interrupted", "Interrupted"),
+)
+EVAL_KEYS = ("before", "after")  # summary mappings of eval metrics: a before/after table
+SHOWN_ELSEWHERE = ("last_train", "staleness_hist")  # the last-values table, the histogram
+
+
+def _last(name: str) -> str:
+    return name.rsplit("/", 1)[-1]
+
+
+def _stale_order(name: str) -> tuple[float, str]:
+    """Bucket order of keep_rate_stale_<bucket>: 0, 1, 2, 3_4, 5_8, gt8."""
+    bucket = name.rsplit("keep_rate_stale_", 1)[-1]
+    nums = [int(n) for n in re.findall(r"\d+", bucket)]
+    first = (nums[0] + 0.5 if bucket.startswith("gt") else nums[0]) if nums else math.inf
+    return first, bucket
+
+
+# (file stem, title, y label, name selector, sort key)
+LINE_PLOTS: tuple[tuple[str, str, str, Callable[[str], bool], Callable[[str], Any]], ...] = (
+    ("success", "Success rate", "success", lambda n: "success" in _last(n), str),
+    ("reward", "Reward", "reward", lambda n: "reward" in _last(n) or n == "batch/outcome", str),
+    ("value_loss", "Value loss", "0.5 (V - R)^2", lambda n: _last(n) == "value_loss", str),
+    (
+        "explained_variance",
+        "Critic explained variance",
+        "1 - Var(R - V) / Var(R)",
+        lambda n: _last(n) in ("explained_variance", "ev_before", "ev_after"),
+        str,
+    ),
+    ("keep_rate", "DIS keep-rate", "kept / action tokens", lambda n: _last(n) == "keep_rate", str),
+    (
+        "keep_rate_staleness",
+        "DIS keep-rate per staleness bucket",
+        "kept / action tokens",
+        lambda n: _last(n).startswith("keep_rate_stale_"),
+        _stale_order,
+    ),
+)
+OTHER_PLOTS = ("staleness_hist", "skipped")
+
+
+def _check_history(history: Sequence[Mapping[str, Any]]) -> None:
+    for i, record in enumerate(history):
+        if not (isinstance(record, Mapping) and isinstance(record.get("step"), int)):
+            raise ValueError(f"history[{i}]: expected a mapping with an integer 'step'")
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None for null / NaN / non-numeric values (text)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def collect_series(history: Sequence[Mapping[str, Any]], names: Sequence[str]) -> Series:
+    """name -> (steps, values), by step, over the records holding a finite number for it."""
+    out: Series = {}
+    for name in names:
+        points = [(r["step"], _number(r.get(name))) for r in history]
+        points = sorted(((s, v) for s, v in points if v is not None), key=lambda p: p[0])
+        if points:
+            out[name] = ([s for s, _ in points], [v for _, v in points])
+    return out
+
+
+def _names(history: Sequence[Mapping[str, Any]]) -> list[str]:
+    seen: dict[str, None] = {}
+    for record in history:
+        seen.update(dict.fromkeys(k for k in record if k not in ("step", "time")))
+    return list(seen)
+
+
+def staleness_from_history(history: Sequence[Mapping[str, Any]]) -> dict[int, int]:
+    """The last record's cumulative staleness histogram ({} if none was logged)."""
+    for record in reversed(history):
+        hist = {
+            int(k.removeprefix(STALENESS_HIST_PREFIX)): int(v)
+            for k, v in record.items()
+            if k.startswith(STALENESS_HIST_PREFIX) and _number(v) is not None
+        }
+        if hist:
+            return dict(sorted(hist.items()))
+    return {}
+
+
+def skipped_series(history: Sequence[Mapping[str, Any]]) -> Series:
+    """Cumulative skipped updates: logged .../skipped_steps, else sum of skipped x window."""
+    logged = collect_series(history, [n for n in _names(history) if _last(n) == "skipped_steps"])
+    if logged:
+        return logged
+    frac = collect_series(history, ["skipped"])
+    if not frac:
+        return {}
+    steps, values = frac["skipped"]
+    total, prev, cum = 0.0, 0, []
+    for s, v in zip(steps, values):
+        total += v * max(s - prev, 1)
+        prev = s
+        cum.append(total)
+    return {"skipped (approx. cumulative)": (steps, cum)}
+
+
+def _new_figure() -> tuple[Figure, Any]:
+    fig = Figure(figsize=(6.4, 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots()
+
+
+def _save(fig: Figure, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"Software": None})
+
+
+def plot_lines(path: Path, title: str, ylabel: str, series: Series) -> None:
+    """One line per series against the step; markers on sparse series."""
+    fig, ax = _new_figure()
+    for name, (steps, values) in series.items():
+        marker = "o" if len(steps) <= MARKERS_UP_TO else None
+        ax.plot(steps, values, marker=marker, markersize=3, linewidth=1.2, label=name)
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    _save(fig, path)
+
+
+def plot_histogram(path: Path, hist: Mapping[int, int]) -> None:
+    """Bar chart of trajectories taken per staleness (learner version - sampler version)."""
+    fig, ax = _new_figure()
+    ks = sorted(hist)
+    ax.bar(ks, [hist[k] for k in ks], color="tab:blue")
+    ax.set(title="Staleness of taken trajectories", xlabel="staleness (versions)", ylabel="count")
+    ax.set_xticks(ks)
+    ax.grid(alpha=0.3, axis="y")
+    _save(fig, path)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else "n/a"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _fmt_duration(seconds: Any) -> str:
+    s = _number(seconds)
+    if s is None:
+        return _fmt(seconds)
+    h, rem = divmod(round(s), 3600)
+    return f"{h}h {rem // 60:02d}m {rem % 60:02d}s ({s:.0f} s)"
+
+
+def summary_lines(summary: Mapping[str, Any]) -> list[str]:
+    """A two-column markdown table: SUMMARY_ROWS first, then other keys in given order;
+    mappings are flattened to "key/subkey" (EVAL_KEYS and SHOWN_ELSEWHERE left out)."""
+    flat: dict[str, Any] = {}
+    for k, v in summary.items():
+        if k in EVAL_KEYS + SHOWN_ELSEWHERE:
+            continue
+        flat |= {f"{k}/{sk}": sv for sk, sv in v.items()} if isinstance(v, Mapping) else {k: v}
+    labels = dict(SUMMARY_ROWS)
+    keys = [k for k, _ in SUMMARY_ROWS if k in flat] + [k for k in flat if k not in labels]
+    lines = ["| | |", "|---|---|"]
+    for k in keys:
+        value = _fmt_duration(flat[k]) if k == "wall_time_s" else _fmt(flat[k])
+        lines.append(f"| {labels.get(k, k)} | {value} |")
+    return lines
+
+
+def eval_lines(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
+    """| metric | before | after | over the names of either evaluation, in their order."""
+    lines = ["| metric | before | after |", "|---|---:|---:|"]
+    for name in dict.fromkeys([*before, *after]):
+        lines.append(f"| {name} | {_fmt(before.get(name))} | {_fmt(after.get(name))} |")
+    return lines
+
+
+def _check_staleness(hist: Mapping[Any, Any]) -> dict[int, int]:
+    """k -> count with k an int >= 0 (or its digits, as in a JSON summary), count >= 0."""
+    out = {}
+    for k, n in hist.items():
+        k_int = int(k) if isinstance(k, str) and k.isdigit() else k
+        if not (isinstance(k_int, int) and k_int >= 0 and isinstance(n, int | float) and n >= 0):
+            raise ValueError(f"staleness_hist: expected int k >= 0 -> count >= 0, got {k!r}: {n!r}")
+        out[k_int] = n
+    return dict(sorted(out.items()))
+
+
+def write_report(
+    workdir: str | os.PathLike,
+    *,
+    history: Sequence[Mapping[str, Any]] | None = None,
+    summary: Mapping[str, Any] | None = None,
+    staleness_hist: Mapping[int, int] | None = None,
+    title: str = "SAO training report",
+) -> Path:
+    """Writes workdir/report.md and its PNGs (workdir/plots/); returns the report's path.
+
+    history: metric records (default: read workdir/metrics.jsonl, which must exist).
+    summary: run facts for the summary table (see SUMMARY_ROWS; wall_time_s in seconds);
+      "before" / "after" eval metric mappings make a comparison table.
+    staleness_hist: staleness k -> count (default: summary["staleness_hist"], else the
+      history's last logged histogram).
+    """
+    workdir = Path(workdir)
+    if history is None:
+        path = workdir / METRICS_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"write_report: no history given and {path} does not exist")
+        history = read_jsonl(path)
+    _check_history(history)
+    plots_dir = workdir / PLOTS_DIR
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    names = _names(history)
+    drawn: list[tuple[str, str]] = []  # (title, relative png path)
+    last_values: list[tuple[str, int, float]] = []
+
+    def emit(stem: str, title: str, draw: Callable[[Path], None]) -> None:
+        draw(plots_dir / f"{stem}.png")
+        drawn.append((title, f"{PLOTS_DIR}/{stem}.png"))
+
+    for stem, plot_title, ylabel, select, order in LINE_PLOTS:
+        series = collect_series(history, sorted((n for n in names if select(n)), key=order))
+        if series:
+            emit(
+                stem, plot_title, lambda p, s=series, t=plot_title, y=ylabel: plot_lines(p, t, y, s)
+            )
+            last_values += [(n, st[-1], v[-1]) for n, (st, v) in series.items()]
+    summary = summary or {}
+    given = staleness_hist if staleness_hist is not None else summary.get("staleness_hist")
+    hist = _check_staleness(given) if given else staleness_from_history(history)
+    if hist:
+        emit("staleness_hist", "Staleness histogram", lambda p: plot_histogram(p, hist))
+    skipped = skipped_series(history)
+    if skipped:
+        title_sk = "Skipped updates (non-finite loss or gradient)"
+        emit("skipped", title_sk, lambda p: plot_lines(p, title_sk, "cumulative count", skipped))
+    written = {rel for _, rel in drawn}
+    for stem in [p[0] for p in LINE_PLOTS] + list(OTHER_PLOTS):  # stale PNGs of older reports
+        if f"{PLOTS_DIR}/{stem}.png" not in written:
+            (plots_dir / f"{stem}.png").unlink(missing_ok=True)
+
+    lines = [f"# {title}", ""]
+    if summary:
+        lines += ["## Summary", "", *summary_lines(summary), ""]
+    evals = [summary.get(k) or {} for k in EVAL_KEYS]
+    if any(evals):
+        lines += ["## Evaluation before and after training", "", *eval_lines(*evals), ""]
+    lines += ["## Last logged values", ""]
+    if last_values:
+        lines += ["| metric | step | value |", "|---|---:|---:|"]
+        lines += [f"| {n} | {s} | {_fmt(v)} |" for n, s, v in last_values]
+    else:
+        lines.append("No metrics logged." if not history else "No plotted series.")
+    lines += ["", "## Plots", ""]
+    for plot_title, rel in drawn:
+        lines += [f"### {plot_title}", "", f"![{plot_title}]({rel})", ""]
+    if not drawn:
+        lines += ["No series to plot.", ""]
+    out = workdir / REPORT_FILE
+    out.write_text("\n".join(lines), encoding="utf-8")
+    return out

@@ -1,0 +1,134 @@
+"""Config sections of a training run (env, init, sft, value_pretrain, train), with checks.
+
+The algorithm lives in `rl` (sao_jax/rl/settings.py), the rollout engine in `sampling`
+(sao_jax/sampling/sampler.py); these sections say what to train on and how the run is
+staged: warm start -> value pretraining -> asynchronous RL with periodic evaluation.
+"""
+
+from __future__ import annotations
+
+from sao_jax.rl.optim import optimizer_section
+from sao_jax.schema import ConfigDict, register_validator, require
+
+ENV_NAMES = ("arithmetic", "python_tool", "style")
+INIT_KINDS = ("sft", "hf", "random")
+ROLLOUT_MODES = ("async", "sync")
+
+
+def env_section() -> ConfigDict:
+    c = ConfigDict()
+    c.name = "arithmetic"  # sao_jax.envs.registry name
+    c.params = ConfigDict(dict(max_turns=4))  # env constructor arguments
+    c.prompts = ConfigDict(dict(n_ops=(2, 2), operand_range=(2, 99)))  # difficulty
+    c.eval_fraction = 0.1  # share of the problem space held out (by uid hash)
+    c.eval_size = 128  # held-out prompts per evaluation
+    c.group_size = 1  # rollouts per prompt (1 = SAO; > 1 for GRPO-style baselines)
+    return c
+
+
+def init_section() -> ConfigDict:
+    c = ConfigDict()
+    c.kind = "sft"  # 'sft' on generated demonstrations | 'hf' checkpoint | 'random'
+    c.hf_path = ""  # Hugging Face checkpoint directory when kind == 'hf'
+    c.tokenizer = "char"  # 'char' (built-in) or a directory with tokenizer.json
+    return c
+
+
+def sft_section() -> ConfigDict:
+    c = ConfigDict()
+    c.steps = 300  # supervised steps on demonstrations
+    c.batch_size = 32
+    c.length = 96  # tokens per demonstration row (longer demos are skipped)
+    c.error_rate = 0.3  # share of deliberately imperfect demonstrations (RL headroom)
+    c.optim = optimizer_section(3e-3, warmup_steps=20, max_grad_norm=1.0)
+    return c
+
+
+def value_pretrain_section() -> ConfigDict:
+    c = ConfigDict()
+    c.steps = 20  # critic-only updates on Monte-Carlo returns of the initial policy [open]
+    c.rollouts = 512  # distinct rollouts of the fixed initial policy they use [open]
+    return c
+
+
+def train_section() -> ConfigDict:
+    c = ConfigDict()
+    c.total_steps = 100  # policy updates of the RL stage
+    c.rollouts = "async"  # 'async' (SAO) | 'sync' (deterministic, resumable bit-exactly)
+    c.length_bucket = 32  # pad batches to a multiple of this (few update-step shapes)
+    c.log_every = 5  # steps between metric writes (device -> host only then)
+    c.eval_every = 25  # steps between held-out evaluations (0 = only before/after)
+    c.eval_sampled = True  # also report sampled pass@1 (greedy always)
+    c.checkpoint_every = 25  # steps between checkpoints (0 = only at the end)
+    c.keep_checkpoints = 3
+    c.async_checkpoints = True
+    c.take_timeout_s = 600.0  # learner waits at most this long for a batch
+    c.report = True  # write report.md + plots at the end
+    c.progress = True  # terminal progress bar
+    return c
+
+
+@register_validator("env")
+def _check_env(config: ConfigDict) -> None:
+    e = config.env
+    require(e.name in ENV_NAMES, "env.name", f"unknown env {e.name!r}; known: {ENV_NAMES}")
+    require(
+        0 < e.eval_fraction < 1, "env.eval_fraction", f"must be in (0, 1), got {e.eval_fraction}"
+    )
+    require(e.eval_size >= 1, "env.eval_size", f"must be >= 1, got {e.eval_size}")
+    require(e.group_size >= 1, "env.group_size", f"must be >= 1, got {e.group_size}")
+    if "rl" in config:
+        require(
+            config.rl.batch_size % e.group_size == 0,
+            "env.group_size",
+            f"{e.group_size} does not divide rl.batch_size={config.rl.batch_size}",
+        )
+        from sao_jax.rl import advantages
+
+        if advantages.estimator(config.rl.advantage).needs_groups:
+            require(
+                e.group_size > 1,
+                "env.group_size",
+                f"rl.advantage={config.rl.advantage!r} needs groups: set env.group_size > 1",
+            )
+
+
+@register_validator("init")
+def _check_init(config: ConfigDict) -> None:
+    i = config.init
+    require(i.kind in INIT_KINDS, "init.kind", f"must be one of {INIT_KINDS}, got {i.kind!r}")
+    if i.kind == "hf":
+        require(bool(i.hf_path), "init.hf_path", "a checkpoint directory is needed for kind 'hf'")
+
+
+@register_validator("sft")
+def _check_sft(config: ConfigDict) -> None:
+    s = config.sft
+    require(s.steps >= 0, "sft.steps", f"must be >= 0, got {s.steps}")
+    require(s.batch_size >= 1, "sft.batch_size", f"must be >= 1, got {s.batch_size}")
+    require(s.length >= 2, "sft.length", f"must be >= 2, got {s.length}")
+    require(0 <= s.error_rate <= 1, "sft.error_rate", f"must be in [0, 1], got {s.error_rate}")
+    require(s.optim.lr > 0, "sft.optim.lr", f"must be > 0, got {s.optim.lr}")
+
+
+@register_validator("value_pretrain")
+def _check_value_pretrain(config: ConfigDict) -> None:
+    v = config.value_pretrain
+    require(v.steps >= 0, "value_pretrain.steps", f"must be >= 0, got {v.steps}")
+    require(v.rollouts >= 1, "value_pretrain.rollouts", f"must be >= 1, got {v.rollouts}")
+
+
+@register_validator("train")
+def _check_train(config: ConfigDict) -> None:
+    t = config.train
+    require(t.total_steps >= 0, "train.total_steps", f"must be >= 0, got {t.total_steps}")
+    require(
+        t.rollouts in ROLLOUT_MODES,
+        "train.rollouts",
+        f"must be one of {ROLLOUT_MODES}, got {t.rollouts!r}",
+    )
+    for name in ("length_bucket", "log_every", "keep_checkpoints"):
+        require(t[name] >= 1, f"train.{name}", f"must be >= 1, got {t[name]}")
+    for name in ("eval_every", "checkpoint_every"):
+        require(t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
+    require(t.take_timeout_s > 0, "train.take_timeout_s", "must be > 0")

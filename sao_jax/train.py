@@ -1,0 +1,365 @@
+"""The main job: warm start -> value pretraining -> asynchronous RL -> evaluation -> report.
+
+`run(config, workdir)` is everything `python -m experiments.train` does. Resume order
+(docs/checkpointing.md): config check against the workdir -> models and learner ->
+restore the TrainState -> restore the prompt iterator and counters -> republish the
+policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import pathlib
+import platform
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from sao_jax import checkpointing, metrics, report
+from sao_jax import config as config_lib
+from sao_jax.data.prompts import prompt_iterator, prompt_source
+from sao_jax.envs.registry import make_env
+from sao_jax.evaluation import Evaluator
+from sao_jax.models import hf
+from sao_jax.models.config import ModelConfig
+from sao_jax.models.factory import Models, init_models
+from sao_jax.models.transformer import critic_params_from_policy
+from sao_jax.parallel.mesh import sharder_from_config
+from sao_jax.rl.update import Learner
+from sao_jax.rollouts import AsyncRollouts, SyncRollouts
+from sao_jax.sampling.sampler import configs_from_section
+from sao_jax.sampling.trajectory import Trajectory, pad_batch
+from sao_jax.schema import ConfigDict, ConfigError
+from sao_jax.sft import SFTTrainer, demo_batches
+from sao_jax.tokenizer import load_tokenizer
+
+log = logging.getLogger("sao_jax")
+
+
+def _models(config: ConfigDict, sharder, tokenizer) -> Models:
+    if config.init.kind == "hf":
+        cfg, pdef, policy = hf.load_hf_policy(config.init.hf_path, sharder=sharder)
+        _, cdef, critic = hf.load_hf_critic(config.init.hf_path, sharder=sharder)
+        models = Models(cfg, pdef, policy, cdef, critic)
+    else:
+        models = init_models(ModelConfig.from_config(config.model), sharder, config.seed)
+    if tokenizer.vocab_size > models.cfg.vocab_size:
+        raise ConfigError(
+            f"config field model.vocab_size: {models.cfg.vocab_size} < the tokenizer's "
+            f"{tokenizer.vocab_size} tokens"
+        )
+    return models
+
+
+def _host_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
+    lags = np.concatenate([version - t.versions[t.action_mask] for t in trajs])
+    return {
+        "train/reward": float(np.mean([t.outcome for t in trajs])),
+        "train/success": float(np.mean([bool(t.info.get("success", False)) for t in trajs])),
+        "train/truncated": float(np.mean([t.truncated for t in trajs])),
+        "train/action_tokens": float(np.mean([t.num_actions for t in trajs])),
+        "train/staleness": float(np.mean(lags)),
+        "train/max_staleness": float(np.max(lags)),
+    }
+
+
+class Run:
+    """One training run's objects; `run()` below drives them."""
+
+    def __init__(self, config: ConfigDict, workdir: pathlib.Path):
+        self.config = config
+        self.workdir = workdir
+        self.sharder = sharder_from_config(config)
+        self.tokenizer = load_tokenizer(config.init.tokenizer)
+        self.models = _models(config, self.sharder, self.tokenizer)
+        self.learner = Learner(config, self.models.policy_def, self.models.critic_def, self.sharder)
+        self.engine_cfg, self.sampler_cfg = configs_from_section(config.sampling, config.seed)
+        env = config.env
+        self.env_factory = functools.partial(make_env, env.name, **env.params)
+        prompt_kw = dict(seed=config.seed, eval_fraction=env.eval_fraction, **env.prompts)
+        self.prompts = prompt_iterator(env.name, "train", **prompt_kw)
+        eval_prompts = list(prompt_source(env.name, "eval", size=env.eval_size, **prompt_kw))
+        self.evaluator = Evaluator(
+            self.models.policy_def,
+            self.tokenizer,
+            self.env_factory,
+            eval_prompts,
+            self.engine_cfg,
+            sampled=config.train.eval_sampled,
+            seed=config.seed + 1,
+        )
+        t = config.train
+        self.ckpt = checkpointing.Checkpointer(
+            workdir / "checkpoints", keep=t.keep_checkpoints, async_save=t.async_checkpoints
+        )
+        self.writer = None  # created once the resume step is known
+        self.key = jax.random.key(config.seed)
+        vp = config.value_pretrain.steps
+        self.pre_updates = vp if (self.learner.uses_critic and vp > 0) else 0
+
+    # ------------------------------------------------------------------------ stages
+
+    def warm_start(self):
+        """Stage (a): SFT on demonstrations, a HF checkpoint, or the random init."""
+        cfg, models = self.config, self.models
+        policy = models.policy
+        if cfg.init.kind == "sft" and cfg.sft.steps > 0:
+            demo_prompts = prompt_iterator(
+                cfg.env.name,
+                "train",
+                seed=cfg.seed + 7,
+                eval_fraction=cfg.env.eval_fraction,
+                **cfg.env.prompts,
+            )
+            batches = demo_batches(
+                cfg.env.name,
+                demo_prompts,
+                self.tokenizer,
+                batch_size=cfg.sft.batch_size,
+                length=cfg.sft.length,
+                error_rate=cfg.sft.error_rate,
+                seed=cfg.seed,
+                add_bos=self.engine_cfg.add_bos,
+            )
+            trainer = SFTTrainer(models.policy_def, cfg.sft.optim, self.sharder)
+            log.info("warm start: %d SFT steps on demonstrations", cfg.sft.steps)
+            policy = trainer.run(
+                policy,
+                batches,
+                cfg.sft.steps,
+                on_log=lambda s, m: log.info("sft step %d: %s", s, _fmt(m)),
+            )
+        critic = critic_params_from_policy(policy, models.critic)
+        return self.learner.new_state(policy, critic, cfg.seed)
+
+    def value_pretrain(self, state):
+        """Stage (b): critic-only steps on Monte-Carlo returns of the fixed initial policy."""
+        vp, b = self.config.value_pretrain, self.config.rl.batch_size
+        if not (self.learner.uses_critic and vp.steps > 0):
+            return state
+        source = SyncRollouts(
+            self.models.policy_def,
+            self.tokenizer,
+            self.env_factory,
+            self.prompts,
+            self.engine_cfg,
+            seed=self.config.seed + 3,
+        )
+        source.publish(state.policy, int(state.step))
+        trajs = source.take(vp.rollouts)
+        log.info("value pretraining: %d steps on %d rollouts", vp.steps, len(trajs))
+        acc = metrics.MetricAccumulator()
+        for i in range(vp.steps):
+            chunk = [trajs[(i * b + j) % len(trajs)] for j in range(b)]
+            batch = self._batch(chunk)
+            state, m = self.learner.value_step(state, batch, self._key(state))
+            acc.add(m)
+        result = acc.result()
+        log.info("value pretraining done: %s", _fmt(result, "critic/"))
+        self.learner.raise_if_diverged(state)
+        return state
+
+    def _batch(self, trajs: list[Trajectory]) -> dict[str, np.ndarray]:
+        cfg = self.config
+        batch = pad_batch(
+            trajs,
+            length_bucket=cfg.train.length_bucket,
+            with_groups=self.learner.estimator.needs_groups,
+            with_routing=cfg.rl.routing_replay,
+        )
+        self.learner.check_batch(batch)
+        return batch
+
+    def _key(self, state):
+        return jax.random.fold_in(self.key, int(state.updates))
+
+    def rollouts(self):
+        cfg = self.config
+        kw = dict(group_size=cfg.env.group_size)
+        args = (self.models.policy_def, self.tokenizer, self.env_factory, self.prompts)
+        if cfg.train.rollouts == "sync":
+            return SyncRollouts(*args, self.engine_cfg, seed=cfg.seed + 5, **kw)
+        return AsyncRollouts(*args, self.engine_cfg, self.sampler_cfg, **kw)
+
+    def evaluate(self, state, step: int) -> dict[str, float]:
+        t0 = time.time()
+        out = self.evaluator(state.policy, int(state.step))
+        out["eval/seconds"] = time.time() - t0
+        self.writer.write_scalars(step, out)
+        log.info("eval at step %d: %s", step, _fmt(out, "eval/"))
+        return out
+
+    def save(self, step: int, state, source, counters: dict, extra: dict) -> None:
+        meta = dict(
+            prompts=source.prompt_state() if source is not None else self.prompts.get_state(),
+            counters=counters,
+            before=extra["before"],
+            wall_time=_wall(extra),
+        )
+        self.ckpt.save(step, state, meta)
+
+
+def _fmt(m: dict[str, float], prefix: str = "") -> str:
+    items = [(k.removeprefix(prefix), v) for k, v in m.items() if k.startswith(prefix)]
+    return " ".join(f"{k}={v:.4g}" for k, v in sorted(items))
+
+
+def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = False) -> dict:
+    """Runs (or resumes) one training run in `workdir`; returns the summary dict."""
+    config = config_lib.validate(config)
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=overwrite)
+    t_start = time.time()
+    r = Run(config, workdir)
+    t = config.train
+    with checkpointing.GracefulExit() as stop:
+        latest = r.ckpt.latest_step()
+        if latest is None:
+            r.writer = metrics.create_writers(workdir, resume_step=-1)
+            state = r.warm_start()
+            before = r.evaluate(state, 0)
+            state = r.value_pretrain(state)
+            extra = dict(before=before, prior_wall_time=0.0, t_start=t_start)
+            counters = _resume_counters({})
+            r.save(0, state, None, counters, extra)
+        else:
+            abstract = checkpointing.abstract_like(
+                r.learner.abstract_state, r.learner.state_shardings
+            )
+            state, meta = r.ckpt.restore(abstract)
+            r.prompts.set_state(meta["prompts"])
+            r.writer = metrics.create_writers(workdir, resume_step=int(state.step))
+            extra = dict(before=meta["before"], prior_wall_time=meta["wall_time"], t_start=t_start)
+            counters = _resume_counters(meta.get("counters", {}))
+            log.info("resumed from step %d (checkpoint %d)", int(state.step), latest)
+        summary = _rl(r, state, counters, extra, stop, t_start)
+    r.ckpt.wait()
+    r.ckpt.close()
+    r.writer.close()
+    if t.report:
+        report.write_report(workdir, summary=summary)
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    return summary
+
+
+def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dict:
+    """Stage (c) + (d): the asynchronous RL loop with periodic evaluation and saves."""
+    cfg, learner = r.config, r.learner
+    t = cfg.train
+    b = cfg.rl.batch_size
+    source = r.rollouts()
+    source.publish(state.policy, int(state.step))
+    source.start()
+    acc = metrics.MetricAccumulator()
+    host: list[dict[str, float]] = []
+    progress = metrics.Progress(t.total_steps, initial=int(state.step), enabled=t.progress)
+    tokens, t_log = 0, time.time()
+    last = {}
+    try:
+        while int(state.step) < t.total_steps and not stop.requested:
+            trajs = source.take(b, t.take_timeout_s)
+            batch = r._batch(trajs)
+            version = int(state.step)
+            host.append(_host_stats(trajs, version))
+            tokens += int(batch["action_mask"].sum())
+            if int(state.updates) < r.pre_updates + cfg.rl.critic_only_steps:
+                state, m = learner.value_step(state, batch, r._key(state))  # critic warm-up
+                acc.add(m)
+                continue
+            state, m = learner.update_step(state, batch, r._key(state))
+            source.publish(state.policy, int(state.step))
+            acc.add(m)
+            step = int(state.step)
+            if step % t.log_every == 0 or step == t.total_steps:
+                learner.raise_if_diverged(state)
+                now = time.time()
+                scalars = {**acc.result(), **_mean(host)}
+                scalars["perf/action_tokens_per_s"] = tokens / max(now - t_log, 1e-9)
+                scalars["train/skipped_steps"] = float(state.skipped_steps)
+                scalars.update(_sampler_scalars(source.stats()))
+                r.writer.write_scalars(step, scalars)
+                progress.update(step, scalars)
+                last = scalars
+                acc, host, tokens, t_log = metrics.MetricAccumulator(), [], 0, now
+            if t.eval_every and step % t.eval_every == 0 and step < t.total_steps:
+                r.evaluate(state, step)
+            if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
+                r.save(step, state, source, _counters(counters, source), extra)
+    finally:
+        source.stop()
+        progress.close()
+    step = int(state.step)
+    after = r.evaluate(state, step) if step >= t.total_steps else {}
+    r.save(step, state, source, _counters(counters, source), extra)
+    return dict(
+        steps=step,
+        before=extra["before"],
+        after=after,
+        last_train=last,
+        counters=_counters(counters, source),
+        staleness_hist=source.stats().get("staleness", {}),
+        wall_time_s=_wall(extra),
+        machine=_machine(),
+        interrupted=bool(stop.requested),
+    )
+
+
+def _wall(extra: dict) -> float:
+    """Wall time of the whole run: earlier segments (before a resume) + this one."""
+    return extra["prior_wall_time"] + time.time() - extra["t_start"]
+
+
+def _machine() -> str:
+    dev = jax.devices()[0]
+    return (
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{jax.device_count()} x {dev.platform} ({dev.device_kind})"
+    )
+
+
+def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    if not rows:
+        return {}
+    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+
+
+def _sampler_scalars(stats: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in stats.items():
+        if isinstance(v, (int, float)):
+            out[f"sampler/{k}"] = float(v)
+        elif k == "dropped" and isinstance(v, dict):
+            out["sampler/dropped"] = float(sum(v.values()))
+    return out
+
+
+def _resume_counters(saved: dict) -> dict:
+    """Totals of earlier run segments; what was in flight at their save is discarded."""
+    keys = ("generated", "trained", "dropped_stale", "dropped_episodes", "discarded")
+    base = {k: int(saved.get(k, 0)) for k in keys}
+    base["discarded"] += int(saved.get("in_flight", 0))
+    return base
+
+
+def _counters(base: dict, source) -> dict:
+    """Trajectory counters since the run began. Balance, checked by the tests:
+    generated == trained + dropped_stale + discarded + in_flight (finished, not yet
+    trained); dropped_episodes never finished (env errors, prompts too long, ...)."""
+    stats = source.stats()
+    dropped = dict(stats.get("dropped", {}))
+    stale = int(dropped.pop("stale", 0))
+    out = {
+        "generated": base["generated"] + int(stats.get("generated", 0)),
+        "trained": base["trained"] + int(stats.get("taken", 0)),
+        "dropped_stale": base["dropped_stale"] + stale,
+        "dropped_episodes": base["dropped_episodes"] + int(sum(dropped.values())),
+        "discarded": base["discarded"],
+        "in_flight": int(stats.get("queued", 0)) + int(stats.get("in_open_groups", 0)),
+    }
+    return out

@@ -1,0 +1,434 @@
+"""Checkpointer (round trip, keep-last-N, corruption, failed saves, other meshes), the
+workdir config guard and GracefulExit."""
+
+import errno
+import json
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from orbax.checkpoint import handlers as ocp_handlers
+
+from configs import base
+from sao_jax import checkpointing as ckpt
+from sao_jax import config as config_lib
+from sao_jax.models.config import ModelConfig
+from sao_jax.models.factory import critic_def, policy_def
+from sao_jax.parallel.mesh import Sharder, build_mesh
+from sao_jax.rl.update import Learner
+from sao_jax.schema import ConfigError
+
+abstract_like = ckpt.abstract_like
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _tiny_config(**rl):
+    c = base.get_config()
+    c.model.update(
+        vocab_size=32, hidden_size=32, num_hidden_layers=2, head_dim=8, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=32, moe_intermediate_size=16, num_experts=8,
+        num_experts_per_tok=2, mlp_only_layers=(0,),
+    )  # fmt: skip
+    c.rl.batch_size = 8
+    c.rl.update(rl)
+    return config_lib.validate(c)
+
+
+def _randomise(state, seed):
+    """Every leaf replaced by random values of its dtype, on its sharding."""
+    rng = np.random.default_rng(seed)
+
+    def fill(x):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            v = rng.standard_normal(x.shape).astype(x.dtype)
+        else:
+            v = rng.integers(0, 1000, x.shape).astype(x.dtype)
+        return jax.device_put(v, x.sharding)
+
+    return jax.tree.map(fill, state)
+
+
+def _assert_same(a, b):
+    """Same tree structure (int keys, MaskedNode, EmptyState, {}) and bit-equal leaves."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _small(seed):
+    """A TrainState-like tree: int keys, MaskedNode, EmptyState, an empty dict."""
+    rng = np.random.default_rng(seed)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    return {
+        "layers": {0: {"w": w(4, 3), "frozen": optax.MaskedNode()}, 1: {"w": w(4, 3)}},
+        "opt": (optax.EmptyState(), {"count": jnp.int32(seed)}),
+        "critic": {},
+        "rng": jnp.asarray(rng.integers(0, 2**32, (2,)), jnp.uint32),
+    }
+
+
+def _ckpt(path, **kw):
+    return ckpt.Checkpointer(path / "checkpoints", **kw)
+
+
+def _save_steps(ck, steps):
+    for s in steps:
+        assert ck.save(s, _small(s), {"step": s})
+    ck.wait()
+
+
+def _restore(ck, **kw):
+    return ck.restore(abstract_like(_small(0), None), **kw)
+
+
+def _damage(step_dir, how):
+    if how == "truncate_data":
+        for p in (step_dir / "state" / "d").iterdir():
+            with open(p, "r+b") as f:
+                f.truncate(os.path.getsize(p) // 2)
+    elif how == "delete_tree_metadata":
+        (step_dir / "state" / "_METADATA").unlink()
+    elif how == "delete_meta_item":
+        shutil.rmtree(step_dir / "meta")
+    elif how == "truncate_meta_json":
+        (step_dir / "meta" / "metadata").write_text('{"ste')
+    else:
+        raise ValueError(how)
+
+
+# A restore that fails on a truncated data file leaves tensorstore callbacks aimed at
+# orbax's closed event loop ("Exception ignored ... Event loop is closed"): harmless.
+_LOOP_CLOSED = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+DAMAGE = ["truncate_data", "delete_tree_metadata", "delete_meta_item", "truncate_meta_json"]
+
+
+# ------------------------------------------------------------------- real TrainState
+
+
+def _params(model_def, sharder, seed):
+    """Random parameters of `model_def`, placed as the sharder says (no init compile)."""
+    shapes = model_def.shapes()
+    return _randomise(abstract_like(shapes, model_def.shardings(sharder)), seed)
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    """A randomised TrainState of the tiny model on a (2, 2, 2, 1) mesh of 8 devices."""
+    config = _tiny_config()
+    sharder = Sharder(build_mesh((2, 2, 2, 1)))
+    cfg = ModelConfig.from_config(config.model)
+    defs = policy_def(cfg, sharder), critic_def(cfg, sharder)
+    learner = Learner(config, *defs, sharder)
+    state = learner.new_state(_params(defs[0], sharder, 1), _params(defs[1], sharder, 2), seed=0)
+    return config, defs, learner, _randomise(state, seed=3)
+
+
+META = {
+    "prompts": b"\x00\xffgrain-state",
+    "counters": {"trajectories": 12, "staleness": {0: 3, np.int32(5): 1}},
+    "config": "sao",
+    "stats": [1.5, None, True, (2, 3)],
+    "np": np.int64(7),
+}
+META_BACK = dict(META, stats=[1.5, None, True, [2, 3]], np=7)
+
+
+def test_train_state_round_trip(sharded, tmp_path):
+    _, _, learner, state = sharded
+    assert 0 in state.policy["trunk"]["layers"]  # integer layer keys
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    assert any(map(masked, jax.tree.leaves(state.critic_opt, is_leaf=masked)))
+    with _ckpt(tmp_path) as ck:
+        assert ck.save(5, state, META)
+        ck.wait()
+        abstract = abstract_like(learner.abstract_state, learner.state_shardings)
+        restored, meta = ck.restore(abstract)
+    _assert_same(restored, state)
+    assert meta == META_BACK and ck.restored_step == 5
+    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        assert x.sharding == y.sharding
+
+
+def test_state_without_critic_round_trips(sharded, tmp_path):
+    _, defs, learner, _ = sharded
+    config = _tiny_config(advantage="moving_average")
+    nc = Learner(config, defs[0], None, learner.sharder)
+    state = _randomise(nc.new_state(_params(defs[0], learner.sharder, 1), None, seed=3), seed=4)
+    assert state.critic == {}
+    with _ckpt(tmp_path, async_save=False) as ck:
+        ck.save(1, state, {})
+        restored, meta = ck.restore(abstract_like(nc.abstract_state, nc.state_shardings))
+    _assert_same(restored, state)
+    assert meta == {}
+
+
+@pytest.mark.parametrize("devices", [4, 1])
+def test_restore_onto_fewer_devices_is_bit_exact(sharded, tmp_path, devices):
+    config, defs, _, state = sharded
+    with _ckpt(tmp_path) as ck:
+        ck.save(2, state, {"n": 1})
+    mesh = build_mesh((1, 2, 2, 1), devices=jax.devices()[:4]) if devices == 4 else None
+    target = Learner(config, *defs, Sharder(mesh))
+    abstract = abstract_like(target.abstract_state, target.state_shardings)
+    with _ckpt(tmp_path) as ck:
+        restored, _ = ck.restore(abstract)
+    _assert_same(restored, state)
+    for x, want in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract), strict=True):
+        assert x.sharding == want.sharding and len(x.sharding.device_set) <= devices
+    e = restored.policy["trunk"]["layers"][1]["mlp"]["experts"]["gate_proj"]
+    assert len(e.sharding.device_set) == devices  # really spread over the new mesh
+
+
+# ------------------------------------------------------------------------- mechanics
+
+
+def test_keep_last_n_and_save_rules(tmp_path):
+    with _ckpt(tmp_path, keep=2) as ck:
+        _save_steps(ck, [1, 2, 3, 4])
+        assert ck.all_steps() == [3, 4] and ck.latest_step() == 4
+        assert sorted(p.name for p in ck.directory.iterdir() if p.name.isdigit()) == ["3", "4"]
+        assert not ck.save(4, _small(9), {})  # already saved
+        with pytest.raises(ckpt.CheckpointError, match="older than the latest"):
+            ck.save(3, _small(9), {})
+        assert ck.save(4, _small(9), {"again": True}, force=True)  # replaced
+        ck.wait()
+        state, meta = _restore(ck)
+    _assert_same(state, _small(9))
+    assert meta == {"again": True}
+    assert not list((ck.directory / ckpt.REPLACED_DIR).iterdir())
+
+
+@_LOOP_CLOSED
+@pytest.mark.parametrize("how", DAMAGE)
+def test_corrupt_latest_falls_back_with_warning(tmp_path, caplog, how):
+    with _ckpt(tmp_path) as ck:
+        _save_steps(ck, [1, 2, 3])
+    _damage(ck.step_dir(3), how)
+    with _ckpt(tmp_path) as ck, caplog.at_level(logging.WARNING):
+        state, meta = _restore(ck)
+        _assert_same(state, _small(2))
+        assert meta == {"step": 2} and ck.restored_step == 2
+        assert str(ck.step_dir(3)) in caplog.text
+        assert (ck.directory / ckpt.CORRUPT_DIR / "3").is_dir()  # kept for inspection
+        assert ck.all_steps() == [1, 2]
+        assert ck.save(3, _small(33), {"step": 3})  # the step number is free again
+        ck.wait()
+        _assert_same(_restore(ck)[0], _small(33))
+
+
+def test_tmp_dir_of_crashed_save_is_ignored(tmp_path, caplog):
+    with _ckpt(tmp_path) as ck:
+        _save_steps(ck, [1, 2])
+    shutil.copytree(ck.step_dir(2), ck.directory / "3.orbax-checkpoint-tmp")
+    _damage(ck.directory / "3.orbax-checkpoint-tmp", "truncate_data")
+    with _ckpt(tmp_path) as ck, caplog.at_level(logging.WARNING):
+        assert ck.latest_step() == 2
+        state, _ = _restore(ck)
+        assert ck.save(3, _small(3), {})
+    _assert_same(state, _small(2))
+    assert "unreadable" not in caplog.text
+
+
+@_LOOP_CLOSED
+def test_explicit_corrupt_step_raises_naming_directory(tmp_path):
+    with _ckpt(tmp_path) as ck:
+        _save_steps(ck, [1, 2])
+        _damage(ck.step_dir(2), "truncate_data")
+        with pytest.raises(ckpt.CheckpointError, match=f"{ck.step_dir(2)} is incomplete"):
+            _restore(ck, step=2)
+        with pytest.raises(ckpt.CheckpointError, match=r"available steps: \[1, 2\]"):
+            _restore(ck, step=7)
+        _assert_same(_restore(ck, step=1)[0], _small(1))
+        assert ck.all_steps() == [1, 2]  # an explicit restore moves nothing
+        _damage(ck.step_dir(1), "delete_meta_item")
+        with pytest.raises(ckpt.CheckpointError, match="no readable checkpoint"):
+            _restore(ck)
+        assert ck.all_steps() == [1, 2]
+
+
+def test_incompatible_target_names_the_tensor(tmp_path):
+    with _ckpt(tmp_path) as ck:
+        _save_steps(ck, [1])
+        abstract = abstract_like(_small(0), None)
+        abstract["layers"][1]["w"] = jax.ShapeDtypeStruct(
+            (5, 3), jnp.float32, sharding=abstract["rng"].sharding
+        )
+        with pytest.raises(ConfigError, match=r"layers\.1\.w is stored as float32\[4, 3\]"):
+            ck.restore(abstract)
+        abstract["layers"][1]["w"] = abstract["layers"][0]["w"]
+        del abstract["rng"]
+        with pytest.raises(ConfigError, match="tensor rng is not in the target"):
+            ck.restore(abstract)
+        with pytest.raises(TypeError, match="has no sharding"):
+            ck.restore({"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
+        assert ck.all_steps() == [1]
+
+
+def _disk_full(monkeypatch, where):
+    def fail(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def fail_async(*a, **k):
+        fail()
+
+    if where == "meta_commit":  # in the background commit of the JSON item
+        monkeypatch.setattr(ocp_handlers.JsonCheckpointHandler, "_save_fn", fail_async)
+    else:  # while starting the array write
+        monkeypatch.setattr(ocp_handlers.StandardCheckpointHandler, "async_save", fail_async)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+@pytest.mark.parametrize("where", ["meta_commit", "state_start"])
+def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, async_save, where):
+    with _ckpt(tmp_path, keep=1, async_save=async_save) as ck:
+        _save_steps(ck, [1])
+        _disk_full(monkeypatch, where)
+        with pytest.raises(ckpt.CheckpointError) as err:
+            ck.save(2, _small(2), {"step": 2})
+            ck.wait()
+        monkeypatch.undo()
+        assert isinstance(err.value.__cause__, OSError)
+        assert err.value.__cause__.errno == errno.ENOSPC
+        assert str(ck.step_dir(2)) in str(err.value) and "checkpoint 1 is intact" in str(err.value)
+        assert ck.all_steps() == [1]
+        state, meta = _restore(ck)
+        _assert_same(state, _small(1))
+        assert meta == {"step": 1}
+        _save_steps(ck, [3])  # the manager still works
+        assert ck.all_steps() == [3]
+
+
+_CRASH = """
+import os, sys
+import jax.numpy as jnp
+from orbax.checkpoint import handlers
+from sao_jax.checkpointing import Checkpointer
+
+async def die(*a, **k):  # killed while the step is being committed
+    os._exit(3)
+
+ck = Checkpointer(sys.argv[1], async_save=True)
+ck.save(1, {"w": jnp.ones(3)}, {"step": 1})
+ck.wait()
+handlers.JsonCheckpointHandler._save_fn = die
+ck.save(2, {"w": jnp.full(3, 2.0)}, {"step": 2})
+ck.wait()
+"""
+
+
+def test_process_killed_mid_save_leaves_previous_checkpoint(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    root = pathlib.Path(__file__).parents[1]
+    run = subprocess.run(
+        [sys.executable, "-c", _CRASH, str(tmp_path)], cwd=root, env=env, capture_output=True
+    )
+    assert run.returncode == 3, run.stderr.decode()[-2000:]
+    assert [p.name for p in tmp_path.iterdir() if "tmp" in p.name] == ["2.orbax-checkpoint-tmp"]
+    with ckpt.Checkpointer(tmp_path) as ck:
+        assert ck.all_steps() == [1]
+        abstract = abstract_like({"w": jax.ShapeDtypeStruct((3,), jnp.float32)}, None)
+        state, meta = ck.restore(abstract)
+        np.testing.assert_array_equal(state["w"], np.ones(3))
+        assert meta == {"step": 1}
+        assert ck.save(2, {"w": jnp.full(3, 2.0)}, {"step": 2})
+        ck.wait()
+        assert ck.all_steps() == [1, 2]
+    assert not [p for p in tmp_path.iterdir() if "tmp" in p.name]  # cleaned up on open
+
+
+def test_failed_forced_resave_puts_old_copy_back(tmp_path, monkeypatch):
+    with _ckpt(tmp_path) as ck:
+        _save_steps(ck, [1])
+        _disk_full(monkeypatch, "meta_commit")
+        with pytest.raises(ckpt.CheckpointError, match="No space left"):
+            ck.save(1, _small(5), {}, force=True)
+            ck.wait()
+        monkeypatch.undo()
+        assert ck.all_steps() == [1]
+        _assert_same(_restore(ck)[0], _small(1))
+
+
+def test_meta_codec():
+    assert ckpt.decode_meta(json.loads(json.dumps(ckpt.encode_meta(META)))) == META_BACK
+    with pytest.raises(TypeError, match=r"meta\['counters'\]\['bad'\]: set"):
+        ckpt.encode_meta({"counters": {"bad": {1}}})
+    with pytest.raises(TypeError, match="dict key 1.5"):
+        ckpt.encode_meta({"h": {1.5: 2}})
+    with pytest.raises(ValueError, match="reserved"):
+        ckpt.encode_meta({"x": {"__bytes__": "AA=="}})
+
+
+# ------------------------------------------------------------------ workdir config guard
+
+
+def test_workdir_config_guard(tmp_path):
+    cfg = base.get_config().to_dict()  # tuples, placeholders (None), nested sections
+    wd = tmp_path / "run"
+    ckpt.check_workdir_config(wd, cfg, overwrite=False)  # first run writes it
+    stored = json.loads((wd / ckpt.CONFIG_FILE).read_text())
+    assert stored["mesh"]["shape"] == list(cfg["mesh"]["shape"])
+    ckpt.check_workdir_config(wd, cfg, overwrite=False)  # same config: resume
+
+    longer = json.loads(json.dumps(stored))
+    longer["train"]["total_steps"] += 100
+    longer["mesh"]["shape"] = [1, 1, 8, 1]
+    ckpt.check_workdir_config(wd, longer, overwrite=False)  # resumable fields only
+    assert json.loads((wd / ckpt.CONFIG_FILE).read_text()) == longer
+
+    changed = json.loads(json.dumps(longer))
+    changed["rl"]["k_critic"] += 1
+    changed["optim"]["policy"]["lr"] *= 2
+    with pytest.raises(ConfigError, match=r"config field optim\.policy\.lr: .*\(2 non-resumable"):
+        ckpt.check_workdir_config(wd, changed, overwrite=False)
+    changed["new_section"] = {"x": 1}
+    with pytest.raises(ConfigError, match=r"new_section\.x: the run .* used '\(absent\)'"):
+        ckpt.check_workdir_config(wd, changed, overwrite=False)
+
+    (wd / "checkpoints" / "3").mkdir(parents=True)
+    ckpt.check_workdir_config(wd, changed, overwrite=True)  # old run moved aside
+    (old,) = [p for p in wd.iterdir() if p.name.startswith("previous-")]
+    assert (old / "checkpoints" / "3").is_dir() and (old / ckpt.CONFIG_FILE).exists()
+    assert not (wd / "checkpoints").exists()
+    assert json.loads((wd / ckpt.CONFIG_FILE).read_text()) == changed
+
+
+def test_workdir_with_files_but_no_config_is_refused(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        ckpt.check_workdir_config(tmp_path, {"a": 1}, overwrite=False)
+    with pytest.raises(TypeError, match=r"config\['a'\]: object"):
+        ckpt.check_workdir_config(tmp_path / "x", {"a": object()}, overwrite=False)
+
+
+# ----------------------------------------------------------------------- GracefulExit
+
+
+def _wait_for(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def test_graceful_exit_on_sigterm_and_second_sigint():
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with ckpt.GracefulExit() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait_for(lambda: stop.requested)
+        assert stop.requested and stop.signal == signal.SIGTERM  # and we are still alive
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            _wait_for(lambda: False, timeout=2.0)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before

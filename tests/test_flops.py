@@ -1,0 +1,149 @@
+"""Analytic parameter and FLOP counts against the real param trees and hand-worked cases."""
+
+import dataclasses
+import math
+
+import jax
+import pytest
+
+from configs import base
+from configs.models import tiny
+from sao_jax import flops
+from sao_jax.models.config import ModelConfig
+from sao_jax.models.factory import critic_def, policy_def
+from sao_jax.parallel.memory import category, memory_plan, parse_mesh
+from sao_jax.parallel.mesh import Sharder
+from sao_jax.parallel.partition import path_str
+from sao_jax.schema import ConfigError
+
+TINY = ModelConfig.from_config(tiny.get_config())
+# Dense and sparse layers mixed by decoder_sparse_step and mlp_only_layers, tied head.
+MIXED = ModelConfig(
+    vocab_size=40, hidden_size=24, num_hidden_layers=5, num_attention_heads=6,
+    num_key_value_heads=3, head_dim=6, intermediate_size=20, moe_intermediate_size=12,
+    num_experts=6, num_experts_per_tok=3, decoder_sparse_step=2, mlp_only_layers=(3,),
+    tie_word_embeddings=True,
+)  # fmt: skip
+DENSE = ModelConfig(
+    vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=4, intermediate_size=16, num_experts=0,
+)  # fmt: skip
+CONFIGS = {"tiny": TINY, "mixed": MIXED}
+
+
+def _leaves(cfg: ModelConfig, head: str) -> dict[str, tuple[int, ...]]:
+    mdef = (policy_def if head == "policy" else critic_def)(cfg, Sharder())
+    leaves = jax.tree_util.tree_leaves_with_path(mdef.shapes())
+    return {path_str(p): tuple(s.shape) for p, s in leaves}
+
+
+def _tree_counts(cfg, head):
+    out = {}
+    for path, shape in _leaves(cfg, head).items():
+        out[category(path)] = out.get(category(path), 0) + math.prod(shape)
+    return out
+
+
+def _tree_matmul_params(cfg, head):
+    """Matrices (ndim >= 2) and the value head from the tree; experts scaled by k / E;
+    the embedding table only when it doubles as the LM head."""
+    n = 0
+    for path, shape in _leaves(cfg, head).items():
+        size = math.prod(shape)
+        if path == "trunk.embed.embedding":
+            n += size if (head == "policy" and cfg.tie_word_embeddings) else 0
+        elif ".mlp.experts." in path:
+            n += size * cfg.num_experts_per_tok // cfg.num_experts
+        elif len(shape) >= 2 or path == "value_head":
+            n += size
+    return n
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("head", flops.HEADS)
+def test_counts_match_the_param_tree(name, head):
+    cfg = CONFIGS[name]
+    assert flops.param_counts(cfg, head) == _tree_counts(cfg, head)
+    assert flops.total_params(cfg, head) == sum(_tree_counts(cfg, head).values())
+    assert flops.matmul_params(cfg, head) == _tree_matmul_params(cfg, head)
+    experts = _tree_counts(cfg, head)["experts"]
+    want_active = sum(_tree_counts(cfg, head).values()) - experts * (
+        1 - cfg.num_experts_per_tok / cfg.num_experts
+    )
+    assert flops.active_params(cfg, head) == want_active
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_active_params_agree_with_the_memory_plan(name):
+    cfg = CONFIGS[name]
+    plan = memory_plan(cfg, base.get_config().optim, parse_mesh("", 1))
+    assert flops.active_params(cfg) == plan.active_params
+    assert flops.total_params(cfg) == plan.policy_total.count
+    assert flops.total_params(cfg, "critic") == plan.critic_total.count
+
+
+def test_mixed_config_really_mixes_layers():
+    assert MIXED.moe_layers == (1,) and TINY.moe_layers == (1, 2)
+    m = dataclasses.replace(MIXED, mlp_only_layers=())
+    assert m.moe_layers == (1, 3)
+    assert flops.param_counts(m)["experts"] == 2 * flops.param_counts(MIXED)["experts"]
+
+
+def test_dense_by_hand():
+    # attention 2*8*2*4 + 2*8*1*4 = 192 + q/k norms 8; mlp 3*8*16 = 384; norms 2*8 + 8;
+    # embedding 10*8 and an untied head 8*10.
+    assert flops.param_counts(DENSE) == {
+        "attention": 200,
+        "dense mlp": 384,
+        "norms": 24,
+        "embedding + lm_head": 160,
+    }
+    assert flops.total_params(DENSE) == flops.active_params(DENSE) == 768
+    assert flops.total_params(DENSE, "critic") == 768 - 80 + 9
+    assert flops.matmul_params(DENSE) == 192 + 384 + 80
+    assert flops.matmul_params(DENSE, "critic") == 192 + 384 + 8
+    # B=2, T=3: 2 * 656 * 6 = 7872 matmul + scores 2 * 2 * 2 * 9 * 2 * 4 = 576.
+    assert flops.attention_score_flops(DENSE, 2, 3) == 576
+    assert flops.attention_score_flops(DENSE, 2, 3, causal=True) == 288
+    assert flops.model_pass_flops(DENSE, 2, 3, backward=False) == 8448
+    assert flops.model_pass_flops(DENSE, 2, 3, backward=True) == 3 * 8448
+    # frozen attention: no weight gradients of the 192 projection params, 6 tokens.
+    frozen = flops.model_pass_flops(DENSE, 2, 3, backward=True, frozen_attention=True)
+    assert frozen == 3 * 8448 - 2 * 192 * 6
+
+
+def test_moe_by_hand():
+    cfg = dataclasses.replace(DENSE, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=8)
+    counts = flops.param_counts(cfg)
+    assert counts["experts"] == 3 * 4 * 8 * 8 and counts["router"] == 8 * 4
+    assert "dense mlp" not in counts
+    # one of four experts active: 768 / 4 = 192
+    assert flops.active_params(cfg) == flops.total_params(cfg) - 768 + 192
+    assert flops.matmul_params(cfg) == 192 + 32 + 192 + 80
+
+
+def test_update_step_counts_every_pass():
+    b, t = 4, 16
+    fwd_c = flops.model_pass_flops(TINY, b, t, backward=False, head="critic")
+    step_c = flops.model_pass_flops(TINY, b, t, backward=True, head="critic", frozen_attention=True)
+    step_p = flops.model_pass_flops(TINY, b, t, backward=True)
+    passes = flops.update_step_passes(TINY, b, t, 2)
+    assert list(passes.values()) == [fwd_c, step_c, step_c, fwd_c, step_p]
+    assert flops.update_step_flops(TINY, b, t, 2) == 2 * fwd_c + 2 * step_c + step_p
+    first = flops.update_step_passes(TINY, b, t, 3, order="policy_first", old_logp=True)
+    assert len(first) == 1 + 1 + 1 + 3 and "critic forward (recompute)" not in first
+    full = flops.update_step_flops(TINY, b, t, 2, frozen_attention=False)
+    assert full - flops.update_step_flops(TINY, b, t, 2) == 2 * (
+        2 * TINY.num_hidden_layers * flops.attention_proj_params(TINY) * b * t
+    )
+
+
+def test_bad_arguments_named():
+    with pytest.raises(ConfigError, match="argument head"):
+        flops.total_params(TINY, "value")
+    with pytest.raises(ConfigError, match="argument length"):
+        flops.model_pass_flops(TINY, 2, 0, backward=False)
+    with pytest.raises(ConfigError, match="argument k_critic"):
+        flops.update_step_flops(TINY, 2, 4, 0)
+    with pytest.raises(ConfigError, match="argument order"):
+        flops.update_step_flops(TINY, 2, 4, 1, order="both")
