@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= -n 2 --durations=20
 WORKDIR ?= workdirs/demo
 
 .PHONY: demo test lint format install install-dev clean

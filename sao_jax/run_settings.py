@@ -11,7 +11,7 @@ from sao_jax.rl.optim import optimizer_section
 from sao_jax.schema import ConfigDict, register_validator, require
 
 ENV_NAMES = ("arithmetic", "python_tool", "style")
-INIT_KINDS = ("sft", "hf", "random")
+INIT_KINDS = ("sft", "hf", "params", "random")
 ROLLOUT_MODES = ("async", "sync")
 
 
@@ -28,8 +28,9 @@ def env_section() -> ConfigDict:
 
 def init_section() -> ConfigDict:
     c = ConfigDict()
-    c.kind = "sft"  # 'sft' on generated demonstrations | 'hf' checkpoint | 'random'
+    c.kind = "sft"  # 'sft' on demonstrations | 'hf' checkpoint | 'params' | 'random'
     c.hf_path = ""  # Hugging Face checkpoint directory when kind == 'hf'
+    c.params_path = ""  # a run's <workdir>/warm_start when kind == 'params' (shared SFT)
     c.tokenizer = "char"  # 'char' (built-in) or a directory with tokenizer.json
     return c
 
@@ -99,6 +100,8 @@ def _check_init(config: ConfigDict) -> None:
     require(i.kind in INIT_KINDS, "init.kind", f"must be one of {INIT_KINDS}, got {i.kind!r}")
     if i.kind == "hf":
         require(bool(i.hf_path), "init.hf_path", "a checkpoint directory is needed for kind 'hf'")
+    if i.kind == "params":
+        require(bool(i.params_path), "init.params_path", "a directory is needed for kind 'params'")
 
 
 @register_validator("sft")

@@ -8,7 +8,6 @@ policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ import numpy as np
 from sao_jax import checkpointing, metrics, report
 from sao_jax import config as config_lib
 from sao_jax.data.prompts import prompt_iterator, prompt_source
-from sao_jax.envs.registry import make_env
+from sao_jax.envs.registry import env_factory
 from sao_jax.evaluation import Evaluator
 from sao_jax.models import hf
 from sao_jax.models.config import ModelConfig
@@ -80,7 +79,7 @@ class Run:
         self.learner = Learner(config, self.models.policy_def, self.models.critic_def, self.sharder)
         self.engine_cfg, self.sampler_cfg = configs_from_section(config.sampling, config.seed)
         env = config.env
-        self.env_factory = functools.partial(make_env, env.name, **env.params)
+        self.env_factory, self.set_env_step = env_factory(env.name, env.params.to_dict())
         prompt_kw = dict(seed=config.seed, eval_fraction=env.eval_fraction, **env.prompts)
         self.prompts = prompt_iterator(env.name, "train", **prompt_kw)
         eval_prompts = list(prompt_source(env.name, "eval", size=env.eval_size, **prompt_kw))
@@ -108,6 +107,8 @@ class Run:
         """Stage (a): SFT on demonstrations, a HF checkpoint, or the random init."""
         cfg, models = self.config, self.models
         policy = models.policy
+        if cfg.init.kind == "params":
+            policy = self.load_policy(cfg.init.params_path)
         if cfg.init.kind == "sft" and cfg.sft.steps > 0:
             demo_prompts = prompt_iterator(
                 cfg.env.name,
@@ -134,8 +135,25 @@ class Run:
                 cfg.sft.steps,
                 on_log=lambda s, m: log.info("sft step %d: %s", s, _fmt(m)),
             )
+            self.save_policy(self.workdir / "warm_start", policy)
         critic = critic_params_from_policy(policy, models.critic)
         return self.learner.new_state(policy, critic, cfg.seed)
+
+    def save_policy(self, path: pathlib.Path, policy) -> None:
+        """Writes the warm-start policy, reusable by other runs (init.kind='params')."""
+        with checkpointing.Checkpointer(path, keep=1, async_save=False) as c:
+            c.save(0, policy, {"model": self.config.model.to_dict()})
+
+    def load_policy(self, path: str):
+        pdef = self.models.policy_def
+        if not pathlib.Path(path).is_dir():
+            raise ConfigError(f"config field init.params_path: {path!r} is not a directory")
+        with checkpointing.Checkpointer(path, keep=1, async_save=False) as c:
+            policy, _ = c.restore(
+                checkpointing.abstract_like(pdef.shapes(), pdef.shardings(self.sharder))
+            )
+        log.info("warm start: policy params from %s", path)
+        return policy
 
     def value_pretrain(self, state):
         """Stage (b): critic-only steps on Monte-Carlo returns of the fixed initial policy."""
@@ -254,6 +272,8 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
     t = cfg.train
     b = cfg.rl.batch_size
     source = r.rollouts()
+    if r.set_env_step is not None:
+        r.set_env_step(int(state.step))
     source.publish(state.policy, int(state.step))
     source.start()
     acc = metrics.MetricAccumulator()
@@ -274,6 +294,8 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
                 continue
             state, m = learner.update_step(state, batch, r._key(state))
             source.publish(state.policy, int(state.step))
+            if r.set_env_step is not None:  # non-stationary tasks follow the policy step
+                r.set_env_step(int(state.step))
             acc.add(m)
             step = int(state.step)
             if step % t.log_every == 0 or step == t.total_steps:
