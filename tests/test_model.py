@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.moe.dispatch import local_moe, moe_dispatch
+from sao_jax.models.moe.dispatch import dense_local_moe, local_moe, moe_dispatch
 from sao_jax.models.moe.experts import reference_moe
 from sao_jax.models.moe.router import route
 from sao_jax.models.transformer import Critic, Policy, critic_params_from_policy
@@ -67,16 +67,18 @@ def test_dispatch_matches_dense_reference():
     x = jax.random.normal(kx, (n, d))
     routing = route(jax.random.normal(kr, (n, e)), k, norm_topk=False)
     w = [jax.random.normal(kk, s) for kk, s in ((kg, (e, d, f)), (ku, (e, d, f)), (kd, (e, f, d)))]
-    got = local_moe(x, routing.experts_nk, routing.weights_nk, *w, 0)
     want = reference_moe(x, routing.experts_nk, routing.weights_nk, *w)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    for fn in (local_moe, dense_local_moe):
+        got = fn(x, routing.experts_nk, routing.weights_nk, *w, 0)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     # Expert-parallel dispatch on 8 fake devices equals the local computation.
     for shape in MESHES:
         sharder = Sharder(build_mesh(shape))
-        sharded = jax.jit(lambda *a, s=sharder: moe_dispatch(*a, s))(
-            x, routing.experts_nk, routing.weights_nk, *w
-        )
-        np.testing.assert_allclose(sharded, want, atol=1e-5, rtol=1e-5)
+        for impl in ("ragged", "dense"):
+            sharded = jax.jit(lambda *a, s=sharder, i=impl: moe_dispatch(*a, s, i))(
+                x, routing.experts_nk, routing.weights_nk, *w
+            )
+            np.testing.assert_allclose(sharded, want, atol=1e-5, rtol=1e-5, err_msg=impl)
 
 
 def test_router_topk_and_replay():

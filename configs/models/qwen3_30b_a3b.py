@@ -37,6 +37,7 @@ def get_config(arg=None):
     c.tie_word_embeddings = False
     c.router_aux_loss_coef = 0.001
     c.initializer_range = 0.02
+    c.moe_impl = "auto"  # grouped GEMM (ragged_dot) on GPU/TPU
     c.dtype = "bfloat16"  # activations / matmuls
     c.param_dtype = "float32"  # master weights (see the module docstring)
     return c

@@ -55,6 +55,7 @@ class DecoderLayer(nnx.Module):
                 num_experts=cfg.num_experts,
                 top_k=cfg.num_experts_per_tok,
                 norm_topk=cfg.norm_topk_prob,
+                impl=cfg.moe_impl,
                 init_std=std,
                 param_dtype=pd,
                 sharder=sharder,

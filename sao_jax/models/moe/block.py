@@ -22,6 +22,7 @@ class MoEBlock(nnx.Module):
         num_experts: int,
         top_k: int,
         norm_topk: bool,
+        impl: str,
         init_std: float,
         param_dtype,
         sharder: Sharder,
@@ -29,6 +30,7 @@ class MoEBlock(nnx.Module):
     ):
         self.top_k = top_k
         self.norm_topk = norm_topk
+        self.impl = impl
         self.sharder = sharder
         self.gate = Router(dim, num_experts, init_std=init_std, param_dtype=param_dtype, rngs=rngs)
         self.experts = Experts(
@@ -50,5 +52,6 @@ class MoEBlock(nnx.Module):
             routing.weights_nk.astype(x_nd.dtype),
             *self.experts.weights(),
             self.sharder,
+            self.impl,
         )
         return y_nd.reshape(b, t, d), routing

@@ -17,6 +17,36 @@ from jax.sharding import PartitionSpec as P
 from sao_jax.models.moe.experts import grouped_swiglu
 from sao_jax.parallel.mesh import Sharder
 
+IMPLS = ("ragged", "dense")
+
+
+def resolve_impl(impl: str) -> str:
+    """'auto' -> 'ragged' on accelerators, 'dense' on CPU.
+
+    XLA's CPU `ragged_dot` runs every row against every group (about 15x a plain matmul
+    of the useful work, docs/benchmarks.md), so for the few experts of CPU-sized models
+    computing all local experts densely (E_local / k times the useful FLOPs) is faster.
+    Both are exact and dropless.
+    """
+    if impl == "auto":
+        return "dense" if jax.default_backend() == "cpu" else "ragged"
+    if impl not in IMPLS:
+        raise ValueError(f"moe impl: {impl!r} is not one of {('auto', *IMPLS)}")
+    return impl
+
+
+def dense_local_moe(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, offset):
+    """As `local_moe`, computing every local expert on every token and combining with the
+    routing weights (zero for experts a token did not choose or that are not local)."""
+    dt = x_nd.dtype
+    e_local = w_gate_edf.shape[0]
+    onehot_nke = jax.nn.one_hot(experts_nk - offset, e_local, dtype=jnp.float32)  # 0 if not local
+    combine_ne = jnp.einsum("nke,nk->ne", onehot_nke, weights_nk.astype(jnp.float32))
+    gate_nef = jnp.einsum("nd,edf->nef", x_nd, w_gate_edf.astype(dt))
+    up_nef = jnp.einsum("nd,edf->nef", x_nd, w_up_edf.astype(dt))
+    h_nef = jax.nn.silu(gate_nef) * up_nef * combine_ne[:, :, None].astype(dt)
+    return jnp.einsum("nef,efd->nd", h_nef, w_down_efd.astype(dt))
+
 
 def local_moe(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, expert_offset):
     """Sum over each token's k slots of weight * expert(x), for experts in
@@ -42,11 +72,19 @@ def _as_tuple(entry) -> tuple[str, ...]:
 
 
 def moe_dispatch(
-    x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, sharder: Sharder
+    x_nd,
+    experts_nk,
+    weights_nk,
+    w_gate_edf,
+    w_up_edf,
+    w_down_efd,
+    sharder: Sharder,
+    impl: str = "auto",
 ) -> jax.Array:
     """Expert-parallel dropless MoE forward; equals `local_moe` with offset 0."""
+    compute = local_moe if resolve_impl(impl) == "ragged" else dense_local_moe
     if sharder.mesh is None:
-        return local_moe(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, 0)
+        return compute(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, 0)
     batch_axes = _as_tuple(sharder.spec(("batch",), x_nd.shape[:1])[0])
     exp_axes = sharder.mesh_axes("expert")
     mlp_axes = tuple(a for a in sharder.mesh_axes("expert_mlp") if a not in exp_axes)
@@ -60,7 +98,7 @@ def moe_dispatch(
         if gather_axes:
             x, e, w = (jax.lax.all_gather(a, gather_axes, axis=0, tiled=True) for a in (x, e, w))
         offset = jax.lax.axis_index(exp_axes) * g.shape[0] if exp_axes else 0
-        y = local_moe(x, e, w, g, u, d, offset)
+        y = compute(x, e, w, g, u, d, offset)
         if reduce_axes:
             y = jax.lax.psum(y, reduce_axes)
         if gather_axes:
