@@ -95,5 +95,11 @@ def _validate_section(config: ConfigDict) -> None:
         "rl.losses.dis",
         f"need 0 <= eps_l < 1 and eps_h > 0 (keep band (1 - eps_l, 1 + eps_h)), got {dis}",
     )
+    if rl.routing_replay and "sampling" in config:
+        require(
+            config.sampling.record_routing,
+            "rl.routing_replay",
+            "needs sampling.record_routing=True (the sampler must record the experts to replay)",
+        )
     ice = rl.losses.icepop
     require(ice.band_low < 1 < ice.band_high, "rl.losses.icepop", "need band_low < 1 < band_high")
