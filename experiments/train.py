@@ -7,9 +7,19 @@ r"""Trains one run from a config: warm start, value pretraining, async SAO RL, e
 
 A workdir that holds a run resumes it (same config); a different config there is refused
 unless --overwrite. SIGTERM/SIGINT saves a checkpoint and exits 0.
+
+One process per host (TPU pod, GPU cluster; docs/scaling.md): every host runs the same
+command, and jax.distributed connects them before anything else runs. The coordinator
+address, process count and id come from --coordinator_address / --num_processes /
+--process_id, else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else
+JAX's cluster detection (--distributed=detect on a TPU pod; see experiments/launch.py):
+
+  python -m experiments.train --config=configs/qwen3_30b_a3b_sao.py --workdir=/mnt/run \
+      --coordinator_address=h0:8476 --num_processes=2 --process_id=0   # on host h0
 """
 
 import logging
+import re
 import sys
 
 from absl import app, flags
@@ -17,24 +27,52 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from sao_jax import train
+from sao_jax.parallel import distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file[:variant].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, report).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a different run in --workdir.")
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed", "auto", distributed.MODES,
+    "auto: multi-process when a coordinator/count/id is given (flag or JAX_* env) or a "
+    "cluster is visible; detect: always jax.distributed.initialize() (TPU pods); off.",
+)  # fmt: skip
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes (hosts) in the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, count).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
     del argv
+    spec = distributed.resolve(
+        _DISTRIBUTED.value,
+        coordinator_address=_COORDINATOR.value,
+        num_processes=_NUM_PROCESSES.value,
+        process_id=_PROCESS_ID.value,
+    )
+    distributed.initialize(spec)  # before any JAX computation
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax/jax info logs
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     logger = logging.getLogger("sao_jax")
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.INFO if distributed.is_primary() else logging.WARNING)
     logger.propagate = False
     train.run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing; an override of a field the config lacks (--config.rl.nonsense=1)
+    exits 1 naming the field (config_flags raises a bare KeyError("'nonsense'"))."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError) as e:
+        key = next(iter(re.findall(r"'([^'\s]+)'", str(e))), str(e))
+        paths = [a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")]
+        named = [p for p in paths if key in p.split(".")] or paths
+        sys.exit(f"FATAL Flags parsing error: config field {', '.join(named)}: unknown field")
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -95,9 +95,11 @@ def load_config(path: str) -> ConfigDict:
 def validate(config: ConfigDict) -> ConfigDict:
     """Runs every registered section validator present in `config`; returns it locked.
 
-    Sections are validated only when present, so partial configs (a model-only config for
-    the memory plan, say) validate too.
+    First every field's name and type against the sections' defaults (`check_fields`),
+    then each section's ranges. Sections are validated only when present, so partial
+    configs (a model-only config for the memory plan, say) validate too.
     """
+    check_fields(config)
     _import_validators()
     for section, fn in sorted(VALIDATORS.items()):
         if section in config:
@@ -114,3 +116,82 @@ def _import_validators() -> None:
     import sao_jax.rl.settings
     import sao_jax.run_settings
     import sao_jax.sampling.sampler  # noqa: F401
+
+
+def _reference() -> dict[str, Any]:
+    """Every field a run reads, with its default, from the sections' owners. None: a
+    section whose owner rejects unknown fields itself (model: ModelConfig.from_config,
+    sampling: configs_from_section) or free-form keyword arguments (env.params/prompts)."""
+    from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
+    from sao_jax.rl.optim import ATTENTION_PATTERNS, optimizer_section
+    from sao_jax.rl.settings import rl_section
+    from sao_jax.run_settings import (
+        env_section,
+        init_section,
+        sft_section,
+        train_section,
+        value_pretrain_section,
+    )
+
+    critic = optimizer_section(1.0, freeze_attention=True, frozen_patterns=ATTENTION_PATTERNS)
+    return {
+        "seed": 0,
+        "model": None,
+        "mesh": {"axes": MESH_AXES, "shape": (-1,), "rules": DEFAULT_RULES},
+        "optim": {"policy": optimizer_section(1.0).to_dict(), "critic": critic.to_dict()},
+        "rl": rl_section().to_dict(),
+        "sampling": None,
+        "env": {**env_section().to_dict(), "params": None, "prompts": None},
+        "init": init_section().to_dict(),
+        "sft": sft_section().to_dict(),
+        "value_pretrain": value_pretrain_section().to_dict(),
+        "train": train_section().to_dict(),
+    }
+
+
+def _type_ok(value: Any, default: Any) -> bool:
+    """bool/str exact; int not bool; float accepts int; tuple and list interchangeable."""
+    if default is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    if isinstance(default, (tuple, list)):
+        return isinstance(value, (tuple, list))
+    return isinstance(value, type(default))
+
+
+def _check_section(values: dict, reference: dict, prefix: str) -> None:
+    for key in sorted(values):
+        if key not in reference:
+            raise ConfigError(
+                f"config field {prefix}{key}: unknown field; known: {sorted(reference)}"
+            )
+    for key, default in reference.items():
+        name, value = prefix + key, values.get(key, _MISSING)
+        if value is _MISSING:
+            raise ConfigError(f"config field {name}: missing (default {default!r})")
+        if isinstance(default, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config field {name}: expected a section, got {value!r}")
+            _check_section(value, default, name + ".")
+        elif not _type_ok(value, default):
+            raise ConfigError(
+                f"config field {name}: expected {type(default).__name__}, got "
+                f"{type(value).__name__} {value!r}"
+            )
+
+
+_MISSING = object()
+
+
+def check_fields(config: ConfigDict) -> None:
+    """Raises ConfigError naming the first unknown, missing or mistyped field. Top-level
+    sections may be absent (partial configs); a present section must be complete."""
+    reference = _reference()
+    values = config.to_dict()
+    unknown = sorted(set(values) - set(reference))
+    if unknown:
+        raise ConfigError(f"config field {unknown[0]}: unknown field; known: {sorted(reference)}")
+    _check_section(values, {k: v for k, v in reference.items() if k in values}, "")

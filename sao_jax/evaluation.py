@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 
 from sao_jax.envs.base import Env, Prompt
@@ -48,16 +49,24 @@ class Evaluator:
         if not prompts:
             raise ValueError("evaluation prompts: need at least one")
         self.prompts = list(prompts)
+        self.seed = seed
+        self._tok, self._env_factory = tokenizer, env_factory
         greedy_cfg = dataclasses.replace(engine_cfg, temperature=0.0)
-        self.engines = {"greedy": Engine.create(policy_def, tokenizer, env_factory, greedy_cfg)}
-        if sampled:
-            self.engines["sampled"] = Engine.create(
-                policy_def, tokenizer, env_factory, engine_cfg, seed=seed
-            )
+        self.greedy = Engine.create(policy_def, tokenizer, env_factory, greedy_cfg)
+        self.sampled = (
+            Engine.create(policy_def, tokenizer, env_factory, engine_cfg) if sampled else None
+        )
 
-    def __call__(self, params: Params, version: int = 0) -> dict[str, float]:
+    def __call__(self, params: Params, version: int = 0, *, step: int = 0) -> dict[str, float]:
+        """Greedy and sampled pass@1. The sampling key depends on (seed, step) only, so an
+        evaluation after a resume samples exactly what the uninterrupted run sampled."""
+        engines = {"greedy": self.greedy}
+        if self.sampled is not None:  # a fresh engine sharing the compiled programs
+            key = jax.random.fold_in(jax.random.key(self.seed), step)
+            s = self.sampled
+            engines["sampled"] = Engine(s.fns, self._tok, self._env_factory, s.cfg, seed=key)
         out = {}
-        for name, engine in self.engines.items():
+        for name, engine in engines.items():
             trajs, drops = engine.run(params, self.prompts, version)
             out.update(summarize(trajs, len(drops), f"eval/{name}_"))
         return out

@@ -4,7 +4,12 @@
   parameters and the learner takes whatever finished first.
 * `SyncRollouts` (deterministic mode): the learner generates exactly the next prompts to
   completion with the current parameters, in its own thread. Nothing is in flight between
-  updates, so a checkpoint plus the prompt iterator state resumes bit-exactly.
+  updates and each draw's sampling key is fold_in(seed, version, draw), so a checkpoint
+  plus the prompt iterator state resumes bit-exactly.
+
+`prompt_state()` of both is the state of the wrapped prompt iterator at the next group
+boundary (`prompts.set_state` restores it): a partly emitted group is not resumed, as its
+rollouts in flight at save time are discarded on resume anyway.
 
 With `group_size` G > 1 (GRPO-style estimators) every prompt is rolled out G times and
 the learner waits for complete groups: the synchronous group barrier that SAO removes.
@@ -16,6 +21,8 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.sampling.engine import Engine, EngineConfig
@@ -24,11 +31,10 @@ from sao_jax.sampling.trajectory import Trajectory
 
 
 class RepeatPrompts:
-    """Yields each prompt of `inner` `times` times in a row; checkpointable state."""
+    """Yields each prompt of `inner` `times` times in a row; checkpointable at group bounds."""
 
     def __init__(self, inner, times: int):
         self.inner, self.times = inner, times
-        self._before: Any = None  # inner state before drawing `_current`
         self._current: Prompt | None = None
         self._emitted = times
 
@@ -37,24 +43,19 @@ class RepeatPrompts:
 
     def __next__(self) -> Prompt:
         if self._emitted >= self.times:
-            self._before = self.inner.get_state()
             self._current = next(self.inner)
             self._emitted = 0
         self._emitted += 1
         return self._current
 
-    def get_state(self) -> dict:
-        if self._current is None:
-            return {"inner": self.inner.get_state(), "emitted": self.times}
-        return {"inner": self._before, "emitted": self._emitted}
+    def get_state(self) -> Any:
+        """The inner iterator's state after the current group (the rest of a partly
+        emitted group is skipped on restore)."""
+        return self.inner.get_state()
 
-    def set_state(self, state: dict) -> None:
-        self.inner.set_state(state["inner"])
-        self._emitted = state["emitted"]
-        self._current = None
-        if self._emitted < self.times:
-            self._before = self.inner.get_state()
-            self._current = next(self.inner)
+    def set_state(self, state: Any) -> None:
+        self.inner.set_state(state)
+        self._current, self._emitted = None, self.times
 
 
 class GroupCollector:
@@ -98,6 +99,7 @@ class AsyncRollouts:
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
         self.group_size = group_size
         self.groups = GroupCollector(group_size)
+        self.handed = 0  # trajectories returned by take (the sampler's `taken` - grouping)
         self.sampler = AsyncSampler(
             policy_def, tokenizer, env_factory, self.prompts, engine=engine_cfg, config=sampler_cfg
         )
@@ -113,17 +115,22 @@ class AsyncRollouts:
 
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:
         if self.group_size == 1:
-            return self.sampler.take(n, timeout)
-        while (out := self.groups.pop(n // self.group_size)) is None:
-            for traj in self.sampler.take(1, timeout):
-                self.groups.add(traj)
+            out = self.sampler.take(n, timeout)
+        else:
+            while (out := self.groups.pop(n // self.group_size)) is None:
+                for traj in self.sampler.take(1, timeout):
+                    self.groups.add(traj)
+        self.handed += len(out)
         return out
 
     def prompt_state(self) -> Any:
         return self.sampler.prompt_state()
 
     def stats(self) -> dict[str, Any]:
+        """The sampler's stats; `taken` counts what the learner got (trajectories still
+        waiting in open groups are `in_open_groups`, not taken)."""
         stats = self.sampler.stats()
+        stats["taken"] = self.handed
         stats["in_open_groups"] = self.groups.incomplete
         return stats
 
@@ -144,9 +151,12 @@ class SyncRollouts:
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
         self.engine = Engine.create(policy_def, tokenizer, env_factory, engine_cfg, seed=seed)
+        self._engine_args = (tokenizer, env_factory, engine_cfg)
+        self._key = jax.random.key(seed)
         self.group_size = group_size
         self._params: Params | None = None
         self._version = 0
+        self._draws = 0  # takes since the last publish
         self.counts: collections.Counter[str] = collections.Counter()
         self.dropped: collections.Counter[str] = collections.Counter()
 
@@ -157,17 +167,26 @@ class SyncRollouts:
         return True
 
     def publish(self, params: Params, version: int) -> None:
-        self._params, self._version = params, version
+        self._params, self._version, self._draws = params, version, 0
+
+    def _fresh_engine(self) -> Engine:
+        """The engine of one take: shared compiled programs, an empty cache and sampling
+        key fold_in(fold_in(key(seed), version), draw), so what a take generates depends
+        only on (params, prompts, version, draw) and a resumed run draws it again."""
+        key = jax.random.fold_in(jax.random.fold_in(self._key, self._version), self._draws)
+        self._draws += 1
+        return Engine(self.engine.fns, *self._engine_args, seed=key)
 
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:
         """n trajectories from the next prompts; dropped episodes are replaced (whole
         groups are regenerated so that every group stays complete)."""
         del timeout
+        engine = self._fresh_engine()
         out: list[Trajectory] = []
         while len(out) < n:
             need = n - len(out)
             prompts = [next(self.prompts) for _ in range(need)]
-            trajs, drops = self.engine.run(self._params, prompts, self._version)
+            trajs, drops = engine.run(self._params, prompts, self._version)
             self.dropped.update(d.reason for d in drops)
             if self.group_size > 1:
                 dropped_uids = {d.prompt_uid for d in drops}

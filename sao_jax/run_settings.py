@@ -7,8 +7,10 @@ staged: warm start -> value pretraining -> asynchronous RL with periodic evaluat
 
 from __future__ import annotations
 
+import os
+
 from sao_jax.rl.optim import optimizer_section
-from sao_jax.schema import ConfigDict, register_validator, require
+from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
 ENV_NAMES = ("arithmetic", "python_tool", "style")
 INIT_KINDS = ("sft", "hf", "params", "random")
@@ -135,3 +137,29 @@ def _check_train(config: ConfigDict) -> None:
     for name in ("eval_every", "checkpoint_every"):
         require(t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
     require(t.take_timeout_s > 0, "train.take_timeout_s", "must be > 0")
+
+
+def check_run(config: ConfigDict, sharder) -> None:
+    """Checks that need the file system or the mesh (ConfigError naming the field)."""
+    init = config.init
+    if init.kind == "hf" and not os.path.isdir(init.hf_path):
+        raise ConfigError(
+            f"config field init.hf_path: {init.hf_path!r} is not a directory (a Hugging "
+            "Face checkpoint: config.json + *.safetensors)"
+        )
+    if init.tokenizer != "char" and not os.path.isdir(init.tokenizer):
+        raise ConfigError(
+            f"config field init.tokenizer: {init.tokenizer!r} is neither 'char' nor a "
+            "directory holding tokenizer.json"
+        )
+    shards, micro = sharder.axis_size("batch"), config.rl.microbatches
+    if config.rl.batch_size % (shards * micro):
+        raise ConfigError(
+            f"config field rl.batch_size: {config.rl.batch_size} is not divisible by "
+            f"rl.microbatches ({micro}) x the data-parallel shards ({shards})"
+        )
+    if init.kind == "sft" and config.sft.steps > 0 and config.sft.batch_size % shards:
+        raise ConfigError(
+            f"config field sft.batch_size: {config.sft.batch_size} is not divisible by the "
+            f"data-parallel shards ({shards})"
+        )

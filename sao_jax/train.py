@@ -1,6 +1,9 @@
 """The main job: warm start -> value pretraining -> asynchronous RL -> evaluation -> report.
 
-`run(config, workdir)` is everything `python -m experiments.train` does. Resume order
+`run(config, workdir)` is everything `python -m experiments.train` does. Before anything
+compiles or touches the workdir, the config is checked once: field names, types and ranges
+(`sao_jax.config.validate`), then paths and batch sizes against the mesh
+(`sao_jax.run_settings.check_run`). Resume order
 (docs/checkpointing.md): config check against the workdir -> models and learner ->
 restore the TrainState -> restore the prompt iterator and counters -> republish the
 policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0.
@@ -18,6 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from sao_jax import checkpointing, metrics, report
 from sao_jax import config as config_lib
@@ -27,12 +31,15 @@ from sao_jax.evaluation import Evaluator
 from sao_jax.models import hf
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import Models, init_models
-from sao_jax.models.transformer import critic_params_from_policy
-from sao_jax.parallel.mesh import sharder_from_config
+from sao_jax.models.transformer import Policy, critic_params_from_policy
+from sao_jax.parallel import distributed
+from sao_jax.parallel.mesh import Sharder, sharder_from_config
+from sao_jax.parallel.partition import ModelDef
 from sao_jax.rl.update import Learner
 from sao_jax.rollouts import AsyncRollouts, SyncRollouts
+from sao_jax.run_settings import check_run
 from sao_jax.sampling.sampler import configs_from_section
-from sao_jax.sampling.trajectory import Trajectory, pad_batch
+from sao_jax.sampling.trajectory import Trajectory, pad_batch, round_up
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.sft import SFTTrainer, demo_batches
 from sao_jax.tokenizer import load_tokenizer
@@ -70,21 +77,29 @@ def _host_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
 class Run:
     """One training run's objects; `run()` below drives them."""
 
-    def __init__(self, config: ConfigDict, workdir: pathlib.Path):
+    def __init__(self, config: ConfigDict, workdir: pathlib.Path, sharder: Sharder | None = None):
         self.config = config
         self.workdir = workdir
-        self.sharder = sharder_from_config(config)
+        self.sharder = sharder or sharder_from_config(config)
         self.tokenizer = load_tokenizer(config.init.tokenizer)
         self.models = _models(config, self.sharder, self.tokenizer)
         self.learner = Learner(config, self.models.policy_def, self.models.critic_def, self.sharder)
+        # Several processes (docs/scaling.md): each host's sampler makes B / P trajectories
+        # with a host-local policy copy (a model without global-mesh constraints).
+        self.local_batch = distributed.local_batch_size(config.rl.batch_size)
+        self.batch_sharding = self.sharder.named(("batch",))
+        self.sampler_def = self.models.policy_def
+        if jax.process_count() > 1:
+            self.sampler_def = ModelDef.of(lambda: Policy(self.models.cfg, rngs=nnx.Rngs(0)))
         self.engine_cfg, self.sampler_cfg = configs_from_section(config.sampling, config.seed)
         env = config.env
         self.env_factory, self.set_env_step = env_factory(env.name, env.params.to_dict())
         prompt_kw = dict(seed=config.seed, eval_fraction=env.eval_fraction, **env.prompts)
-        self.prompts = prompt_iterator(env.name, "train", **prompt_kw)
+        train_prompts = prompt_source(env.name, "train", **prompt_kw)
+        self.prompts = iter(distributed.process_shard(train_prompts).to_iter_dataset())
         eval_prompts = list(prompt_source(env.name, "eval", size=env.eval_size, **prompt_kw))
         self.evaluator = Evaluator(
-            self.models.policy_def,
+            self.sampler_def,
             self.tokenizer,
             self.env_factory,
             eval_prompts,
@@ -127,6 +142,7 @@ class Run:
                 seed=cfg.seed,
                 add_bos=self.engine_cfg.add_bos,
             )
+            batches = (distributed.global_from_replicated(x, self.batch_sharding) for x in batches)
             trainer = SFTTrainer(models.policy_def, cfg.sft.optim, self.sharder)
             log.info("warm start: %d SFT steps on demonstrations", cfg.sft.steps)
             policy = trainer.run(
@@ -157,18 +173,18 @@ class Run:
 
     def value_pretrain(self, state):
         """Stage (b): critic-only steps on Monte-Carlo returns of the fixed initial policy."""
-        vp, b = self.config.value_pretrain, self.config.rl.batch_size
+        vp, b = self.config.value_pretrain, self.local_batch
         if not (self.learner.uses_critic and vp.steps > 0):
             return state
         source = SyncRollouts(
-            self.models.policy_def,
+            self.sampler_def,
             self.tokenizer,
             self.env_factory,
             self.prompts,
             self.engine_cfg,
             seed=self.config.seed + 3,
         )
-        source.publish(state.policy, int(state.step))
+        source.publish(self.sampler_params(state.policy), int(state.step))
         trajs = source.take(vp.rollouts)
         log.info("value pretraining: %d steps on %d rollouts", vp.steps, len(trajs))
         acc = metrics.MetricAccumulator()
@@ -182,16 +198,28 @@ class Run:
         self.learner.raise_if_diverged(state)
         return state
 
-    def _batch(self, trajs: list[Trajectory]) -> dict[str, np.ndarray]:
+    def _batch(self, trajs: list[Trajectory]) -> dict[str, Any]:
         cfg = self.config
+        length = None
+        if jax.process_count() > 1:  # all hosts pad to the longest row of the global batch
+            longest = distributed.agree_max(max(t.length for t in trajs))
+            length = round_up(longest, cfg.train.length_bucket)
         batch = pad_batch(
             trajs,
+            length=length,
             length_bucket=cfg.train.length_bucket,
             with_groups=self.learner.estimator.needs_groups,
             with_routing=cfg.rl.routing_replay,
         )
+        batch = distributed.global_batch(batch, self.batch_sharding)
         self.learner.check_batch(batch)
         return batch
+
+    def sampler_params(self, policy):
+        """The params samplers and evaluation run on: the policy in the compute dtype
+        (every weight is cast to it at use anyway, so rollouts are unchanged and a bf16
+        copy takes half the memory), as this host's own copy with several processes."""
+        return distributed.host_local(policy, dtype=self.models.cfg.compute_dtype)
 
     def _key(self, state):
         return jax.random.fold_in(self.key, int(state.updates))
@@ -199,14 +227,14 @@ class Run:
     def rollouts(self):
         cfg = self.config
         kw = dict(group_size=cfg.env.group_size)
-        args = (self.models.policy_def, self.tokenizer, self.env_factory, self.prompts)
+        args = (self.sampler_def, self.tokenizer, self.env_factory, self.prompts)
         if cfg.train.rollouts == "sync":
             return SyncRollouts(*args, self.engine_cfg, seed=cfg.seed + 5, **kw)
         return AsyncRollouts(*args, self.engine_cfg, self.sampler_cfg, **kw)
 
     def evaluate(self, state, step: int) -> dict[str, float]:
         t0 = time.time()
-        out = self.evaluator(state.policy, int(state.step))
+        out = self.evaluator(self.sampler_params(state.policy), int(state.step), step=step)
         out["eval/seconds"] = time.time() - t0
         self.writer.write_scalars(step, out)
         log.info("eval at step %d: %s", step, _fmt(out, "eval/"))
@@ -230,11 +258,13 @@ def _fmt(m: dict[str, float], prefix: str = "") -> str:
 def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = False) -> dict:
     """Runs (or resumes) one training run in `workdir`; returns the summary dict."""
     config = config_lib.validate(config)
+    sharder = sharder_from_config(config)
+    check_run(config, sharder)
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=overwrite)
     t_start = time.time()
-    r = Run(config, workdir)
+    r = Run(config, workdir, sharder)
     t = config.train
     with checkpointing.GracefulExit() as stop:
         latest = r.ckpt.latest_step()
@@ -245,7 +275,7 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
             state = r.value_pretrain(state)
             extra = dict(before=before, prior_wall_time=0.0, t_start=t_start)
             counters = _resume_counters({})
-            r.save(0, state, None, counters, extra)
+            r.save(0, state, None, _counters(counters, {}), extra)
         else:
             abstract = checkpointing.abstract_like(
                 r.learner.abstract_state, r.learner.state_shardings
@@ -260,9 +290,11 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     r.ckpt.wait()
     r.ckpt.close()
     r.writer.close()
-    if t.report:
+    if t.report and distributed.is_primary():
         report.write_report(workdir, summary=summary)
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    text = json.dumps(_finite(summary), indent=2, sort_keys=True, allow_nan=False)
+    if distributed.is_primary():
+        (workdir / "summary.json").write_text(text)
     return summary
 
 
@@ -270,11 +302,11 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
     """Stage (c) + (d): the asynchronous RL loop with periodic evaluation and saves."""
     cfg, learner = r.config, r.learner
     t = cfg.train
-    b = cfg.rl.batch_size
+    b = r.local_batch  # this host's share of the batch
     source = r.rollouts()
     if r.set_env_step is not None:
         r.set_env_step(int(state.step))
-    source.publish(state.policy, int(state.step))
+    source.publish(r.sampler_params(state.policy), int(state.step))
     source.start()
     acc = metrics.MetricAccumulator()
     host: list[dict[str, float]] = []
@@ -293,7 +325,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
                 acc.add(m)
                 continue
             state, m = learner.update_step(state, batch, r._key(state))
-            source.publish(state.policy, int(state.step))
+            source.publish(r.sampler_params(state.policy), int(state.step))
             if r.set_env_step is not None:  # non-stationary tasks follow the policy step
                 r.set_env_step(int(state.step))
             acc.add(m)
@@ -304,7 +336,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
                 scalars = {**acc.result(), **_mean(host)}
                 scalars["perf/action_tokens_per_s"] = tokens / max(now - t_log, 1e-9)
                 scalars["train/skipped_steps"] = float(state.skipped_steps)
-                scalars.update(_sampler_scalars(source.stats()))
+                scalars.update(_sampler_scalars(source.stats(), counters))
                 r.writer.write_scalars(step, scalars)
                 progress.update(step, scalars)
                 last = scalars
@@ -312,19 +344,19 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
             if t.eval_every and step % t.eval_every == 0 and step < t.total_steps:
                 r.evaluate(state, step)
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
-                r.save(step, state, source, _counters(counters, source), extra)
+                r.save(step, state, source, _counters(counters, source.stats()), extra)
     finally:
         source.stop()
         progress.close()
     step = int(state.step)
     after = r.evaluate(state, step) if step >= t.total_steps else {}
-    r.save(step, state, source, _counters(counters, source), extra)
+    r.save(step, state, source, _counters(counters, source.stats()), extra)
     return dict(
         steps=step,
         before=extra["before"],
         after=after,
         last_train=last,
-        counters=_counters(counters, source),
+        counters=_counters(counters, source.stats()),
         staleness_hist=source.stats().get("staleness", {}),
         wall_time_s=_wall(extra),
         machine=_machine(),
@@ -351,14 +383,26 @@ def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
 
-def _sampler_scalars(stats: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for k, v in stats.items():
-        if isinstance(v, (int, float)):
-            out[f"sampler/{k}"] = float(v)
-        elif k == "dropped" and isinstance(v, dict):
-            out["sampler/dropped"] = float(sum(v.values()))
+def _sampler_scalars(stats: dict[str, Any], base: dict) -> dict[str, float]:
+    """The sampler's gauges (queued, version, ...); generated / taken / dropped are run
+    totals (earlier segments included), so a resumed run continues the curves."""
+    out = {f"sampler/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+    totals = _counters(base, stats)
+    out["sampler/generated"] = float(totals["generated"])
+    out["sampler/taken"] = float(totals["trained"])
+    out["sampler/dropped"] = float(totals["dropped_stale"] + totals["dropped_episodes"])
     return out
+
+
+def _finite(x: Any) -> Any:
+    """`x` with non-finite floats replaced by None (strict JSON, as in metrics.jsonl)."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    return x
 
 
 def _resume_counters(saved: dict) -> dict:
@@ -369,11 +413,11 @@ def _resume_counters(saved: dict) -> dict:
     return base
 
 
-def _counters(base: dict, source) -> dict:
-    """Trajectory counters since the run began. Balance, checked by the tests:
-    generated == trained + dropped_stale + discarded + in_flight (finished, not yet
-    trained); dropped_episodes never finished (env errors, prompts too long, ...)."""
-    stats = source.stats()
+def _counters(base: dict, stats: dict[str, Any]) -> dict:
+    """Trajectory counters since the run began (`base`: earlier segments, `stats`: the
+    source's). Balance, checked by the tests: generated == trained + dropped_stale +
+    discarded + in_flight (finished, not yet trained); dropped_episodes never finished
+    (env errors, prompts too long, ...)."""
     dropped = dict(stats.get("dropped", {}))
     stale = int(dropped.pop("stale", 0))
     out = {

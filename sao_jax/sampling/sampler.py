@@ -324,14 +324,17 @@ class AsyncSampler:
                 return None
 
     def _put(self, traj: Trajectory) -> bool:
+        """Enqueues and counts under one lock, so stats() never sees one without the other."""
         while not self._stop.is_set():
-            try:
-                self._queue.put(traj, timeout=self.cfg.poll_s)
-            except queue.Full:
-                continue
             with self._lock:
-                self._generated += 1
-            return True
+                try:
+                    self._queue.put_nowait(traj)
+                except queue.Full:
+                    pass
+                else:
+                    self._generated += 1
+                    return True
+            self._stop.wait(self.cfg.poll_s)  # backpressure: the learner is behind
         return False
 
     def _wait_version(self, need: int | None) -> bool:

@@ -1,0 +1,88 @@
+r"""SAO on Qwen3-30B-A3B from a Hugging Face checkpoint: the paper-scale run.
+
+Policy and critic both start from the checkpoint (the critic's trunk is a copy, its
+value head starts at zero); the paper's sampling and batch sizes: 128 single
+trajectories per update, K=2 critic steps per policy step, DIS keep band (0.7, 6.0),
+policy lr 1e-6, critic lr 5e-6 with a 10-step warm-up, frozen-attention critic.
+Master weights float32, matmuls bfloat16 (configs/models/qwen3_30b_a3b.py says why).
+
+Meshes (docs/scaling.md has the memory plan of each):
+  default  64 chips, e.g. a TPU v5p-128 slice (16 hosts x 4 chips): data=1 fsdp=8
+           expert=8 tensor=1; 13.2 GiB/chip of params + AdamW states.
+  gpus=8   8 x H200 (one host): fsdp=8; 84.0 GiB/GPU of params + AdamW states
+           (tight once activations are added); gpus=16 (two hosts): 42.0 GiB/GPU.
+
+  python -m experiments.launch --target=tpu --tpu_name=<slice> --zone=<zone> \
+      --config=configs/qwen3_30b_a3b_sao.py:hf_path=/mnt/models/Qwen3-30B-A3B \
+      --workdir=/mnt/runs/sao30b
+  python -m experiments.train --config=configs/qwen3_30b_a3b_sao.py:gpus=8,replay \
+      --workdir=/mnt/runs/sao30b_gpu
+  python -m experiments.memory_plan --config=configs/qwen3_30b_a3b_sao.py \
+      --mesh=data=1,fsdp=8,expert=8,tensor=1 --devices=64
+
+Variants (`:a,b=1`): gpus=N (an N-GPU fsdp mesh, N in 8..128; 0 = the TPU mesh),
+replay (MoE routing replay: the sampler records each token's experts, the update
+forces them), hf_path=DIR (config.json, *.safetensors, tokenizer.json), seed=N.
+"""
+
+from configs import base
+from configs.models import qwen3_30b_a3b
+from sao_jax.config import ConfigError, parse_arg
+
+DEFAULT_HF_PATH = "/mnt/models/Qwen3-30B-A3B"  # a local or mounted copy of the Hub repo
+
+
+def get_config(arg=None):
+    arg = parse_arg(arg, gpus=0, replay=False, hf_path=DEFAULT_HF_PATH, seed=0)
+    c = base.get_config()
+    c.seed = arg.seed
+
+    c.model = qwen3_30b_a3b.get_config()  # must match the checkpoint's config.json
+    c.init.kind = "hf"
+    c.init.hf_path = arg.hf_path
+    c.init.tokenizer = arg.hf_path  # the checkpoint's tokenizer.json
+    c.sft.steps = 0  # no SFT: the checkpoint is the warm start
+
+    if arg.gpus:
+        if arg.gpus not in (8, 16, 32, 64, 128):
+            raise ConfigError(f"config variant gpus={arg.gpus}: one of 8, 16, 32, 64, 128")
+        c.mesh.shape = (1, arg.gpus, 1, 1)  # fsdp over every GPU (lowest memory per GPU)
+        c.rl.microbatches = 128 // arg.gpus  # 1 row per GPU per pass
+        c.sampling.num_slots = 64  # per host: 64 trajectories in flight
+    else:
+        c.mesh.shape = (1, 8, 8, 1)  # 64 chips: fsdp=8 x expert=8 (128 experts -> 16/chip)
+        c.rl.microbatches = 2  # 128 rows / (2 x 64 batch shards) = 1 row per chip per pass
+        c.sampling.num_slots = 32  # per host: 16 hosts x 32 = 512 in flight
+
+    c.rl.batch_size = 128  # finished single trajectories per update (paper)
+    c.rl.k_critic = 2  # TTUR: critic steps per policy step (paper)
+    c.rl.policy_loss = "dis"
+    c.rl.losses.dis.eps_l = 0.3  # keep ratios in (1 - 0.3, 1 + 5.0) = (0.7, 6.0) (paper)
+    c.rl.losses.dis.eps_h = 5.0
+    c.rl.routing_replay = arg.replay
+    c.optim.policy.lr = 1e-6  # paper
+    c.optim.critic.lr = 5e-6  # paper
+    c.optim.critic.warmup_steps = 10  # paper: 10-step critic warm-up
+    c.optim.critic.freeze_attention = True  # SAO's frozen-attention critic
+
+    # Longest trajectory (prompt + turns + observations). 1024 is what fits today: the
+    # update step keeps every layer's activations, attention scores included (O(T^2)),
+    # ~22 GiB per 1024-token row (docs/scaling.md); longer needs rematerialisation.
+    c.sampling.max_len = 1024
+    c.sampling.max_turn_tokens = 256
+    c.sampling.steps_per_sync = 8  # decode steps between host checks
+    c.sampling.queue_size = 256
+    c.sampling.record_routing = arg.replay
+
+    c.env.name = "python_tool"  # multi-turn tool use: code runs in the sandbox
+    c.env.params = {"max_turns": 4}
+    c.env.prompts = {"n_ops": (2, 3), "operand_range": (10, 999)}
+    c.value_pretrain.steps = 20  # critic-only steps before RL [open]
+    c.value_pretrain.rollouts = 512  # per host [open]
+
+    c.train.total_steps = 500  # [open]
+    c.train.length_bucket = 256  # few distinct update-step shapes
+    c.train.eval_every = 50
+    c.train.checkpoint_every = 25
+    c.train.take_timeout_s = 3600.0
+    return c

@@ -1,0 +1,268 @@
+"""Multi-controller JAX: two CPU processes on loopback == one process with 8 devices.
+
+Each worker process has 4 fake CPU devices, joins a 2-process `jax.distributed` run
+(gloo collectives), builds the same tiny Learner on the global 8-device mesh and feeds
+its half of each synthetic batch (`global_batch`); the parameters after 3 update steps
+must equal those of the single-process 8-device run in this test process.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from sao_jax.parallel import distributed as dist
+from sao_jax.schema import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MESH = (1, 2, 4, 1)  # fsdp across the two hosts, experts within each host
+B, T, STEPS = 8, 24, 3
+WORKER_TIMEOUT_S = 240
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def _config():
+    from configs import base
+    from sao_jax import config as config_lib
+
+    c = base.get_config()
+    c.model.update(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, head_dim=8, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=16, moe_intermediate_size=8, num_experts=8,
+        num_experts_per_tok=2, mlp_only_layers=(),
+    )  # fmt: skip
+    c.rl.batch_size = B
+    c.optim.policy.lr = 1e-3
+    c.optim.critic.lr = 1e-3
+    c.optim.critic.warmup_steps = 0
+    c.mesh.shape = MESH
+    return config_lib.validate(c)
+
+
+def _train(config):
+    """3 update steps on the global mesh; this process feeds its rows of each batch."""
+    from jax.sharding import NamedSharding
+
+    from sao_jax.models.config import ModelConfig
+    from sao_jax.models.factory import init_models
+    from sao_jax.parallel.mesh import sharder_from_config
+    from sao_jax.rl.synthetic import synthetic_batch
+    from sao_jax.rl.update import Learner, reduce_metrics
+
+    sharder = sharder_from_config(config)
+    models = init_models(ModelConfig.from_config(config.model), sharder, seed=0)
+    learner = Learner(config, models.policy_def, models.critic_def, sharder)
+    state = learner.new_state(models.policy, models.critic, seed=0)
+    batch_sh = NamedSharding(sharder.mesh, sharder.spec(("batch",)))
+    rows = dist.local_batch_size(B)
+    lo = jax.process_index() * rows
+    metrics = None
+    for i in range(STEPS):
+        full = synthetic_batch(B, T, 32, seed=i, version=i, max_lag=1)
+        local = {k: v[lo : lo + rows] for k, v in full.items()}
+        batch = dist.global_batch(local, batch_sh)
+        learner.check_batch(batch)
+        state, metrics = learner.update_step(state, batch, jax.random.key(i))
+    params = dist.gather_to_host({"policy": state.policy, "critic": state.critic})
+    params["sampler_logits"] = _sampler_logits(models.cfg, state.policy)
+    params.update(_assembly_checks(batch_sh, rows))
+    return params, reduce_metrics(metrics), int(state.step)
+
+
+def _sampler_logits(cfg, policy) -> np.ndarray:
+    """Logits of a host's sampler: a host-local copy of the policy in a model without
+    global-mesh constraints, run by this process alone (no collectives)."""
+    from flax import nnx
+
+    from sao_jax.models.transformer import Policy
+    from sao_jax.parallel.partition import ModelDef
+
+    local = dist.host_local(policy)
+    for leaf in jax.tree.leaves(local):
+        assert {d.process_index for d in leaf.devices()} == {jax.process_index()}
+    sampler_def = ModelDef.of(lambda: Policy(cfg, rngs=nnx.Rngs(0)))
+    tokens = np.arange(2 * 6, dtype=np.int32).reshape(2, 6) % cfg.vocab_size
+    return np.asarray(jax.jit(lambda p, t: sampler_def.bind(p)(t).out)(local, tokens))
+
+
+def _assembly_checks(batch_sh, rows) -> dict[str, np.ndarray]:
+    """Group ids stay distinct across processes; replicated host data round-trips."""
+    groups = np.array([0, 0, 1, -1] * (rows // 4), np.int32)
+    got = dist.global_batch({"group_ids": groups}, batch_sh)["group_ids"]
+    data = np.arange(2 * B, dtype=np.float32).reshape(B, 2)
+    back = dist.gather_to_host(dist.global_from_replicated({"x": data}, batch_sh))["x"]
+    np.testing.assert_array_equal(back, data)
+    if jax.process_count() > 1:  # the samplers' copy in the compute dtype
+        copy = dist.host_local({"x": dist.global_from_replicated(data, batch_sh)}, "bfloat16")
+        assert copy["x"].dtype == jax.numpy.bfloat16
+        want = data.astype(jax.numpy.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(copy["x"]).astype(np.float32), want)
+    return {"group_ids": dist.gather_to_host(got)}
+
+
+def _worker(process_id: int, num_processes: int, port: int, out: str) -> None:
+    """Entry point of one process (see _spawn): a worker of the 2-process run, or the
+    single-process reference (num_processes=1, 8 devices)."""
+    jax.config.update("jax_default_matmul_precision", "highest")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    spec = dist.resolve(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        timeout_s=60,
+        env={},
+    )
+    assert dist.initialize(spec) == (num_processes > 1)
+    assert jax.process_count() == num_processes and jax.device_count() == 8
+    params, metrics, step = _train(_config())
+    name = f"{num_processes}_{process_id}"
+    np.savez(f"{out}/params_{name}.npz", **_flat(params))
+    with open(f"{out}/info_{name}.json", "w") as f:
+        json.dump(dict(metrics=metrics, step=step, agree=dist.agree_max(10 + process_id)), f)
+    if num_processes > 1:
+        jax.distributed.shutdown()
+
+
+def _flat(tree) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(tmp_path) -> list[subprocess.Popen]:
+    """Worker 0 and 1 (4 devices each) and the 1-process reference (8 devices), at once.
+
+    All three use the same XLA flags (optimisation level 0: compiles twice as fast on
+    this machine; the numerics are those of the same fp32 ops).
+    """
+    port = _free_port()
+    procs = []
+    for pid, count, devices in ((0, 2, 4), (1, 2, 4), (0, 1, 8)):
+        env = dict(os.environ)
+        env.update(
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
+            JAX_PLATFORMS="cpu",
+            PYTHONPATH=str(ROOT),
+        )
+        args = f"{pid}, {count}, {port}, {str(tmp_path)!r}"
+        code = f"from tests.test_distributed import _worker; _worker({args})"
+        log = open(tmp_path / f"log_{count}_{pid}.txt", "w")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=log,
+                             stderr=subprocess.STDOUT)
+        )  # fmt: skip
+    return procs
+
+
+def _wait(procs, tmp_path) -> None:
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    if codes != [0] * len(procs):
+        logs = "\n".join(
+            f"--- {f.name} ---\n" + f.read_text()[-3000:] for f in sorted(tmp_path.glob("log_*"))
+        )
+        pytest.fail(f"distributed workers failed or timed out:\n{logs}")
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_with_eight_devices(tmp_path):
+    _wait(_spawn(tmp_path), tmp_path)
+    ref = dict(np.load(tmp_path / "params_1_0.npz"))
+    ref_info = json.loads((tmp_path / "info_1_0.json").read_text())
+    assert ref_info["step"] == STEPS
+    for pid in range(2):
+        got = dict(np.load(tmp_path / f"params_2_{pid}.npz"))
+        assert sorted(got) == sorted(ref)
+        for name in ref.keys() - {"['group_ids']"}:
+            np.testing.assert_allclose(got[name], ref[name], atol=1e-5, rtol=0, err_msg=name)
+        info = json.loads((tmp_path / f"info_2_{pid}.json").read_text())
+        assert info["step"] == STEPS
+        assert info["agree"] == 11  # max over the two processes
+        for k in ("policy/loss", "critic/value_loss", "batch/action_tokens"):
+            np.testing.assert_allclose(
+                info["metrics"][k], ref_info["metrics"][k], atol=1e-5, rtol=1e-5
+            )
+    got = dict(np.load(tmp_path / "params_2_0.npz"))
+    np.testing.assert_array_equal(
+        got["['group_ids']"], [0, 0, 1, -1, 4, 4, 5, -1]
+    )  # process 1's groups offset by its 4 rows
+    heads = [np.abs(ref[k]).sum() for k in ref if "value_head" in k]
+    assert heads and all(h > 0 for h in heads)  # the critic trained (it starts at zero)
+
+
+# ------------------------------------------------------------------- single-process API
+
+
+def test_resolve_from_flags_env_and_modes():
+    assert dist.resolve(env={}).kind == "single"
+    spec = dist.resolve(
+        env={"JAX_COORDINATOR_ADDRESS": "h0:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
+    )
+    assert (spec.kind, spec.coordinator_address, spec.num_processes, spec.process_id) == (
+        "explicit", "h0:1234", 4, 2,
+    )  # fmt: skip
+    flags_win = dist.resolve(
+        coordinator_address="h1:1", num_processes=2, process_id=1,
+        env={"JAX_COORDINATOR_ADDRESS": "h0:1234", "JAX_NUM_PROCESSES": "4"},
+    )  # fmt: skip
+    assert (flags_win.coordinator_address, flags_win.num_processes) == ("h1:1", 2)
+    assert dist.resolve(num_processes=1, env={}).kind == "single"
+    assert dist.resolve(env={"TPU_WORKER_HOSTNAMES": "w0,w1,w2,w3"}).kind == "detect"
+    assert dist.resolve(env={"TPU_WORKER_HOSTNAMES": "w0"}).kind == "single"
+    assert dist.resolve(env={"SLURM_NTASKS": "2"}).kind == "detect"
+    assert dist.resolve("detect", env={}).kind == "detect"
+    assert dist.resolve("off", env={"SLURM_NTASKS": "2"}).kind == "single"
+    ids = dist.resolve("detect", env={"JAX_LOCAL_DEVICE_IDS": "0,1"}).local_device_ids
+    assert ids == (0, 1)
+    assert not dist.initialize(dist.resolve(env={}))  # single process: a no-op
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_processes=2, process_id=0), "--coordinator_address"),
+        (dict(coordinator_address="h:1", num_processes=2), "--process_id"),
+        (dict(coordinator_address="h:1", num_processes=2, process_id=2), "--process_id"),
+        (dict(num_processes=0), "--num_processes"),
+        (dict(mode="off", num_processes=2), "--distributed=off"),
+        (dict(mode="cluster"), "--distributed"),
+        (dict(process_id="x"), "--process_id"),
+    ],
+)
+def test_resolve_errors_name_the_flag(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        dist.resolve(**kwargs, env={})
+
+
+def test_single_process_helpers_are_identities():
+    assert dist.local_batch_size(8) == 8 and dist.agree_max(7) == 7
+    local = {"x": np.arange(4)}
+    assert dist.global_batch(local, None)["x"] is local["x"]
+    tree = {"a": jax.numpy.ones(3)}
+    assert dist.host_local(tree)["a"] is tree["a"]
+    assert dist.host_local(tree, jax.numpy.float32)["a"] is tree["a"]  # already that dtype
+    mixed = dist.host_local({"w": tree["a"], "i": jax.numpy.arange(3)}, jax.numpy.bfloat16)
+    assert mixed["w"].dtype == jax.numpy.bfloat16 and mixed["i"].dtype == jax.numpy.int32
+    assert dist.global_from_replicated(tree, None) is tree
+    assert dist.is_primary()

@@ -1,0 +1,358 @@
+"""The main job (sao_jax/train.py): config checks, a smoke run's outputs, deterministic
+resume (in process and after a real SIGTERM), counter balance, corrupt-checkpoint
+fallback, the workdir guard and init errors.
+
+Two completed runs are shared (module fixtures): `sync_run` (configs/sao.py:smoke,sync,
+the uninterrupted reference of the resume tests) and `async_run` (configs/sao.py:smoke).
+Every compiled program goes to one persistent compilation cache, so later runs, in this
+process or a subprocess, only trace (set SAO_TEST_JAX_CACHE=<dir> to keep it between
+sessions).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import shutil
+
+import ml_collections
+import pytest
+
+from sao_jax import checkpointing, rollouts, train
+from sao_jax.data.prompts import prompt_iterator
+from sao_jax.schema import ConfigError
+from tests import train_support as ts
+
+TOTAL = 4  # RL steps of the shared runs (checkpoints at 0, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory):
+    """$SAO_TEST_JAX_CACHE (kept between sessions) or a fresh directory."""
+    directory = os.environ.get("SAO_TEST_JAX_CACHE") or tmp_path_factory.mktemp("jax_cache")
+    with ts.persistent_compilation_cache(pathlib.Path(directory)) as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory, cache_env):
+    """(config, workdir, summary) of an uninterrupted sync run, one log record per step."""
+    config = ts.small_config("smoke,sync", train__log_every=1, train__eval_sampled=True)
+    workdir = tmp_path_factory.mktemp("sync_run")
+    return config, workdir, train.run(config, workdir)
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory, cache_env):
+    """(config, workdir, summary) of an async smoke run with its report."""
+    config = ts.small_config("smoke", sampling__queue_size=16, train__report=True)
+    workdir = tmp_path_factory.mktemp("async_run")
+    return config, workdir, train.run(config, workdir)
+
+
+@pytest.fixture(scope="module")
+def target(sync_run):
+    return ts.restore_target(sync_run[0])
+
+
+def _forbid_start(monkeypatch):
+    """Makes reaching the model build (the first compile) fail the test."""
+
+    def start(*args, **kwargs):
+        raise AssertionError("run() got past its config checks")
+
+    monkeypatch.setattr(train, "Run", start)
+
+
+# ------------------------------------------------------------------- config checks
+
+
+def _from_dict(config, edit):
+    d = config.to_dict()
+    edit(d)
+    return ml_collections.ConfigDict(d)
+
+
+@pytest.mark.parametrize(
+    "field, make",
+    [
+        ("rl.nonsense", lambda c: c.rl.__setattr__("nonsense", 1)),
+        ("nonsense", lambda c: c.__setattr__("nonsense", 1)),
+        (
+            "train.total_steps",
+            lambda c: _from_dict(c, lambda d: d["train"].update(total_steps="abc")),
+        ),
+        ("train.report", lambda c: _from_dict(c, lambda d: d["train"].pop("report"))),
+        ("rl.k_critic", lambda c: c.rl.__setattr__("k_critic", 0)),
+        ("train.rollouts", lambda c: c.train.__setattr__("rollouts", "later")),
+        ("sft.batch_size", lambda c: c.sft.__setattr__("batch_size", 4)),  # 8 devices
+        ("rl.batch_size", lambda c: c.rl.__setattr__("batch_size", 12)),
+    ],
+)
+def test_bad_config_fails_before_anything_starts(tmp_path, monkeypatch, field, make):
+    config = ts.small_config()
+    config = make(config) or config
+    _forbid_start(monkeypatch)
+    with pytest.raises(ConfigError, match=rf"config field {field}\b"):
+        train.run(config, tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+
+
+BAD_FLAGS = {  # flag -> the field its error names
+    "--config.rl.k_critic=0": "rl.k_critic",  # out of range
+    "--config.rl.nonsense=1": "rl.nonsense",  # unknown
+    "--config.train.total_steps=abc": "train.total_steps",  # wrong type
+}
+
+
+@pytest.mark.slow
+def test_bad_flags_fail_in_entry_point(tmp_path):
+    procs = {}
+    for i, flag in enumerate(BAD_FLAGS):  # the three processes run side by side
+        log = (tmp_path / f"log{i}.txt").open("w")
+        procs[flag] = (ts.entry_point([*ts.flags_of(), flag], tmp_path / f"w{i}", {}, log), log)
+    for i, (flag, (proc, log)) in enumerate(procs.items()):
+        rc = proc.wait(timeout=300)
+        log.close()
+        out = (tmp_path / f"log{i}.txt").read_text()
+        assert rc != 0, out
+        assert BAD_FLAGS[flag] in out, out
+        assert not (tmp_path / f"w{i}").exists()
+
+
+def test_missing_hf_checkpoint_is_named(tmp_path, monkeypatch):
+    missing = tmp_path / "no_such_checkpoint"
+    config = ts.small_config(init__kind="hf", init__hf_path=str(missing))
+    _forbid_start(monkeypatch)
+    with pytest.raises(ConfigError, match="init.hf_path") as e:
+        train.run(config, tmp_path / "w")
+    assert str(missing) in str(e.value)
+    assert not (tmp_path / "w").exists()  # a corrected retry is not refused
+
+
+def test_hf_directory_without_config_is_named(tmp_path):
+    empty = tmp_path / "empty_checkpoint"
+    empty.mkdir()
+    config = ts.small_config(init__kind="hf", init__hf_path=str(empty))
+    with pytest.raises(ConfigError, match="no config.json") as e:
+        train.run(config, tmp_path / "w")
+    assert str(empty) in str(e.value)
+
+
+# ------------------------------------------------------------------- a finished run
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_every_output(async_run):
+    config, workdir, summary = async_run
+    for name in ("metrics.jsonl", "report.md", "summary.json", "config.json"):
+        assert (workdir / name).is_file(), name
+    assert any(p.is_file() for p in (workdir / "tensorboard").rglob("events.out.tfevents*"))
+    report = (workdir / "report.md").read_text()
+    pngs = sorted((workdir / "plots").glob("*.png"))
+    assert pngs and all(p.stat().st_size > 0 for p in pngs)
+    for png in pngs:
+        assert f"plots/{png.name}" in report
+    assert ts.saved_steps(workdir) == [0, 2, 4]
+
+    stored = ts.read_strict_json(workdir / "summary.json")  # NaN is written as null
+    assert sorted(stored) == sorted(summary) and sorted(stored["last_train"]) == sorted(
+        summary["last_train"]
+    )
+    for key in ("steps", "counters", "before", "after", "interrupted"):
+        assert stored[key] == summary[key], key
+    assert summary["steps"] == TOTAL and summary["interrupted"] is False
+    for when in ("before", "after"):
+        assert 0 <= summary[when]["eval/greedy_success"] <= 1
+        assert summary[when]["eval/greedy_episodes"] == config.env.eval_size
+    assert summary["counters"]["trained"] == TOTAL * config.rl.batch_size
+    assert "policy/loss" in summary["last_train"]
+
+    records = ts.read_metrics(workdir)
+    train_steps = [r["step"] for r in records if "policy/loss" in r]
+    eval_steps = [r["step"] for r in records if "eval/greedy_success" in r]
+    assert train_steps == [2, 4] and eval_steps == [0, 2, 4]
+    last = [r for r in records if "policy/loss" in r][-1]
+    assert last["sampler/taken"] == summary["counters"]["trained"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["async_run", "sync_run"])
+def test_counters_balance_at_every_save(request, target, which):
+    _, workdir, summary = request.getfixturevalue(which)
+    for step in ts.saved_steps(workdir):
+        _, meta = ts.restore(target, workdir, step)
+        assert ts.unbalanced(meta["counters"]) is None, f"checkpoint {step}"
+    assert ts.unbalanced(summary["counters"]) is None
+    if which == "sync_run":  # nothing in flight between updates
+        assert summary["counters"]["in_flight"] == 0
+
+
+# ---------------------------------------------------------------------------- resume
+
+
+def _assert_same_run(target, reference, workdir):
+    """Same final TrainState, same metric records (time aside) as the reference run."""
+    ref_state, ref_meta = ts.restore(target, reference)
+    state, meta = ts.restore(target, workdir)
+    assert int(state.step) == int(ref_state.step) == TOTAL
+    assert ts.tree_max_diff(state, ref_state) <= 1e-6
+    assert meta["counters"] == ref_meta["counters"]
+    assert ts.timeless(ts.read_metrics(workdir)) == ts.timeless(ts.read_metrics(reference))
+
+
+@pytest.mark.slow
+def test_resume_with_more_steps_matches_uninterrupted(sync_run, target, tmp_path):
+    config, reference, summary = sync_run
+    workdir = tmp_path / "w"
+    first = train.run(
+        ts.small_config(
+            "smoke,sync", train__log_every=1, train__eval_sampled=True, train__total_steps=2
+        ),
+        workdir,
+    )
+    assert first["steps"] == 2 and ts.saved_steps(workdir) == [0, 2]
+    second = train.run(config, workdir)  # total_steps is resumable
+    stored = json.loads((workdir / checkpointing.CONFIG_FILE).read_text())
+    assert stored["train"]["total_steps"] == TOTAL
+    _assert_same_run(target, reference, workdir)
+    assert ts.timeless([second["after"]]) == ts.timeless([summary["after"]])
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_0_and_resumes_exactly(sync_run, target, cache_env, tmp_path):
+    config, reference, _ = sync_run
+    workdir = tmp_path / "w"
+    flags = ts.flags_of(
+        "smoke,sync", train__log_every=1, train__eval_sampled=True, train__total_steps=100
+    )
+    log = tmp_path / "log.txt"
+    with log.open("w") as f:
+        proc = ts.entry_point(flags, workdir, cache_env, f)
+        try:
+            ts.sigterm_after_step(proc, workdir, step=1, timeout=300)
+            rc = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert rc == 0, log.read_text()
+    stopped = json.loads((workdir / "summary.json").read_text())
+    assert stopped["interrupted"] is True and 1 <= stopped["steps"] < TOTAL, stopped["steps"]
+    assert ts.saved_steps(workdir)[-1] == stopped["steps"]
+    assert "received SIGTERM" in log.read_text()
+
+    resumed = train.run(config, workdir)
+    assert resumed["steps"] == TOTAL and resumed["interrupted"] is False
+    _assert_same_run(target, reference, workdir)
+
+
+@pytest.mark.slow
+# After reading a damaged file tensorstore may report "Event loop is closed" (harmless,
+# docs/checkpointing.md).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_corrupt_latest_checkpoint_falls_back(async_run, target, tmp_path, caplog):
+    config, finished, _ = async_run
+    workdir = tmp_path / "w"
+    shutil.copytree(finished, workdir)
+    _, meta2 = ts.restore(target, workdir, 2)
+    for f in (workdir / "checkpoints" / "4" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":  # the array data
+            f.write_bytes(b"\0" * 16)
+    with caplog.at_level(logging.WARNING):
+        summary = train.run(config, workdir)
+    assert any(
+        "checkpoints/4 is incomplete or unreadable" in r.getMessage() for r in caplog.records
+    )
+    assert (workdir / "checkpoints" / checkpointing.CORRUPT_DIR / "4").is_dir()
+    assert summary["steps"] == TOTAL and ts.saved_steps(workdir) == [0, 2, 4]
+    # What was in flight at step 2 is discarded; the totals still balance.
+    c = summary["counters"]
+    assert c["discarded"] == meta2["counters"]["discarded"] + meta2["counters"]["in_flight"]
+    assert c["trained"] == TOTAL * config.rl.batch_size
+    assert ts.unbalanced(c) is None
+    _, meta4 = ts.restore(target, workdir, 4)
+    assert meta4["counters"] == c
+    steps = [r["step"] for r in ts.read_metrics(workdir) if "policy/loss" in r]
+    assert steps == [2, 4]  # the damaged run's step-4 record was replaced
+
+
+# ------------------------------------------------------------------------ the workdir
+
+
+@pytest.mark.slow
+def test_workdir_of_another_config_is_refused_unless_overwrite(async_run, tmp_path, monkeypatch):
+    _, finished, _ = async_run
+    workdir = tmp_path / "w"
+    shutil.copytree(finished, workdir)
+    other = ts.small_config(rl__k_critic=1)
+    with pytest.raises(ConfigError, match=r"config field rl\.k_critic"):
+        train.run(other, workdir)
+    assert ts.saved_steps(workdir) == [0, 2, 4]
+
+    _forbid_start(monkeypatch)
+    with pytest.raises(AssertionError, match="past its config checks"):
+        train.run(other, workdir, overwrite=True)
+    (moved,) = workdir.glob("previous-*")
+    assert ts.saved_steps(moved) == [0, 2, 4]
+    stored = json.loads((workdir / checkpointing.CONFIG_FILE).read_text())
+    assert stored["rl"]["k_critic"] == 1
+
+
+# --------------------------------------------------------------- rollout bookkeeping
+
+
+def _prompts(seed=0):
+    return prompt_iterator("arithmetic", "train", seed=seed, eval_fraction=0.1)
+
+
+def _uids(it, n):
+    return [next(it).uid for _ in range(n)]
+
+
+@pytest.mark.parametrize("emitted", [0, 3, 4, 5])
+def test_repeat_prompts_restores_at_the_next_group(emitted):
+    """A state saved at a group boundary resumes exactly; inside a group, at the next one
+    (the rest of that group is skipped: its rollouts in flight are discarded anyway)."""
+    g = 2
+    it = rollouts.RepeatPrompts(_prompts(), g)
+    _uids(it, emitted)
+    restored = rollouts.RepeatPrompts(_prompts(), g)
+    restored.set_state(it.get_state())
+    _uids(it, -emitted % g)
+    got = _uids(restored, 3 * g)
+    assert got == _uids(it, 3 * g)
+    assert got[0::2] == got[1::2] and len(set(got)) == 3
+
+
+class _FakeTrajectory:
+    def __init__(self, uid):
+        self.prompt_uid = uid
+
+
+class _FakeSampler:
+    """Stands in for AsyncSampler: hands out scripted trajectories, counts like it."""
+
+    def __init__(self, *args, **kwargs):
+        self.script = [_FakeTrajectory(u) for u in "aabcbcdd"]
+        self.taken = 0
+
+    def take(self, n, timeout=None):
+        out, self.script = self.script[:n], self.script[n:]
+        self.taken += len(out)
+        return out
+
+    def stats(self):
+        return dict(generated=8, taken=self.taken, dropped={}, queued=len(self.script), version=0)
+
+
+def test_async_group_counters_balance(monkeypatch):
+    monkeypatch.setattr(rollouts, "AsyncSampler", _FakeSampler)
+    source = rollouts.AsyncRollouts(None, None, None, _prompts(), None, None, group_size=2)
+    base = train._resume_counters({})
+    got = [t.prompt_uid for t in source.take(4)]  # a, a then b, c open, then b
+    assert got[:2] == ["a", "a"] and sorted(got[2:]) == ["b", "b"]
+    counters = train._counters(base, source.stats())
+    assert counters["trained"] == 4 and counters["in_flight"] == 4  # c open; c, d, d queued
+    assert ts.unbalanced(counters) is None
