@@ -25,8 +25,8 @@ def get_config(arg=None):
 
     c.sft.steps = 300
     c.sft.error_rate = 0.3
-    c.value_pretrain.steps = 10
-    c.value_pretrain.rollouts = 256
+    c.value_pretrain.steps = 30  # held-out explained variance plateaus near 0.2 by ~30-40
+    c.value_pretrain.rollouts = 512
 
     c.rl.batch_size = 64
     c.optim.policy.lr = 1e-4

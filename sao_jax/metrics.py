@@ -438,15 +438,15 @@ class Progress:
         primary: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        if not (isinstance(total, int) and total > 0):
-            raise ValueError(f"Progress: total must be an int > 0, got {total!r}")
+        if not (isinstance(total, int) and total >= 0):
+            raise ValueError(f"Progress: total must be an int >= 0, got {total!r}")
         if not 0 <= initial <= total:
             raise ValueError(f"Progress: initial must be in [0, total={total}], got {initial}")
         self.total, self.initial, self.step = total, initial, initial
         self.desc, self.fields, self.every_s, self._clock = desc, dict(fields), every_s, clock
         self.stream = stream if stream is not None else sys.stdout
         primary = jax.process_index() == 0 if primary is None else primary
-        self.enabled = enabled and primary
+        self.enabled = enabled and primary and total > 0  # nothing to show for 0 steps
         if tty is None:
             tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._values: dict[str, Scalar] = {}

@@ -310,7 +310,8 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
     source.start()
     acc = metrics.MetricAccumulator()
     host: list[dict[str, float]] = []
-    progress = metrics.Progress(t.total_steps, initial=int(state.step), enabled=t.progress)
+    start = min(int(state.step), t.total_steps)
+    progress = metrics.Progress(t.total_steps, initial=start, enabled=t.progress)
     tokens, t_log = 0, time.time()
     last = {}
     try:

@@ -18,18 +18,21 @@ from sao_jax.schema import ConfigError
 B, T = 8, 24
 
 
-def _config(**rl):
+def _config(aux=0.001, **rl):
     c = base.get_config()
     c.model.update(
         vocab_size=32, hidden_size=32, num_hidden_layers=2, head_dim=8, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=32, moe_intermediate_size=16, num_experts=8,
         num_experts_per_tok=2, mlp_only_layers=(0,),
     )  # fmt: skip
+    c.model.router_aux_loss_coef = aux
     c.rl.batch_size = B
     c.optim.policy.lr = 1e-3
     c.optim.critic.lr = 1e-3
     c.optim.critic.warmup_steps = 0
     c.rl.update(rl)
+    if rl.get("advantage") in ("grpo", "rloo", "drgrpo"):
+        c.env.group_size = 2
     return config_lib.validate(c)
 
 
@@ -39,6 +42,15 @@ def _setup(config, sharder=None):
     learner = Learner(config, models.policy_def, models.critic_def, sharder)
     state = learner.new_state(models.policy, models.critic, seed=0)
     return learner, state
+
+
+@pytest.fixture(scope="module")
+def default():
+    """One learner (compiled once) for the default SAO config; each test gets a fresh state."""
+    config = _config(aux=0.0, max_consecutive_skips=2)  # aux loss is per microbatch by design
+    models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
+    learner = Learner(config, models.policy_def, models.critic_def, Sharder())
+    return learner, lambda: learner.new_state(models.policy, models.critic, seed=0)
 
 
 def _batch(seed=0, **kw):
@@ -60,8 +72,9 @@ def _steps(learner, state, n, **kw):
     return state, metrics
 
 
-def test_update_trains_policy_and_critic_but_not_frozen_attention():
-    learner, state = _setup(_config())
+def test_update_trains_policy_and_critic_but_not_frozen_attention(default):
+    learner, new_state = default
+    state = new_state()
     before = jax.tree.map(np.asarray, state)
     state, metrics = _steps(learner, state, 3)
     m = reduce_metrics(metrics)
@@ -80,20 +93,25 @@ def test_update_trains_policy_and_critic_but_not_frozen_attention():
     )
 
 
+def _learner(config):
+    models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
+    return Learner(config, models.policy_def, models.critic_def, Sharder()), models
+
+
 def test_frozen_attention_allocates_no_moments():
-    _, frozen_state = _setup(_config())
+    frozen, models = _learner(_config())
     c = _config()
     c.unlock()
     c.optim.critic.freeze_attention = False
-    _, full_state = _setup(config_lib.validate(c))
+    full, _ = _learner(config_lib.validate(c))
+    critic = models.critic_def.shapes()
     attn = sum(
-        np.asarray(_leaf(full_state.critic, p)).nbytes
-        for p in frozen_paths(full_state.critic, (r"(^|\.)attn\.",))
+        _leaf(critic, p).size * _leaf(critic, p).dtype.itemsize
+        for p in frozen_paths(critic, (r"(^|\.)attn\.",))
     )
-    frozen_bytes, full_bytes = (
-        tree_bytes(frozen_state.critic_opt),
-        tree_bytes(full_state.critic_opt),
-    )
+    # Abstract states (jax.eval_shape): the bytes an allocation would take, nothing compiled.
+    frozen_bytes = tree_bytes(frozen.abstract_state.critic_opt)
+    full_bytes = tree_bytes(full.abstract_state.critic_opt)
     print(f"critic optimizer state: {full_bytes} B full, {frozen_bytes} B frozen attention")
     assert full_bytes - frozen_bytes == 2 * attn  # AdamW mu and nu of every attention leaf
 
@@ -111,16 +129,21 @@ def test_empty_frozen_set_is_an_error():
         config_lib.validate(c2)
 
 
-def test_no_retrace_across_steps():
-    learner, state = _setup(_config())
+def test_no_retrace_across_steps(default):
+    learner, new_state = default
+    state = new_state()
+    state, _ = _steps(learner, state, 1)
+    state, _ = learner.value_step(state, _batch(seed=9), jax.random.key(0))
+    traces = dict(learner.traces)
     state, _ = _steps(learner, state, 3)
     for i in range(2):
         state, _ = learner.value_step(state, _batch(seed=10 + i), jax.random.key(0))
-    assert learner.traces == {"update_step": 1, "value_step": 1}
+    assert learner.traces == traces == {"update_step": 1, "value_step": 1}
 
 
-def test_value_step_leaves_policy_alone():
-    learner, state = _setup(_config())
+def test_value_step_leaves_policy_alone(default):
+    learner, new_state = default
+    state = new_state()
     policy = jax.tree.map(np.asarray, state.policy)
     head = np.asarray(state.critic["value_head"])
     state, metrics = learner.value_step(state, _batch(), jax.random.key(0))
@@ -130,8 +153,9 @@ def test_value_step_leaves_policy_alone():
     assert np.isfinite(reduce_metrics(metrics)["critic/value_loss"])
 
 
-def test_nonfinite_guard_skips_and_aborts():
-    learner, state = _setup(_config(max_consecutive_skips=2))
+def test_nonfinite_guard_skips_and_aborts(default):
+    learner, new_state = default
+    state = new_state()
     good, _ = _steps(learner, state, 1)
     snapshot = jax.tree.map(np.asarray, good)
     bad = _batch(seed=5)
@@ -149,15 +173,10 @@ def test_nonfinite_guard_skips_and_aborts():
 
 @pytest.mark.parametrize(
     "rl",
-    [
-        dict(k_critic=1),
-        dict(order="policy_first"),
-        dict(advantage="grpo"),
-        dict(advantage="moving_average"),
-        dict(policy_loss="ppo_clip"),
-        dict(policy_loss="icepop"),
-        dict(policy_loss="estr"),
-        dict(advantage="step_mean"),
+    [  # each compile is expensive on CPU: options that don't interact share a variant
+        dict(k_critic=1, order="policy_first", policy_loss="estr", advantage="step_mean"),
+        dict(advantage="grpo", policy_loss="ppo_clip"),
+        dict(advantage="moving_average", policy_loss="icepop"),
         dict(lam_mode="fixed", whiten_advantages=True, value_clip=0.2),
     ],
     ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()),
@@ -177,7 +196,7 @@ def test_variants_run(rl):
 
 
 def test_bad_inputs_named():
-    learner, _ = _setup(_config(advantage="grpo"))
+    learner, _ = _learner(_config(advantage="grpo"))  # nothing compiled
     with pytest.raises(ConfigError, match="group_ids"):
         learner.check_batch(_batch())
     bad = _batch()
@@ -207,22 +226,24 @@ def _assert_close(a, b, atol=1e-5):
         np.testing.assert_allclose(x, y, atol=atol, rtol=0)
 
 
-def test_microbatched_equals_full_batch():
-    c = _config(microbatches=1)
-    c.unlock()
-    c.model.router_aux_loss_coef = 0.0  # the aux loss is per microbatch by design
-    full, _ = _three_steps(config_lib.validate(c))
-    c.rl.microbatches = 4
-    micro, _ = _three_steps(config_lib.validate(c))
-    _assert_close(micro.policy, full.policy)
-    _assert_close(micro.critic, full.critic)
+@pytest.fixture(scope="module")
+def reference(default):
+    """Three updates of the default learner, unsharded and without microbatching."""
+    learner, new_state = default
+    state, _ = _steps(learner, new_state(), 3, max_lag=1)
+    return jax.tree.map(np.asarray, state)
+
+
+def test_microbatched_equals_full_batch(reference):
+    micro, _ = _three_steps(_config(aux=0.0, microbatches=4))
+    _assert_close(micro.policy, reference.policy)
+    _assert_close(micro.critic, reference.critic)
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 1, 8, 1)], ids=str)
-def test_sharded_equals_unsharded(shape):
-    c = _config()
-    ref, _ = _three_steps(c)
-    got, _ = _three_steps(c, Sharder(build_mesh(shape)))
+def test_sharded_equals_unsharded(reference, shape):
+    ref = reference
+    got, _ = _three_steps(_config(aux=0.0), Sharder(build_mesh(shape)))
     _assert_close(got.policy, ref.policy)
     _assert_close(got.critic, ref.critic)
     _assert_close(got.critic_opt, ref.critic_opt)

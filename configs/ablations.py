@@ -1,0 +1,141 @@
+r"""The paper's ablation rows (Tables 4 and 5) and the staleness x learning-rate grid.
+
+Every row is configs/sao.py (the embedded calculator task) with only the fields its
+name says changed (`VARIANTS`; tests/test_ablations_config.py diffs them field by field):
+
+  sao                  SAO: obs-skipping GAE, DIS, K=2, frozen-attention critic
+  no_faster_value      rl.k_critic = 1 (no TTUR)
+  no_frozen_attention  optim.critic.freeze_attention = False (full-parameter critic)
+  vanilla_vapo         rl.policy_loss = 'ppo_clip' (clip vs pi_old = policy at step start)
+  moving_average       rl.advantage = 'moving_average' (R - mean of last 128; no critic)
+  grpo                 rl.advantage = 'grpo', rl.policy_loss = 'ppo_clip', 8 x 8 groups
+  grpo_dis             rl.advantage = 'grpo', 8 x 8 groups, DIS
+  step_mean            rl.advantage = 'step_mean' (one value per turn: mean of its tokens)
+  step_last            rl.advantage = 'step_last' (one value per turn: its last token)
+  cross_observation    rl.advantage = 'cross_observation' (GAE through observation tokens)
+
+  python -m experiments.train --config=configs/ablations.py:grpo --workdir=workdirs/grpo
+  python -m experiments.train --config=configs/ablations.py:step_last,smoke,seed=1 \
+      --workdir=/tmp/step_last
+
+Variant keys (`:a,b=1`): one row name (default sao), smoke, sync, seed=N.
+
+`get_sweep('table=table4|gae|staleness_lr,mode=smoke|quick|full')` returns the
+experiment's sao_jax.sweep.SweepSpec (docs/experiments.md has the budgets).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from configs import sao
+from sao_jax.config import ConfigError, parse_arg
+from sao_jax.sweep import SweepSpec, axis, set_field
+
+# Row name -> the dotted fields it changes relative to sao (nothing else may differ).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "sao": {},
+    "no_faster_value": {"rl.k_critic": 1},
+    "no_frozen_attention": {"optim.critic.freeze_attention": False},
+    "vanilla_vapo": {"rl.policy_loss": "ppo_clip"},
+    "moving_average": {"rl.advantage": "moving_average"},
+    "grpo": {"rl.advantage": "grpo", "rl.policy_loss": "ppo_clip", "env.group_size": 8},
+    "grpo_dis": {"rl.advantage": "grpo", "env.group_size": 8},
+    "step_mean": {"rl.advantage": "step_mean"},
+    "step_last": {"rl.advantage": "step_last"},
+    "cross_observation": {"rl.advantage": "cross_observation"},
+}
+
+TABLES = {
+    "table4": (
+        "sao",
+        "no_faster_value",
+        "no_frozen_attention",
+        "vanilla_vapo",
+        "moving_average",
+        "grpo_dis",
+        "grpo",
+    ),
+    "gae": ("sao", "step_mean", "step_last", "cross_observation"),
+    "staleness_lr": ("sao", "vanilla_vapo"),  # with DIS / without DIS (PPO clip vs pi_old)
+}
+# Smoke mode (the test suite) runs one row per code path: critic + DIS, groups + PPO
+# clip, step-level values.
+SMOKE_ROWS = {
+    "table4": ("sao", "grpo"),
+    "gae": ("sao", "step_last"),
+    "staleness_lr": TABLES["staleness_lr"],
+}
+MODES = ("smoke", "quick", "full")
+
+# Per mode: seeds, RL steps, eval cadence (the fixed step budgets) and eval prompts.
+BUDGETS = {
+    "smoke": dict(seeds=(0,), steps=2, eval_every=2, eval_size=8),
+    "quick": dict(seeds=(0,), steps=20, eval_every=10, eval_size=64),
+    "full": dict(seeds=(0, 1, 2), steps=60, eval_every=20, eval_size=128),
+}
+# staleness_lr grid: the sampler may run `s` versions ahead (queue of (s + 1) batches)
+# and trajectories more than `s` versions old are dropped (0 = synchronous rollouts);
+# policy lr x 1 (configs/sao.py) and x 20.
+STALENESS = {"smoke": (1,), "quick": (4,), "full": (0, 4)}
+POLICY_LRS = {"smoke": (1e-4,), "quick": (1e-4, 2e-3), "full": (1e-4, 2e-3)}
+STALENESS_STEPS = {"smoke": 2, "quick": 30, "full": 40}
+
+
+def get_config(arg=None):
+    arg = parse_arg(arg, smoke=False, sync=False, seed=0, **dict.fromkeys(VARIANTS, False))
+    chosen = [v for v in VARIANTS if arg[v]]
+    if len(chosen) > 1:
+        raise ConfigError(f"configs/ablations.py: pick one row, got {chosen}")
+    c = sao.get_config(f"smoke={arg.smoke},sync={arg.sync},seed={arg.seed}")
+    for field, value in VARIANTS[chosen[0] if chosen else "sao"].items():
+        set_field(c, field, value)
+    return c
+
+
+def staleness_level(s: int, batch: int) -> dict[str, Any]:
+    """Overrides for max staleness `s`: 0 = synchronous rollouts (exactly on-policy);
+    else async with the sampler up to `s` versions ahead, older trajectories dropped."""
+    if s == 0:
+        return {"sampling.max_staleness": 0, "train.rollouts": "sync"}
+    return {"sampling.max_staleness": s, "sampling.queue_size": (s + 1) * batch}
+
+
+def get_sweep(arg=None) -> SweepSpec:
+    arg = parse_arg(arg, table="table4", mode="quick")
+    if arg.table not in TABLES:
+        raise ConfigError(f"get_sweep table={arg.table!r}: one of {sorted(TABLES)}")
+    if arg.mode not in MODES:
+        raise ConfigError(f"get_sweep mode={arg.mode!r}: one of {MODES}")
+    b = BUDGETS[arg.mode]
+    fixed = {
+        "train.total_steps": b["steps"],
+        "train.eval_every": b["eval_every"],
+        "train.checkpoint_every": b["eval_every"],
+        "env.eval_size": b["eval_size"],
+        "train.progress": False,
+    }
+    common = "smoke" if arg.mode == "smoke" else ""
+    if arg.table != "staleness_lr":
+        return SweepSpec(
+            name=arg.table,
+            config="configs/ablations.py",
+            variants=(SMOKE_ROWS if arg.mode == "smoke" else TABLES)[arg.table],
+            seeds=b["seeds"],
+            fixed=fixed,
+            common_arg=common,
+        )
+    batch = 8 if arg.mode == "smoke" else sao.get_config().rl.batch_size
+    staleness = tuple(staleness_level(s, batch) for s in STALENESS[arg.mode])
+    fixed["train.total_steps"] = STALENESS_STEPS[arg.mode]
+    fixed["train.eval_every"] = fixed["train.checkpoint_every"] = STALENESS_STEPS[arg.mode]
+    fixed["train.log_every"] = 1 if arg.mode == "smoke" else 2
+    return SweepSpec(
+        name="staleness_lr",
+        config="configs/ablations.py",
+        variants=TABLES["staleness_lr"],
+        seeds=(0,),
+        grid=(staleness, axis("optim.policy.lr", POLICY_LRS[arg.mode])),
+        fixed=fixed,
+        common_arg=common,
+    )

@@ -1,0 +1,304 @@
+r"""Table 4: SAO against its ablations and baselines on the embedded agentic task.
+
+  python -m experiments.ablations --mode=quick     # one seed, 20 steps (< 20 min)
+  python -m experiments.ablations --mode=full      # 3 seeds, 60 steps
+  python -m experiments.ablations --mode=smoke --sweep_dir=/tmp/s --out_dir=/tmp/r
+
+Runs the `table4` sweep of configs/ablations.py (every row x seed its own process, one
+shared SFT warm start per seed, finished runs reused) and writes
+`<out_dir>/ablations.md` (held-out greedy success, mean +/- std over seeds, at each
+eval step; collapses; the paper's numbers beside) and `<out_dir>/plots/ablations_*.png`.
+The flags defined here are shared by the other experiment scripts.
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import shlex
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+from absl import app, flags
+
+from configs import ablations as ablations_cfg
+from sao_jax import sweep, tables
+
+MODE = flags.DEFINE_enum("mode", "quick", ["smoke", "quick", "full"], "Experiment size.")
+SWEEP_DIR = flags.DEFINE_string(
+    "sweep_dir", None, "Runs' workdirs (default workdirs/sweeps/<mode>)."
+)
+OUT_DIR = flags.DEFINE_string("out_dir", None, "Tables and plots (default results/<mode>).")
+PARALLEL = flags.DEFINE_integer("parallel", 1, "Training runs at the same time.")
+LAUNCHER = flags.DEFINE_enum("launcher", "local", sweep.LAUNCHERS, "Where runs are started.")
+DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the runs' commands, run nothing.")
+
+METRIC = "eval/greedy_success"  # held-out success: greedy decoding, outcome correct
+SAMPLED = "eval/sampled_success"  # the same prompts, sampled at temperature 1 (pass@1)
+# METHOD.md section 5 (AIME2025, BeyondAIME), and where the paper saw collapses.
+PAPER = {
+    "sao": (97.3, 74.8),
+    "no_faster_value": (95.0, 69.8),
+    "no_frozen_attention": (90.6, 74.5),
+    "vanilla_vapo": (91.3, 69.0),
+    "moving_average": (79.8, 55.3),
+    "grpo_dis": (93.5, 70.8),
+    "grpo": (84.2, 54.8),
+    "sft": (80.4, 53.3),
+}
+PAPER_COLLAPSE = {"sao": "none (~1000 steps)", "grpo": "~160", "vanilla_vapo": "~90"}
+LABELS = {
+    "sao": "SAO",
+    "no_faster_value": "w/o faster value (K=1)",
+    "no_frozen_attention": "w/o frozen attention",
+    "vanilla_vapo": "vanilla VAPO (no DIS)",
+    "moving_average": "moving-average baseline",
+    "grpo_dis": "GRPO + DIS",
+    "grpo": "GRPO",
+    "sft": "SFT warm start",
+    "step_mean": "step-level (mean)",
+    "step_last": "step-level (last)",
+    "cross_observation": "cross-observation GAE",
+}
+
+
+# --------------------------------------------------------------------------- shared
+
+
+def sweep_dir() -> pathlib.Path:
+    return pathlib.Path(SWEEP_DIR.value or f"workdirs/sweeps/{MODE.value}")
+
+
+def out_dir() -> pathlib.Path:
+    return pathlib.Path(OUT_DIR.value or f"results/{MODE.value}")
+
+
+def run(spec: sweep.SweepSpec) -> tuple[list[sweep.PointResult], float]:
+    """Runs (or resumes) the sweep with the command-line settings; (results, wall s)."""
+    t0 = time.time()
+    results = sweep.run_sweep(
+        spec, sweep_dir(), parallel=PARALLEL.value, launcher=LAUNCHER.value, dry_run=DRY_RUN.value
+    )
+    return results, time.time() - t0
+
+
+def by_row(results: Sequence[sweep.PointResult]) -> dict[str, list[sweep.PointResult]]:
+    out: dict[str, list[sweep.PointResult]] = collections.defaultdict(list)
+    for r in results:
+        out[r.row].append(r)
+    return dict(out)
+
+
+def command() -> str:
+    """This invocation as `python -m <module> <flags>` (sys.argv[0] is the file path)."""
+    prog = pathlib.Path(sys.argv[0]).resolve()
+    try:
+        module = ".".join(prog.relative_to(pathlib.Path.cwd().resolve()).with_suffix("").parts)
+    except ValueError:
+        module = prog.stem
+    return shlex.join(["python", "-m", module, *sys.argv[1:]])
+
+
+def header(title: str, spec: sweep.SweepSpec, results, wall_s: float) -> str:
+    machine = next((r.summary.get("machine", "") for r in results if r.summary), "")
+    return tables.report_header(
+        title,
+        command=command(),
+        mode=MODE.value,
+        seeds=spec.seeds,
+        wall_s=wall_s,
+        points_wall_s=sum(
+            tables.finite((r.summary or {}).get("wall_time_s")) or 0.0 for r in results
+        ),
+        runs=len(results),
+        reused=sum(r.reused for r in results),
+        machine=machine,
+    )
+
+
+def write(name: str, text: str) -> pathlib.Path:
+    path = out_dir() / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path}")
+    return path
+
+
+def plot_path(name: str) -> pathlib.Path:
+    path = out_dir() / "plots" / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def failures(results: Sequence[sweep.PointResult]) -> str:
+    bad = [r for r in results if r.status != "done"]
+    if not bad:
+        return ""
+    lines = ["", "## Runs that did not finish", ""]
+    for r in bad:
+        last = (r.error.strip().splitlines() or [""])[-1]
+        lines.append(f"- `{r.point.name}`: {r.status}. {last}")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def eval_steps(spec: sweep.SweepSpec) -> list[int]:
+    """The fixed step budgets: every eval step, the last one included."""
+    total, every = spec.fixed["train.total_steps"], spec.fixed["train.eval_every"]
+    steps = list(range(every, total + 1, every)) if every else []
+    return steps if steps and steps[-1] == total else [*steps, total]
+
+
+def ablation_report(
+    title: str,
+    name: str,
+    spec: sweep.SweepSpec,
+    results: Sequence[sweep.PointResult],
+    wall_s: float,
+    *,
+    paper: Mapping[str, tuple[float, ...]],
+    paper_columns: Sequence[str],
+    paper_collapse: Mapping[str, str] | None = None,
+) -> str:
+    """Markdown (and plots) of a rows x seeds sweep: success at each budget, collapse."""
+    rows, steps = by_row(results), eval_steps(spec)
+    done = {row: [r for r in rs if r.status == "done"] for row, rs in rows.items()}
+    cols = [0, *steps]  # step 0: the shared SFT warm start, before RL
+    headers = ["row", "runs", *(f"success % @{s}" for s in cols)]
+    headers += [f"sampled success % @{steps[-1]}", "collapse"]
+    headers += [f"paper {c}" for c in paper_columns]
+    if paper_collapse is not None:
+        headers.append("paper collapse")
+    body, final = [], {}
+    sft = [tables.finite((r.summary or {}).get("before", {}).get(METRIC)) for r in results]
+    sft_by_seed = {r.point.seed: v for r, v in zip(results, sft) if v is not None}
+    if sft_by_seed:
+        cells = [tables.fmt_mean_std(list(sft_by_seed.values()))] + ["-"] * (len(steps) + 1)
+        body.append(["SFT warm start (step 0)", len(sft_by_seed), *cells, "-"])
+        body[-1] += [f"{x}" for x in paper.get("sft", ("-",) * len(paper_columns))]
+        body[-1] += ["-"] if paper_collapse is not None else []
+        final["sft"] = tables.mean_std(list(sft_by_seed.values()))[0]
+    for row, rs in rows.items():
+        variant = rs[0].point.variant
+        cells = [
+            tables.fmt_mean_std([tables.value_at(r.history, METRIC, s) for r in rs]) for s in cols
+        ]
+        cells.append(
+            tables.fmt_mean_std([tables.value_at(r.history, SAMPLED, steps[-1]) for r in rs])
+        )
+        collapses = [tables.detect_collapse(r.history, error=r.error) for r in rs]
+        line = [LABELS.get(variant, row), f"{len(done[row])}/{len(rs)}", *cells]
+        line.append(tables.fmt_collapses(collapses))
+        line += [f"{x}" for x in paper.get(variant, ("-",) * len(paper_columns))]
+        if paper_collapse is not None:
+            line.append(paper_collapse.get(variant, "-"))
+        body.append(line)
+        last = [tables.value_at(r.history, METRIC, steps[-1]) for r in rs]
+        final[variant] = tables.mean_std(last)[0]
+    text = header(title, spec, results, wall_s) + "\n"
+    text += tables.markdown_table(headers, body)
+    text += "\n" + ordering_text(final, {k: v[0] for k, v in paper.items()}, paper_columns[0])
+    text += "\n" + definitions_text(f"budgets: evaluations at steps {', '.join(map(str, cols))}.")
+    text += _plots(name, rows, steps, paper)
+    text += failures(results)
+    text += "\n## Every run\n\n" + tables.points_table(results)
+    return text
+
+
+def ordering_text(ours: Mapping[str, float], paper: Mapping[str, float], column: str) -> str:
+    """Plain statement of whether our final ordering matches the paper's."""
+    agree, total, bad = tables.ordering_agreement(ours, paper)
+    common = {k: v for k, v in ours.items() if k in paper and tables.finite(v) is not None}
+    lines = [
+        "## Does laptop scale reproduce the paper's ordering?",
+        "",
+        f"- paper ({column}): {tables.ranking({k: paper[k] for k in common}, LABELS)}",
+        f"- ours (held-out greedy success at the last budget, mean over seeds): "
+        f"{tables.ranking(common, LABELS)}",
+        f"- pairs ordered as in the paper: {agree} of {total} (a tie in ours counts as not).",
+    ]
+    if total == 0:
+        lines.append("- **Not enough finished rows to compare.**")
+    elif agree == total:
+        lines.append("- **Yes**: every pair of rows is ordered as in the paper.")
+    else:
+        pairs = "; ".join(f"{LABELS.get(a, a)} > {LABELS.get(b, b)}" for a, b in bad)
+        lines.append(f"- **No**: the paper has {pairs}; ours does not (or ties).")
+    lines.append(
+        "- Differences within one std over seeds are not evidence either way; see "
+        "docs/experiments.md for what a conclusive run would need (more seeds, more steps)."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def definitions_text(budget: str) -> str:
+    rule = tables.CollapseRule()
+    return (
+        "## Definitions\n\n"
+        f"- success % @N: held-out greedy success ({METRIC}) after N RL steps, mean ± std "
+        "(ddof=1) over seeds (a bare number: one run); sampled: the same prompts decoded "
+        f"at temperature 1 ({SAMPLED}). The paper's columns are its AIME-style accuracies "
+        "(different task and scale: compare orderings, not values).\n"
+        f"- collapse: train success below {rule.drop_fraction:g} x its running max (once "
+        f"that max reached {rule.min_peak:g}) for {rule.patience} consecutive log records; "
+        f"or held-out success below {rule.drop_fraction:g} x its step-0 value from some "
+        f"eval to the end; or policy entropy below {rule.min_entropy:g} for "
+        f"{rule.patience} records; or >= {rule.max_skipped} non-finite (skipped) updates. "
+        f"Shown as runs collapsed / runs, at the first step of the collapse.\n"
+        f"- {budget}\n"
+    )
+
+
+def _plots(name, rows, steps, paper) -> str:
+    curves = {
+        LABELS.get(rs[0].point.variant, row): tables.mean_curve([r.history for r in rs], METRIC)
+        for row, rs in rows.items()
+    }
+    p1 = plot_path(f"{name}_eval_success")
+    tables.plot_curves(p1, "Held-out greedy success", "success", curves)
+    train = {
+        LABELS.get(rs[0].point.variant, row): tables.mean_curve(
+            [r.history for r in rs], "train/success"
+        )
+        for row, rs in rows.items()
+    }
+    p2 = plot_path(f"{name}_train_success")
+    tables.plot_curves(p2, "Training success (mean ± std over seeds)", "success", train)
+    bars = {}
+    for row, rs in rows.items():
+        m, s, _ = tables.mean_std([tables.value_at(r.history, METRIC, steps[-1]) for r in rs])
+        bars[LABELS.get(rs[0].point.variant, row)] = (m, s)
+    ref = {LABELS.get(k, k): v[0] / 100 for k, v in paper.items()}
+    p3 = plot_path(f"{name}_final")
+    tables.plot_bars(p3, f"Held-out success at step {steps[-1]}", "success", bars, reference=ref)
+    return "\n## Plots\n\n" + "".join(f"![{p.stem}](plots/{p.name})\n" for p in (p1, p2, p3))
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    spec = ablations_cfg.get_sweep(f"table=table4,mode={MODE.value}")
+    results, wall_s = run(spec)
+    if DRY_RUN.value:
+        return
+    write(
+        "ablations",
+        ablation_report(
+            "Table 4 at laptop scale: SAO, its ablations and baselines",
+            "ablations",
+            spec,
+            results,
+            wall_s,
+            paper=PAPER,
+            paper_columns=("AIME2025", "BeyondAIME"),
+            paper_collapse=PAPER_COLLAPSE,
+        ),
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

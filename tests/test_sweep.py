@@ -1,0 +1,314 @@
+"""The sweep runner (with a fake trainer process) and the aggregation helpers."""
+
+import json
+import math
+import os
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from sao_jax import sweep, tables
+from sao_jax.checkpointing.meta import encode_meta
+
+FAKE_TRAIN = textwrap.dedent(
+    """
+    import json, os, pathlib, sys, time
+    flags = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
+    wd = pathlib.Path(flags["workdir"])
+    with open(os.environ["FAKE_LOG"], "a") as f:
+        f.write(json.dumps({"name": wd.name, "flags": flags, "t0": time.time()}) + "\\n")
+    time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
+    if "fail" in flags["config"]:
+        print("Traceback\\nRuntimeError: deliberate failure", file=sys.stderr)
+        sys.exit(3)
+    wd.mkdir(parents=True, exist_ok=True)
+    steps = int(flags.get("config.train.total_steps", 4))
+    if steps == 0:  # like sao_jax.train today: saves the SFT policy, then dies at RL step 0
+        (wd / "warm_start" / "0").mkdir(parents=True, exist_ok=True)
+        sys.exit("ValueError: Progress: total must be an int > 0, got 0")
+    seed = int(flags["config.seed"])
+    rows = [{"step": s, "train/success": 0.1 * s + seed, "eval/greedy_success": 0.05 * s}
+            for s in range(steps + 1)]
+    (wd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
+    summary = {"steps": steps, "wall_time_s": 1.5, "before": {"eval/greedy_success": 0.0},
+               "after": {"eval/greedy_success": 0.05 * steps}}
+    (wd / "summary.json").write_text(json.dumps(summary))
+    """
+)
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    (tmp_path / "fake_train.py").write_text(FAKE_TRAIN)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), FAKE_LOG=str(tmp_path / "log.jsonl"))
+
+    def calls():
+        path = tmp_path / "log.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    return env, calls
+
+
+def _spec(**kw):
+    base = dict(
+        name="t",
+        config="configs/ablations.py",
+        variants=("sao", "grpo"),
+        seeds=(0, 1),
+        grid=(sweep.axis("optim.policy.lr", [1e-4, 1e-3]),),
+        fixed={"train.total_steps": 3, "model.hidden_size": 32},
+        entry="fake_train",
+    )
+    return sweep.SweepSpec(**{**base, **kw})
+
+
+# --------------------------------------------------------------------------- spec
+
+
+def test_expand_is_the_product_with_unique_names():
+    points = sweep.expand(_spec())
+    assert len(points) == 2 * 2 * 2
+    assert [p.name for p in points[:2]] == [
+        "ablations__sao__lr=0.0001__seed=0",
+        "ablations__sao__lr=0.0001__seed=1",
+    ]
+    assert len({p.name for p in points}) == 8
+    assert {p.row for p in points} == {
+        f"{v}__lr={lr}" for v in ("sao", "grpo") for lr in (1e-4, 1e-3)
+    }
+    linked = _spec(grid=(({"a.b": 1, "a.c": 2}, {"a.b": 3, "a.c": 4}),), seeds=(0,))
+    names = [p.name for p in sweep.expand(linked)]
+    assert names[0] == "ablations__sao__b=1__c=2__seed=0"
+
+
+def test_bad_specs_are_refused():
+    with pytest.raises(ValueError, match="set twice"):
+        sweep.expand(_spec(grid=(sweep.axis("train.total_steps", [1]),)))
+    with pytest.raises(ValueError, match="dotted config field"):
+        sweep.expand(_spec(grid=(sweep.axis("bad field", [1]),)))
+    with pytest.raises(ValueError, match="axis of its own"):
+        _spec(fixed={"seed": 1})
+    with pytest.raises(ValueError, match="repeated seeds"):
+        _spec(seeds=(0, 0))
+    with pytest.raises(ValueError, match="no levels"):
+        _spec(grid=((),))
+    with pytest.raises(ValueError, match="mappings"):
+        _spec(grid=({"a.b": 1},))
+    with pytest.raises(ValueError, match="share names"):
+        sweep.expand(_spec(variants=("sao", "sao")))
+
+
+def test_point_argv_and_flag_values(tmp_path):
+    p = sweep.expand(_spec(common_arg="smoke"))[0]
+    argv = sweep.point_argv(p, tmp_path / "w", warm_start_dir=tmp_path / "ws", python="py")
+    assert argv[:5] == ["py", "-m", "experiments.train", "--config=configs/ablations.py:sao,smoke",
+                        f"--workdir={tmp_path / 'w'}"]  # fmt: skip
+    assert "--config.seed=0" in argv and "--config.optim.policy.lr=0.0001" in argv
+    assert "--config.init.kind=params" in argv
+    assert f"--config.init.params_path={tmp_path / 'ws' / 'warm_start'}" in argv
+    assert [sweep.flag_value(v) for v in ("a", True, 3, 0.5, (1, 2), [3])] == [
+        "a", "true", "3", "0.5", "(1, 2)", "(3,)"
+    ]  # fmt: skip
+    with pytest.raises(TypeError, match="override value"):
+        sweep.flag_value({"a": 1})
+
+
+def test_warm_start_keeps_only_fields_that_shape_it():
+    spec = _spec(fixed={"train.total_steps": 3, "model.hidden_size": 32, "env.eval_size": 4})
+    ws = sweep.warm_start_point(spec, 1)
+    o = ws.all_overrides()
+    assert o["model.hidden_size"] == 32 and o["train.total_steps"] == 0
+    assert o["env.eval_size"] == sweep.WARM_START_OVERRIDES["env.eval_size"]
+    assert ws.seed == 1 and ws.variant == "" and ws.config_path == "configs/ablations.py"
+
+
+def test_launcher_argv():
+    argv = ["py", "-m", "experiments.train", "--config=c.py", "--workdir=w"]
+    assert sweep.launcher_argv("local", argv, "n") == argv
+    out = sweep.launcher_argv("tpu", argv, "n")
+    assert out[:6] == ["py", "-m", "experiments.launch", "--platform=tpu", "--name=n", "--"]
+    assert out[6:] == argv[2:]
+    with pytest.raises(ValueError, match="launcher"):
+        sweep.launcher_argv("slurm", argv, "n")
+
+
+# --------------------------------------------------------------------------- running
+
+
+def test_run_sweep_warm_starts_first_then_points_resumably(tmp_path, fake):
+    env, calls = fake
+    spec = _spec(variants=("sao", "fail"))
+    logs = []
+    results = sweep.run_sweep(
+        spec, tmp_path / "sw", env=env, log=logs.append, python=sys.executable
+    )
+    first = calls()
+    names = [c["name"] for c in first]
+    assert names[:2] == [sweep.warm_start_name(spec, 0), sweep.warm_start_name(spec, 1)]
+    assert sorted(names[2:]) == sorted(p.name for p in sweep.expand(spec))
+    for c in first[2:]:
+        ws = tmp_path / "sw" / sweep.warm_start_name(spec, int(c["flags"]["config.seed"]))
+        assert c["flags"]["config.init.params_path"] == str(ws / "warm_start")
+        assert c["flags"]["config.model.hidden_size"] == "32"
+    status = {r.point.name: r.status for r in results}
+    assert all(s == "done" for n, s in status.items() if n.startswith("sao"))
+    failed = [r for r in results if r.point.variant == "fail"]
+    assert failed and all(r.status == "failed" for r in failed)
+    assert "deliberate failure" in failed[0].error
+    record = json.loads(sweep.side_file(failed[0].workdir, sweep.FAILED_FILE).read_text())
+    assert record["returncode"] == 3
+    ok = next(r for r in results if r.status == "done")
+    assert ok.summary["steps"] == 3 and ok.history[-1]["step"] == 3
+
+    # Rerun: finished points and warm starts are skipped, failed ones retried.
+    rerun = sweep.run_sweep(spec, tmp_path / "sw", env=env, log=logs.append)
+    again = [c["name"] for c in calls()[len(first) :]]
+    assert sorted(again) == sorted(r.point.name for r in failed)
+    assert all(r.reused == (r.point.variant == "sao") for r in rerun)
+    assert not any(r.reused for r in results)
+
+    table = tables.points_table(results)
+    assert table.count("\n") == len(results) + 2 and "deliberate failure" in table
+
+
+def test_a_workdir_of_another_command_is_refused(tmp_path, fake):
+    env, _ = fake
+    spec = _spec(variants=("sao",), seeds=(0,), grid=())
+    sweep.run_sweep(spec, tmp_path / "sw", env=env, log=lambda _: None)
+    changed = _spec(variants=("sao",), seeds=(0,), grid=(), fixed={"train.total_steps": 5})
+    with pytest.raises(ValueError, match="records another"):
+        sweep.run_sweep(changed, tmp_path / "sw", env=env, log=lambda _: None)
+
+
+def test_dry_run_runs_nothing(tmp_path, fake, capsys):
+    env, calls = fake
+    spec = _spec(warm_start=False)
+    results = sweep.run_sweep(spec, tmp_path / "sw", env=env, dry_run=True)
+    assert calls() == [] and {r.status for r in results} == {"missing"}
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 8 and all("-m fake_train --config=configs/ablations.py:" in x for x in out)
+
+
+def test_parallel_jobs_overlap(tmp_path, fake):
+    env, calls = fake
+    env = dict(env, FAKE_SLEEP="1.0")
+    spec = _spec(variants=("sao",), seeds=(0, 1), grid=(), warm_start=False)
+    sweep.run_sweep(spec, tmp_path / "sw", env=env, parallel=2, log=lambda _: None)
+    starts = sorted(c["t0"] for c in calls())
+    ends = [sweep.collect(spec, tmp_path / "sw")[0].workdir.joinpath("summary.json").stat()]
+    # Both started before the first one wrote its summary (it sleeps 1 s first).
+    assert len(starts) == 2 and starts[1] < ends[0].st_mtime
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def test_mean_std_and_formatting():
+    assert tables.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0, 3)
+    assert tables.mean_std([0.5]) == (0.5, 0.0, 1)
+    m, s, n = tables.mean_std([None, float("nan")])
+    assert n == 0 and math.isnan(m) and math.isnan(s)
+    assert tables.fmt_mean_std([0.1, 0.3]) == f"20.0 ± {100 * np.std([0.1, 0.3], ddof=1):.1f}"
+    assert tables.fmt_mean_std([0.1, None]) == "10.0 (n=1)"
+    assert tables.fmt_mean_std([0.25]) == "25.0"
+    assert tables.ranking({"a": 1.0, "b": 2.0, "c": 1.0}, {"b": "B"}) == "B > a = c"
+    assert tables.fmt_mean_std([]) == "n/a"
+
+
+def test_series_value_at_and_mean_curve_match_literal():
+    h1 = [{"step": 0, "x": 1.0}, {"step": 2, "x": 3.0}, {"step": 2, "y": 1}, {"step": 4, "x": None}]
+    h2 = [{"step": 2, "x": 5.0}, {"step": 4, "x": 7.0}]
+    steps, v = tables.series(h1, "x")
+    assert steps.tolist() == [0, 2] and v.tolist() == [1.0, 3.0]
+    assert tables.value_at(h1, "x", 2) == 3.0 and tables.value_at(h1, "x", 4) is None
+    s, mean, std = tables.mean_curve([h1, h2], "x")
+    assert s.tolist() == [0, 2, 4]
+    assert mean.tolist() == [1.0, 4.0, 7.0]
+    assert std.tolist() == [0.0, np.std([3.0, 5.0], ddof=1), 0.0]
+
+
+def _hist(values, name="train/success", every=5):
+    return [{"step": every * (i + 1), name: v} for i, v in enumerate(values)]
+
+
+def test_collapse_detection():
+    rule = tables.CollapseRule(drop_fraction=0.5, min_peak=0.2, patience=3)
+    assert tables.detect_collapse(_hist([0.1, 0.3, 0.5, 0.6, 0.55]), rule) is None
+    # Never learned: low values are not a collapse.
+    assert tables.detect_collapse(_hist([0.15, 0.0, 0.0, 0.0, 0.0]), rule) is None
+    # Peak 0.6 at step 20, then below 0.3 for steps 25, 30, 35.
+    c = tables.detect_collapse(_hist([0.2, 0.4, 0.5, 0.6, 0.2, 0.1, 0.0, 0.0]), rule)
+    assert c == tables.Collapse(25, "success")
+    # A dip shorter than `patience` is not a collapse.
+    assert tables.detect_collapse(_hist([0.6, 0.1, 0.1, 0.5, 0.1, 0.5]), rule) is None
+    ent = _hist([1.0, 0.5, 0.01, 0.02, 0.01, 0.3], "policy/entropy")
+    assert tables.detect_collapse(ent, rule) == tables.Collapse(15, "entropy")
+    skipped = _hist([0, 2, 5, 9], "train/skipped_steps")
+    assert tables.detect_collapse(skipped, rule) == tables.Collapse(15, "nonfinite")
+    err = "sao_jax.rl.update.NonFiniteError: 10 consecutive updates"
+    assert tables.detect_collapse(_hist([0.1, 0.1]), rule, error=err) == tables.Collapse(
+        10, "nonfinite"
+    )
+    ev = [{"step": s, "eval/greedy_success": v} for s, v in [(0, 0.6), (10, 0.2), (20, 0.7)]]
+    assert tables.detect_collapse(ev, rule) is None  # recovered by the last eval
+    ev += [{"step": 30, "eval/greedy_success": 0.2}, {"step": 40, "eval/greedy_success": 0.0}]
+    assert tables.detect_collapse(ev, rule) == tables.Collapse(30, "heldout")
+    assert tables.fmt_collapses([None, tables.Collapse(25, "success")]) == "1/2 at 25 (success)"
+    assert tables.fmt_collapses([None]) == "none (0/1)"
+
+
+def test_time_to_recover_hand_checked():
+    steps = np.arange(0, 40, 2)
+    # Step 22 still holds rewards judged before the switch; the drop starts at 24.
+    values = np.where(steps <= 22, 0.5, np.where(steps < 30, 0.1, 0.45))
+    values[steps == 26] = 0.05
+    r = tables.time_to_recover(steps, values, 20, window=10, fraction=0.8)
+    # level 0.5 over [10, 20); bar 0.4: below from 24, back at 30.
+    assert r == tables.Recovery(20, 0.5, 0.05, 10)
+    never = tables.time_to_recover(steps, values, 20, window=10, fraction=0.95)
+    assert never.steps is None and never.dip == 0.05
+    assert tables.time_to_recover(steps, values, 20, window=10, until=28).steps is None
+    flat = tables.time_to_recover(steps, np.full(20, 0.5), 20, window=10)
+    assert flat == tables.Recovery(20, 0.5, 0.5, 0)
+    assert tables.time_to_recover(steps, np.zeros(20), 20, window=10) is None
+    assert tables.time_to_recover(steps, values, 20, window=10, min_level=0.5) is None
+
+
+def test_ordering_agreement():
+    paper = {"a": 3.0, "b": 2.0, "c": 1.0}
+    assert tables.ordering_agreement({"a": 0.9, "b": 0.5, "c": 0.1}, paper) == (3, 3, [])
+    agree, total, bad = tables.ordering_agreement({"a": 0.1, "b": 0.5, "c": 0.2}, paper)
+    assert (agree, total) == (1, 3) and bad == [("a", "b"), ("a", "c")]
+    assert tables.ordering_agreement({"a": 1.0}, paper) == (0, 0, [])
+
+
+def test_markdown_table_and_plots(tmp_path):
+    text = tables.markdown_table(["a", "b"], [[1, "x|y"], [2.5, None]])
+    assert text.splitlines() == ["| a | b |", "|---|---|", "| 1 | x\\|y |", "| 2.5 | None |"]
+    with pytest.raises(ValueError, match="row 0"):
+        tables.markdown_table(["a"], [[1, 2]])
+    curve = (np.array([0, 1, 2]), np.array([0.1, 0.2, 0.3]), np.array([0.0, 0.1, 0.0]))
+    tables.plot_curves(tmp_path / "c.png", "t", "y", {"x": curve}, vlines=[1], vline_label="s")
+    tables.plot_bars(tmp_path / "b.png", "t", "y", {"x": (0.5, 0.1)}, reference={"x": 0.6})
+    for name in ("c.png", "b.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_whose_config_changed_since_is_refused(tmp_path, fake):
+    env, calls = fake
+    spec = _spec(variants=("sao",), seeds=(0,), grid=(), warm_start=False)
+    sweep.run_sweep(spec, tmp_path / "sw", env=env, log=lambda _: None)
+    _, [(_, job)] = sweep.sweep_jobs(spec, tmp_path / "sw")
+    # What sao_jax.train writes: the config the command builds (tuples as lists).
+    built = sweep.point_config(*job.config).to_dict()
+    saved = json.loads(json.dumps(encode_meta(built, "config")))
+    (job.workdir / "config.json").write_text(json.dumps(saved))
+    n = len(calls())
+    assert sweep.run_sweep(spec, tmp_path / "sw", env=env, log=lambda _: None)[0].reused
+    assert len(calls()) == n
+    saved["rl"]["k_critic"] = 7  # as if configs/ablations.py had been edited since
+    (job.workdir / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"rl\.k_critic.*config changed since"):
+        sweep.run_sweep(spec, tmp_path / "sw", env=env, log=lambda _: None)
