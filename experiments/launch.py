@@ -14,7 +14,7 @@ GPU cluster: one ssh per host (process i of N, coordinator = the first host), or
 
 Extra flags for experiments.train go after `--` (`-- --config.seed=1`). The sweep
 runner hands whole point commands the same way (`--platform=tpu --name=<point> --
-experiments.train --config=... --workdir=...`, see sao_jax/sweep.py); `--sweep` runs
+experiments.train --config=... --workdir=...`, see sao_jax/sweep/); `--sweep` runs
 every point of a config's `get_sweep()` one after the other. `--dry_run` prints the
 exact commands; without it they run here through subprocess (each host's output
 streams to this terminal) and the exit code is the worst of theirs.

@@ -20,7 +20,7 @@ from sao_jax.rl.update import Learner, reduce_metrics
 from sao_jax.sampling.engine import Engine, EngineConfig
 from sao_jax.sampling.trajectory import pad_batch
 from sao_jax.schema import ConfigError
-from tests.test_generate import FakeTokenizer, TurnEnv, prompts
+from tests.sampling_support import FakeTokenizer, TurnEnv, prompts
 
 L_MAX = 48
 ROUTER = ("trunk", "layers", 1, "mlp", "gate", "kernel")  # the MoE layer's router [D, E]

@@ -26,7 +26,7 @@ from sao_jax.sampling.sampler import (
     sampling_section,
 )
 from sao_jax.schema import ConfigError
-from tests.test_generate import MODEL, FakeTokenizer, TurnEnv
+from tests.sampling_support import MODEL, FakeTokenizer, TurnEnv
 
 ENGINE = EngineConfig(num_slots=4, max_len=64, max_turn_tokens=8)
 

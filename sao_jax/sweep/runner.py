@@ -1,0 +1,319 @@
+"""Sweep runner: one process per point, resumable, with shared warm starts first.
+
+`sweep_jobs` builds each point's command (`point_argv`; on pods handed to
+experiments/launch.py by `launcher_argv`); `run_jobs` runs `parallel` of them at a time,
+skips finished ones, refuses workdirs of another command or config, and records failures
+without stopping; `run_sweep` does both and collects the results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from sao_jax import config as config_lib
+from sao_jax.checkpointing.meta import encode_meta
+from sao_jax.checkpointing.workdir import CONFIG_FILE, config_differences
+from sao_jax.schema import ConfigDict
+from sao_jax.sweep.results import (
+    FAILED_FILE,
+    POINT_FILE,
+    STDERR_FILE,
+    STDOUT_FILE,
+    SUMMARY_FILE,
+    PointResult,
+    collect,
+    side_file,
+)
+from sao_jax.sweep.spec import (
+    TRAIN_MODULE,
+    WARM_START_SUBDIR,
+    Point,
+    SweepSpec,
+    expand,
+    flag_value,
+    set_field,
+    warm_start_name,
+    warm_start_point,
+)
+
+LAUNCHERS = ("local", "tpu", "gpu")
+LAUNCH_MODULE = "experiments.launch"
+STDERR_TAIL_LINES = 40
+
+# --------------------------------------------------------------------------- commands
+
+
+def point_argv(
+    point: Point,
+    workdir: str | os.PathLike,
+    *,
+    warm_start_dir: str | os.PathLike | None = None,
+    python: str = sys.executable,
+    entry: str = TRAIN_MODULE,
+) -> list[str]:
+    """The command line of one point (a list for subprocess, no shell)."""
+    overrides = point_overrides(point, warm_start_dir)
+    argv = [
+        python,
+        "-m",
+        entry,
+        f"--config={point.config_path}",
+        f"--workdir={workdir}",
+        f"--config.seed={point.seed}",
+    ]
+    argv += [f"--config.{k}={flag_value(v)}" for k, v in overrides.items()]
+    return argv
+
+
+def point_overrides(point: Point, warm_start_dir: str | os.PathLike | None) -> dict[str, Any]:
+    """Every `--config.<field>` of a point but the seed: fixed, grid, then the warm start."""
+    overrides = point.all_overrides()
+    if warm_start_dir is not None:
+        overrides["init.kind"] = "params"
+        overrides["init.params_path"] = str(pathlib.Path(warm_start_dir) / WARM_START_SUBDIR)
+    return overrides
+
+
+def point_config(config_path: str, seed: int, overrides: Mapping[str, Any]) -> ConfigDict:
+    """The config a point's command builds (file[:variant], seed, overrides), unvalidated."""
+    c = config_lib.load_config(config_path)
+    c.seed = seed
+    for field, value in overrides.items():
+        set_field(c, field, value)
+    return c
+
+
+def launcher_argv(launcher: str, argv: Sequence[str], name: str) -> list[str]:
+    """`argv` (a local point command) as run on a pod through experiments/launch.py.
+
+    'local' returns argv unchanged. 'tpu'/'gpu' hand the point's module and flags to
+    the multi-host launcher: `python -m experiments.launch --platform=<launcher>
+    --name=<name> -- <module> <flags...>`; it starts the same command on every host.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher={launcher!r}: must be one of {LAUNCHERS}")
+    if launcher == "local":
+        return list(argv)
+    python, dash_m, module, *flags = argv
+    if dash_m != "-m":
+        raise ValueError(f"launcher_argv: expected '<python> -m <module> ...', got {argv[:3]}")
+    head = [python, "-m", LAUNCH_MODULE, f"--platform={launcher}", f"--name={name}", "--"]
+    return [*head, module, *flags]
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclasses.dataclass
+class Job:
+    """One process to run: `argv` with its workdir."""
+
+    name: str
+    argv: list[str]
+    workdir: pathlib.Path
+    warm_start: bool = False  # done once <workdir>/warm_start holds a checkpoint
+    config: tuple[str, int, dict[str, Any]] | None = None  # (file[:variant], seed, overrides)
+
+
+def has_output(job: Job) -> bool:
+    """A point: summary.json. A warm start: a committed step under <workdir>/warm_start
+    (orbax renames a step's tmp dir to the bare step number on commit); this does not
+    depend on the process getting past RL step 0 (see docs/experiments.md)."""
+    if not job.warm_start:
+        return (job.workdir / SUMMARY_FILE).is_file()
+    ws = job.workdir / WARM_START_SUBDIR
+    return ws.is_dir() and any(p.is_dir() and p.name.isdigit() for p in ws.iterdir())
+
+
+def is_finished(job: Job) -> bool:
+    """Its output is there and point.json records this command."""
+    return has_output(job) and _recorded_argv(job.workdir) == job.argv
+
+
+def check_workdir(job: Job) -> None:
+    """Refuses a workdir that holds another command's run, or a run whose config.json
+    differs from what the command builds now (the config file was edited since): such
+    results are never reused nor overwritten."""
+    recorded = _recorded_argv(job.workdir)
+    if recorded is not None and recorded != job.argv:
+        raise ValueError(
+            f"sweep point {job.name!r}: {side_file(job.workdir, POINT_FILE)} records another "
+            f"command; move it away or use another sweep dir.\n  recorded: {shlex.join(recorded)}\n"
+            f"  now:      {shlex.join(job.argv)}"
+        )
+    saved = job.workdir / CONFIG_FILE
+    if job.config is None or not saved.is_file():
+        return
+    expected = encode_meta(point_config(*job.config).to_dict(), "config")
+    blocking, _ = config_differences(
+        json.loads(saved.read_text()), json.loads(json.dumps(expected))
+    )
+    if blocking:
+        raise ValueError(
+            f"sweep point {job.name!r}: {saved} differs from what {job.config[0]} builds now "
+            f"in {blocking[:3]} (the config changed since that run); move the workdir away "
+            f"or use another sweep dir"
+        )
+
+
+def _recorded_argv(workdir: pathlib.Path) -> list[str] | None:
+    path = side_file(workdir, POINT_FILE)
+    if not path.is_file():
+        return None
+    try:
+        return list(json.loads(path.read_text())["argv"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"sweep: {path} is not a point file ({e})") from e
+
+
+def run_jobs(
+    jobs: Sequence[Job],
+    *,
+    parallel: int = 1,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    log: Callable[[str], None] = print,
+    poll_s: float = 0.5,
+) -> dict[str, str]:
+    """Runs every unfinished job, `parallel` at a time; returns name -> status.
+
+    Status: 'skipped' (already finished), 'done', or 'failed' (failed.json written with
+    the exit code and stderr tail). A failure never stops the other jobs.
+    """
+    if parallel < 1:
+        raise ValueError(f"parallel: must be >= 1, got {parallel}")
+    for job in jobs:
+        check_workdir(job)
+    status = {j.name: "skipped" for j in jobs if is_finished(j)}
+    for job in jobs:
+        if job.name in status:  # a failure record of an attempt before the one that finished
+            side_file(job.workdir, FAILED_FILE).unlink(missing_ok=True)
+    pending = [j for j in jobs if j.name not in status]
+    running: list[tuple[Job, subprocess.Popen, float, list]] = []
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            running.append((job, *_start(job, env, cwd)))
+            log(f"[sweep] start {job.name}")
+        time.sleep(poll_s)
+        still = []
+        for job, proc, t0, files in running:
+            rc = proc.poll()
+            if rc is None:
+                still.append((job, proc, t0, files))
+                continue
+            for f in files:
+                f.close()
+            status[job.name] = _finish(job, rc, time.time() - t0)
+            log(f"[sweep] {status[job.name]} {job.name} ({time.time() - t0:.0f} s)")
+        running = still
+    return status
+
+
+def _start(job: Job, env, cwd) -> tuple[subprocess.Popen, float, list]:
+    side_file(job.workdir, POINT_FILE).parent.mkdir(parents=True, exist_ok=True)
+    side_file(job.workdir, FAILED_FILE).unlink(missing_ok=True)
+    side_file(job.workdir, POINT_FILE).write_text(json.dumps({"argv": job.argv}, indent=1))
+    out = open(side_file(job.workdir, STDOUT_FILE), "a")  # noqa: SIM115 (closed at the end)
+    err = open(side_file(job.workdir, STDERR_FILE), "a")  # noqa: SIM115
+    env = dict(os.environ if env is None else env)
+    proc = subprocess.Popen(job.argv, stdout=out, stderr=err, env=env, cwd=cwd)
+    return proc, time.time(), [out, err]
+
+
+def _finish(job: Job, returncode: int, wall_s: float) -> str:
+    if has_output(job) and (returncode == 0 or job.warm_start):
+        return "done"
+    lines = side_file(job.workdir, STDERR_FILE).read_text(errors="replace").splitlines()
+    record = dict(
+        returncode=returncode,
+        wall_s=wall_s,
+        argv=job.argv,
+        stderr_tail="\n".join(lines[-STDERR_TAIL_LINES:]),
+        reason="exit code 0 but no summary.json" if returncode == 0 else "non-zero exit",
+    )
+    side_file(job.workdir, FAILED_FILE).write_text(json.dumps(record, indent=1))
+    return "failed"
+
+
+# --------------------------------------------------------------------------- sweeps
+
+
+def sweep_jobs(
+    spec: SweepSpec,
+    sweep_dir: str | os.PathLike,
+    *,
+    python: str = sys.executable,
+    launcher: str = "local",
+) -> tuple[list[Job], list[tuple[Point, Job]]]:
+    """(warm-start jobs, [(point, job)]) of a sweep; commands only, nothing runs."""
+    root = pathlib.Path(sweep_dir)
+    warm: dict[int, Job] = {}
+    if spec.warm_start:
+        for seed in spec.seeds:
+            name = warm_start_name(spec, seed)
+            ws = warm_start_point(spec, seed)
+            argv = point_argv(ws, root / name, python=python, entry=spec.entry)
+            config = (ws.config_path, seed, point_overrides(ws, None))
+            argv = launcher_argv(launcher, argv, name)
+            warm[seed] = Job(name, argv, root / name, warm_start=True, config=config)
+    pairs = []
+    for p in expand(spec):
+        ws = warm[p.seed].workdir if spec.warm_start else None
+        argv = point_argv(p, root / p.name, warm_start_dir=ws, python=python, entry=spec.entry)
+        config = (p.config_path, p.seed, point_overrides(p, ws))
+        argv = launcher_argv(launcher, argv, p.name)
+        pairs.append((p, Job(p.name, argv, root / p.name, config=config)))
+    return list(warm.values()), pairs
+
+
+def run_sweep(
+    spec: SweepSpec,
+    sweep_dir: str | os.PathLike,
+    *,
+    parallel: int = 1,
+    launcher: str = "local",
+    dry_run: bool = False,
+    python: str = sys.executable,
+    env: Mapping[str, str] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[PointResult]:
+    """Runs (or resumes) a sweep: warm starts first, then every point; collects results.
+
+    Points whose seed's warm start failed are not started (their result says so).
+    `dry_run` prints the commands and runs nothing.
+    """
+    warm, pairs = sweep_jobs(spec, sweep_dir, python=python, launcher=launcher)
+    if dry_run:
+        for job in warm + [j for _, j in pairs]:
+            log(shlex.join(job.argv))
+        return collect(spec, sweep_dir, [p for p, _ in pairs])
+    env = sweep_env(sweep_dir, env)
+    ws_status = run_jobs(warm, parallel=parallel, env=env, log=log)
+    failed_ws = {int(n.rsplit("=", 1)[1]) for n, s in ws_status.items() if s == "failed"}
+    jobs = [j for p, j in pairs if p.seed not in failed_ws]
+    status = run_jobs(jobs, parallel=parallel, env=env, log=log)
+    results = collect(spec, sweep_dir, [p for p, _ in pairs], failed_warm_starts=failed_ws)
+    for r in results:
+        r.reused = status.get(r.point.name) == "skipped"
+    return results
+
+
+def sweep_env(sweep_dir: str | os.PathLike, env: Mapping[str, str] | None) -> dict[str, str]:
+    """The points' environment: JAX's persistent compilation cache under the sweep dir
+    (points of one sweep compile the same programs), unless the caller set one."""
+    out = dict(os.environ if env is None else env)
+    cache = pathlib.Path(sweep_dir) / ".jax_cache"
+    out.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache.absolute()))
+    out.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    out.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    return out
