@@ -78,8 +78,9 @@ def _convert(key: str, text: str, default: Any) -> Any:
     return value
 
 
-def load_config(path: str) -> ConfigDict:
-    """Loads ``path[:arg]`` (a configs/*.py file) the way `config_flags` does."""
+def config_module(path: str, function: str) -> tuple[Any, str | None]:
+    """(module, arg) of a config file given as ``file[:arg]``; the module must define
+    `function` (get_config, get_sweep). ConfigError names a missing file or function."""
     file, _, arg = path.partition(":")
     p = pathlib.Path(file)
     if not p.is_file():
@@ -87,9 +88,15 @@ def load_config(path: str) -> ConfigDict:
     spec = importlib.util.spec_from_file_location(f"_sao_config_{p.stem}", p)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {file!r} defines no get_config(arg)")
-    return module.get_config(arg or None)
+    if not hasattr(module, function):
+        raise ConfigError(f"config file {file!r} defines no {function}(arg)")
+    return module, arg or None
+
+
+def load_config(path: str) -> ConfigDict:
+    """Loads ``path[:arg]`` (a configs/*.py file) the way `config_flags` does."""
+    module, arg = config_module(path, "get_config")
+    return module.get_config(arg)
 
 
 def validate(config: ConfigDict) -> ConfigDict:

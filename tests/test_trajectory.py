@@ -7,7 +7,6 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sao_jax.models.config import ModelConfig
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
@@ -19,21 +18,7 @@ from sao_jax.sampling.trajectory import (
     pad_batch,
     unpack,
 )
-
-MODEL = ModelConfig(
-    vocab_size=32,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    intermediate_size=64,
-    moe_intermediate_size=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    mlp_only_layers=(0,),
-    initializer_range=0.1,
-)
+from tests.sampling_support import MODEL
 
 
 def make_traj(

@@ -8,13 +8,13 @@ share one SFT-only warm-start run (`warm_start_point`, `warm_start_name`).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import pathlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from sao_jax.config import config_module
 from sao_jax.schema import ConfigDict, ConfigError
 
 TRAIN_MODULE = "experiments.train"
@@ -71,18 +71,10 @@ class SweepSpec:
 
 def load_sweep(path: str) -> SweepSpec:
     """`get_sweep(arg)` of a config file given as ``file[:arg]``."""
-    file, _, arg = path.partition(":")
-    p = pathlib.Path(file)
-    if not p.is_file():
-        raise ConfigError(f"sweep config file {file!r} does not exist")
-    module_spec = importlib.util.spec_from_file_location(f"_sao_sweep_{p.stem}", p)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not hasattr(module, "get_sweep"):
-        raise ConfigError(f"config file {file!r} defines no get_sweep(arg)")
-    spec = module.get_sweep(arg or None)
+    module, arg = config_module(path, "get_sweep")
+    spec = module.get_sweep(arg)
     if not isinstance(spec, SweepSpec):
-        raise ConfigError(f"{file}: get_sweep returned {type(spec).__name__}, not a SweepSpec")
+        raise ConfigError(f"{path}: get_sweep returned {type(spec).__name__}, not a SweepSpec")
     return spec
 
 
