@@ -35,6 +35,7 @@ from sao_jax.models.transformer import Policy, critic_params_from_policy
 from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder, sharder_from_config
 from sao_jax.parallel.partition import ModelDef
+from sao_jax.progress import Progress
 from sao_jax.rl.update import Learner
 from sao_jax.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.run_settings import check_run
@@ -311,7 +312,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
     acc = metrics.MetricAccumulator()
     host: list[dict[str, float]] = []
     start = min(int(state.step), t.total_steps)
-    progress = metrics.Progress(t.total_steps, initial=start, enabled=t.progress)
+    progress = Progress(t.total_steps, initial=start, enabled=t.progress)
     tokens, t_log = 0, time.time()
     last = {}
     try:

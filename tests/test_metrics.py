@@ -11,6 +11,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from sao_jax import metrics as M
+from sao_jax.progress import Progress
 
 
 def _clock():
@@ -247,7 +248,7 @@ def test_accumulator_sums_pairs_over_steps():
 
 def test_progress_plain_lines_when_not_a_tty():
     stream, now = io.StringIO(), [0.0]
-    p = M.Progress(10, stream=stream, every_s=10.0, primary=True, clock=lambda: now[0])
+    p = Progress(10, stream=stream, every_s=10.0, primary=True, clock=lambda: now[0])
     for step in range(1, 11):
         now[0] = 4.0 * step
         p.update(step, {"train/reward": 0.5, "perf/action_tokens_per_s": 1234.0, "other": 1.0})
@@ -262,7 +263,7 @@ def test_progress_plain_lines_when_not_a_tty():
 
 def test_progress_close_prints_last_step_and_resume():
     stream = io.StringIO()
-    p = M.Progress(100, initial=50, stream=stream, every_s=1e9, primary=True, clock=_clock())
+    p = Progress(100, initial=50, stream=stream, every_s=1e9, primary=True, clock=_clock())
     p.update(51)
     p.update(60)
     p.close()
@@ -270,19 +271,19 @@ def test_progress_close_prints_last_step_and_resume():
     lines = stream.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["51/100", "60/100"]
     with pytest.raises(ValueError, match="initial"):
-        M.Progress(10, initial=11)
+        Progress(10, initial=11)
 
 
 def test_progress_tty_bar_and_disabled():
     stream = io.StringIO()
-    with M.Progress(5, stream=stream, tty=True, primary=True) as p:
+    with Progress(5, stream=stream, tty=True, primary=True) as p:
         for step in range(1, 6):
             p.update(step, {"train/success": 0.25})
     out = stream.getvalue()
     assert "5/5" in out and "success 0.25" in out
     quiet = io.StringIO()
-    with M.Progress(5, stream=quiet, primary=False) as p:
+    with Progress(5, stream=quiet, primary=False) as p:
         p.update(5)
-    with M.Progress(5, stream=quiet, enabled=False, primary=True) as p:
+    with Progress(5, stream=quiet, enabled=False, primary=True) as p:
         p.update(5)
     assert quiet.getvalue() == ""
