@@ -94,7 +94,7 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
         tables.plot_curves(path, f"Training success, {name}", "success", curves)
         text += f"![{path.stem}](plots/{path.name})\n"
     text += abl.failures(results)
-    text += "\n## Every run\n\n" + tables.points_table(results)
+    text += "\n## Every run\n\n" + tables.points_table(results, abl.METRIC)
     return text
 
 
