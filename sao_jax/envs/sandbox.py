@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import glob
 import json
 import os
 import pathlib
@@ -432,6 +433,32 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait()
     for stream in (proc.stdout, proc.stderr):
         stream.close()
+    _await_group_exit(proc.pid)
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Pids of the process group that are not yet dead (zombies excluded); Linux /proc."""
+    live = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat, "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after "(comm)"
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in (b"Z", b"X") and int(fields[2]) == pgid:
+            live.append(int(stat.split("/")[2]))
+    return live
+
+
+def _await_group_exit(pgid: int, timeout_s: float = 5.0) -> None:
+    """SIGKILL is delivered at once but a process takes a moment to die (a fork bomb's
+    children on a loaded machine): return only when none of the group is left alive, so
+    no sandboxed process outlives `run_python`. Re-sends SIGKILL while waiting."""
+    deadline = time.monotonic() + timeout_s
+    while _live_members(pgid) and time.monotonic() < deadline:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 def _remove_tree(root: str) -> None:
