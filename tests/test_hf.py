@@ -347,7 +347,9 @@ def test_loader_streams_one_shard_at_a_time(tmp_path, monkeypatch):
     # Distinct blocks tile each parameter: every element is read exactly once.
     assert sum(reads) == sum(b * len(s) for b, s in zip(block, shards)) == total
     assert max(reads) == max(block) < max(x.nbytes for x in jax.tree.leaves(params))
-    assert live["peak"] <= min(4 * max(block), total / 8)  # observed ~2 blocks
+    # Observed ~2 blocks on an idle machine, 4.25 on a heavily loaded one (jax's transfer
+    # callbacks run late); loading whole tensors or the whole checkpoint would hold `total`.
+    assert live["peak"] <= min(8 * max(block), total / 4)
 
 
 def test_read_block_matches_literal_transform():
