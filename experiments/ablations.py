@@ -247,7 +247,7 @@ def definitions_text(budget: str) -> str:
         "accuracies (different task and scale: compare orderings, not values).\n"
         f"- collapse: train success below {rule.drop_fraction:g} x its running max (once "
         f"that max reached {rule.min_peak:g}) for {rule.patience} consecutive log records; "
-        f"or held-out success below {rule.drop_fraction:g} x its step-0 value from some "
+        f"or held-out greedy success below {rule.drop_fraction:g} x its step-0 value from some "
         f"eval to the end; or policy entropy below {rule.min_entropy:g} for "
         f"{rule.patience} records; or >= {rule.max_skipped} non-finite (skipped) updates. "
         f"Shown as runs collapsed / runs, at the first step of the collapse.\n"
