@@ -35,7 +35,7 @@ LAUNCHER = flags.DEFINE_enum("launcher", "local", sweep.LAUNCHERS, "Where runs a
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the runs' commands, run nothing.")
 
 # Held-out success, pass@1 sampled at temperature 1: the distribution RL trains. Greedy
-# decoding of a converged SFT policy is already near its ceiling on this task (~89%).
+# decoding of a converged SFT policy is already near its ceiling here (90-93%).
 METRIC = "eval/sampled_success"
 GREEDY = "eval/greedy_success"  # the same prompts, greedy decoding
 # METHOD.md section 5 (AIME2025, BeyondAIME), and where the paper saw collapses.
