@@ -1,4 +1,4 @@
-r"""Online learning with a moving target (METHOD.md section 6) on the embedded style task.
+r"""Online learning with a moving target (docs/method.md section 6) on the embedded style task.
 
 One judged line per prompt (single turn, one trajectory per prompt: GRPO cannot run
 here); reward = r_quality * r_style from the offline lexicon judge, whose target style

@@ -38,7 +38,7 @@ DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the runs' commands, run not
 # decoding of a converged SFT policy is already near its ceiling here (90-93%).
 METRIC = "eval/sampled_success"
 GREEDY = "eval/greedy_success"  # the same prompts, greedy decoding
-# METHOD.md section 5 (AIME2025, BeyondAIME), and where the paper saw collapses.
+# docs/method.md section 5 (AIME2025, BeyondAIME), and where the paper saw collapses.
 PAPER = {
     "sao": (97.3, 74.8),
     "no_faster_value": (95.0, 69.8),

@@ -15,7 +15,7 @@ from absl import app
 from configs import ablations as ablations_cfg
 from experiments import ablations as abl
 
-# METHOD.md section 4 (AIME2025, 400 steps); the paper has no cross-observation row.
+# docs/method.md section 4 (AIME2025, 400 steps); the paper has no cross-observation row.
 PAPER = {"sao": (89.8,), "step_mean": (85.8,), "step_last": (87.3,)}
 
 

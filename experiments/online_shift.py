@@ -108,7 +108,7 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
         "steps before the switch, is back above it, within the same phase (records before "
         "the drop still hold rewards judged before the switch); mean ± std over the seeds "
         "that recovered. Log resolution: 2 steps.\n"
-        "- paper (METHOD.md section 6): SAO's critic re-aligns quickly after each switch; "
+        "- paper (docs/method.md section 6): SAO's critic re-aligns quickly after each switch; "
         "the moving-average baseline lags because its 128-reward window still reflects the "
         "old style. GRPO cannot run here (one trajectory per prompt).\n"
     )

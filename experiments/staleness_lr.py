@@ -8,7 +8,7 @@ rollouts; S > 0 = async sampler up to S versions ahead, older trajectories dropp
 policy learning rate, for sao (DIS) and vanilla_vapo (PPO clip vs pi_old, no DIS), and
 writes `<out_dir>/staleness_lr.md` (collapse step or 'none' within the budget, final
 training and held-out success, measured staleness) and `<out_dir>/plots/staleness_lr_*`.
-METHOD.md section 7: stale rollouts bias each step by O(S * lr), so collapse should come
+docs/method.md section 7: stale rollouts bias each step by O(S * lr), so collapse should come
 earlier with larger S and lr (collapse time ~ 1/lr), and later with DIS.
 Flags: see experiments/ablations.py.
 """
@@ -75,7 +75,7 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
     )
     text += "\n" + tables.markdown_table(headers, body)
     text += (
-        f"\n'none' = no collapse within the {total}-step budget. Paper (METHOD.md section 7): "
+        f"\n'none' = no collapse within the {total}-step budget. Paper (docs/method.md section 7): "
         "the bias of a step grows like S x lr, collapse time like 1/lr; compare collapse "
         "steps only at equal learning rates. The paper reports vanilla GRPO collapsing near "
         "step 160 and VAPO without DIS near step 90, SAO stable for ~1000 steps.\n"

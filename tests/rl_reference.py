@@ -1,4 +1,4 @@
-"""Slow, literal NumPy references for the RL math, written straight from METHOD.md.
+"""Slow, literal NumPy references for the RL math, written straight from docs/method.md.
 
 Deliberately loop-based and independent of sao_jax: the GAE reference walks the
 subsequence of action tokens in the paper's form A(a_{i,N}) = delta + gamma*lam*A(a_{i+1,0})

@@ -5,7 +5,7 @@ Single turn. The prompt names one or two topics; the model writes one short line
 w:moon tea\\n                                  prompt (context)
 nya the moon and tea are fluffy and sweet~\\n  model turn (stop string "\\n" or EOS) -> done
 ```
-Reward r = r_quality * r_style in {0, 1} (METHOD.md section 6). The target style is read
+Reward r = r_quality * r_style in {0, 1} (docs/method.md section 6). The target style is read
 from a shared, thread-safe `StyleSchedule` when the turn is judged: "cute" until
 `switch_steps[0]`, then "chuunibyou", then "classical" after `switch_steps[1]`. The
 trainer calls `schedule.set_step(step)` (or `env.set_step`) once per update; every env

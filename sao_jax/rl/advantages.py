@@ -1,4 +1,4 @@
-"""Advantage estimators by name, all called the same way (METHOD.md sections 4-6).
+"""Advantage estimators by name, all called the same way (docs/method.md sections 4-6).
 
     compute_advantages(name, *, rewards_bt, outcome_b, action_mask_bt, values_bt=None,
                        last_value_b=None, turn_ids_bt=None, group_ids_b=None,
@@ -52,7 +52,7 @@ class MovingAverageState(NamedTuple):
 
 
 def init_moving_average_state(window: int = 128) -> MovingAverageState:
-    """An empty history of `window` outcomes (METHOD.md: 128)."""
+    """An empty history of `window` outcomes (docs/method.md: 128)."""
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"window: must be an int >= 1, got {window!r}")
     return MovingAverageState(jnp.zeros((window,), jnp.float32), jnp.zeros((), jnp.int32))

@@ -1,4 +1,4 @@
-"""Observation-skipping token-level GAE (METHOD.md section 4) and its variants.
+"""Observation-skipping token-level GAE (docs/method.md section 4) and its variants.
 
 All arrays are [B, T], one trajectory per row, aligned to tokens (sao_jax/rl/batch.py).
 `m_t` = action_mask: 1 on tokens the policy generated. Reverse time, masked-carry form:
@@ -234,7 +234,7 @@ def critic_and_policy_advantages(
     impl: str | None = None,
     checked: bool | None = None,
 ) -> DecoupledGAE:
-    """Decoupled lambdas from one set of values (METHOD.md section 4).
+    """Decoupled lambdas from one set of values (docs/method.md section 4).
 
     Critic targets: returns of `skip_observation_gae` at `lam_critic` (1.0: Monte-Carlo-like).
     Policy advantages: `skip_observation_gae` at `length_adaptive_lambda(mask, alpha)`.
@@ -362,7 +362,7 @@ def step_level_gae(
     impl: str | None = None,
     checked: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Step-level GAE (METHOD.md section 4, Table 5 ablation): one value per model turn.
+    """Step-level GAE (docs/method.md section 4, Table 5 ablation): one value per model turn.
 
     V_n = mean of the turn's token values (reduce="mean", "step-mean") or its last token's
     value (reduce="last", "step-last"); r_n = every reward of the turn plus those parked on

@@ -1,4 +1,4 @@
-"""Policy and value losses by name, all called the same way (METHOD.md sections 2, 3, 5).
+"""Policy and value losses by name, all called the same way (docs/method.md sections 2, 3, 5).
 
     policy_loss(name, *, logp_bt, rollout_logp_bt, advantages_bt, action_mask_bt,
                 old_logp_bt=None, entropy_bt=None, staleness_bt=None,

@@ -1,6 +1,6 @@
 """The `rl` config section: the algorithm of one update step, with its defaults and checks.
 
-SAO's defaults (METHOD.md sections 2-4): observation-skipping GAE, DIS policy loss with
+SAO's defaults (docs/method.md sections 2-4): observation-skipping GAE, DIS policy loss with
 keep band (0.7, 6.0), K=2 critic steps per policy step, lam_critic = 1, length-adaptive
 policy lambda with alpha = 1.5, gamma = 1, no whitening, no value clipping.
 """

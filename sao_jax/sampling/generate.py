@@ -17,7 +17,7 @@ Per generated token two log-probs are recorded:
   sampled_logp = log q(a), q = softmax(truncate(logits / temperature)) (what was sampled);
   rollout_logp = log_softmax(logits)[a], the untruncated temperature-1 distribution,
 which is the function the trainer evaluates, so importance ratios built on it measure
-only train/inference mismatch and staleness (METHOD.md section 9).
+only train/inference mismatch and staleness (docs/method.md section 9).
 """
 
 from __future__ import annotations

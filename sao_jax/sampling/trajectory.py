@@ -9,7 +9,7 @@ Rewards: `turn_rewards[i]` is what the environment returned for model turn i; th
 that came with done=True is the outcome, so `outcome == turn_rewards[-1]` for a
 terminated trajectory (0 for a truncated one) and it is never added twice. In the batch
 each turn's reward sits on that turn's last action token, so the outcome lands on the
-last action token of the trajectory, never on an observation (METHOD.md section 9).
+last action token of the trajectory, never on an observation (docs/method.md section 9).
 """
 
 from __future__ import annotations
