@@ -128,11 +128,13 @@ def _import_validators() -> None:
 def _reference() -> dict[str, Any]:
     """Every field a run reads, with its default, from the sections' owners. None: a
     section whose owner rejects unknown fields itself (model: ModelConfig.from_config,
-    sampling: configs_from_section) or free-form keyword arguments (env.params/prompts)."""
+    sampling: configs_from_section) or free-form keyword arguments (env.params/prompts,
+    data.template_kwargs)."""
     from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
     from sao_jax.rl.optim import ATTENTION_PATTERNS, optimizer_section
     from sao_jax.rl.settings import rl_section
     from sao_jax.run_settings import (
+        data_section,
         env_section,
         init_section,
         sft_section,
@@ -149,6 +151,7 @@ def _reference() -> dict[str, Any]:
         "rl": rl_section().to_dict(),
         "sampling": None,
         "env": {**env_section().to_dict(), "params": None, "prompts": None},
+        "data": {**data_section().to_dict(), "template_kwargs": None},
         "init": init_section().to_dict(),
         "sft": sft_section().to_dict(),
         "value_pretrain": value_pretrain_section().to_dict(),

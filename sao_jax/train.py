@@ -25,7 +25,9 @@ from flax import nnx
 
 from sao_jax import checkpointing, metrics, report
 from sao_jax import config as config_lib
-from sao_jax.data.prompts import prompt_iterator, prompt_source
+from sao_jax.chat_template import run_chat_format
+from sao_jax.data.pipeline import run_prompts
+from sao_jax.data.prompts import prompt_iterator
 from sao_jax.envs.registry import env_factory
 from sao_jax.evaluation import Evaluator
 from sao_jax.models import hf
@@ -94,11 +96,10 @@ class Run:
             self.sampler_def = ModelDef.of(lambda: Policy(self.models.cfg, rngs=nnx.Rngs(0)))
         self.engine_cfg, self.sampler_cfg = configs_from_section(config.sampling, config.seed)
         env = config.env
-        self.env_factory, self.set_env_step = env_factory(env.name, env.params.to_dict())
-        prompt_kw = dict(seed=config.seed, eval_fraction=env.eval_fraction, **env.prompts)
-        train_prompts = prompt_source(env.name, "train", **prompt_kw)
+        self.chat = run_chat_format(config, self.tokenizer)  # None: raw text prompts
+        self.env_factory, self.set_env_step = env_factory(env.name, env.params.to_dict(), self.chat)
+        train_prompts, eval_prompts = run_prompts(config)  # task generator or dataset
         self.prompts = iter(distributed.process_shard(train_prompts).to_iter_dataset())
-        eval_prompts = list(prompt_source(env.name, "eval", size=env.eval_size, **prompt_kw))
         self.evaluator = Evaluator(
             self.sampler_def,
             self.tokenizer,

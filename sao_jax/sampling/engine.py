@@ -218,6 +218,16 @@ def _checked(result) -> StepResult:
     return result
 
 
+def _after_turn(observation: str, tokenizer, ended_at_eos: bool) -> str:
+    """The observation text to tokenize after a model turn. A chat observation starts with
+    the end-of-turn token's text (sao_jax/chat_template.py); when the policy emitted that
+    token itself it is already in the trajectory, so only the text after it is new."""
+    eos_text = getattr(tokenizer, "eos_text", None)
+    if ended_at_eos and eos_text and observation.startswith(eos_text):
+        return observation[len(eos_text) :]
+    return observation
+
+
 class Engine:
     """Continuous-batching rollouts over S slots; see the module docstring."""
 
@@ -392,7 +402,8 @@ class Engine:
         """Steps the env on the finished turn; returns the trajectory if it is over."""
         sl = self._slots[s]
         ids = sl.tokens[sl.turn_start : sl.n]
-        if len(ids) and ids[-1] == getattr(self.tok, "eos_id", None):
+        ended_at_eos = bool(len(ids)) and ids[-1] == getattr(self.tok, "eos_id", None)
+        if ended_at_eos:
             ids = ids[:-1]
         result = _checked(self._env_call(s, "step", self._decode_text(ids)))
         if result.info.get("dropped"):
@@ -404,7 +415,7 @@ class Engine:
             return sl.finish(terminated=True, outcome=result.reward, truncation=None)
         if sl.turn >= self._envs[s].max_turns:
             return sl.finish(terminated=False, outcome=0.0, truncation="max_turns")
-        obs = self._encode(result.observation)
+        obs = self._encode(_after_turn(result.observation, self.tok, ended_at_eos))
         if sl.n + len(obs) + 1 > self.cfg.max_len:
             return sl.finish(terminated=False, outcome=0.0, truncation="max_len")
         sl.append_context(obs, version)
