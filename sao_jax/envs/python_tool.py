@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sao_jax.envs import arithmetic, sandbox
+from sao_jax.envs import arithmetic, sandbox, tool_calls
 from sao_jax.envs.base import Prompt, StepResult
 
 CODE_OPEN, FENCE_CLOSE, OUTPUT_OPEN = "```python\n", "```\n", "```output\n"
@@ -52,7 +52,18 @@ def render_output(
 
 def extract_code(text: str) -> tuple[str | None, str | None]:
     """(code, None) for the last closed ```python block, (None, error) when not closed,
-    (None, None) when the text has no code block."""
+    (None, None) when the text has no code block. A Qwen3-style tool call
+    `<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>` counts as a
+    block (the last call); a malformed one is an error (sao_jax/envs/tool_calls.py)."""
+    if tool_calls.has_tool_call(text):
+        calls, error = tool_calls.parse_tool_calls(text)
+        if error is not None:
+            return None, error
+        call = calls[-1]
+        code = call.arguments.get("code")
+        if call.name != "python" or not isinstance(code, str):
+            return None, f"tool call {call.name!r}: the tool is 'python' with a string 'code'"
+        return code, None
     start = text.rfind(CODE_OPEN)
     if start < 0:
         return None, None
