@@ -79,17 +79,34 @@ QWEN3_LIKE_TEMPLATE = """\
 {%- endif %}
 """
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>"]
+ADDED += ["</think>"]
 
 
 def corpus(n: int = 400) -> list[str]:
     rng = np.random.default_rng(0)
-    words = "what is the answer plus minus times of a and to print python code output".split()
+    words = [
+        "what",
+        "is",
+        "the",
+        "answer",
+        "plus",
+        "minus",
+        "times",
+        "of",
+        "a",
+        "and",
+        "to",
+        "print",
+        "python",
+        "code",
+        "output",
+    ]
     lines = []
     for _ in range(n):
         a, b = rng.integers(0, 1000, 2)
         text = " ".join(rng.choice(words, 6))
-        lines.append(f"{text} {a} + {b} = \\boxed{{{a + b}}} {{\"code\": \"print({a})\"}}\n")
+        lines.append(f'{text} {a} + {b} = \\boxed{{{a + b}}} {{"code": "print({a})"}}\n')
     return lines
 
 

@@ -97,7 +97,10 @@ def test_template_sources(tmp_path, tok):
     named = tmp_path / "named"
     write_tokenizer(named, template=None)
     cfg = json.loads((named / C.CONFIG_FILE).read_text())
-    cfg["chat_template"] = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": "d"}]
+    cfg["chat_template"] = [
+        {"name": "tool_use", "template": "x"},
+        {"name": "default", "template": "d"},
+    ]
     (named / C.CONFIG_FILE).write_text(json.dumps(cfg))
     assert C.read_template(named)[0] == "d"
     with pytest.raises(C.ChatTemplateError, match="does not exist"):
@@ -146,7 +149,7 @@ def test_trajectory_tokens_are_what_the_policy_saw_and_emitted(tok, chat):
     ends at eos). Earlier turns are never re-tokenized: the emitted ids stay as sampled."""
     call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(20 + 22)"}}\n</tool_call>'
     answer = "The sum is \\boxed{42}."
-    turns = [tok.encode(call) + [tok.eos_id], tok.encode(answer) + [tok.eos_id]]
+    turns = [[*tok.encode(call), tok.eos_id], [*tok.encode(answer), tok.eos_id]]
     fns = ScriptedFns([t for turn in turns for t in turn], tok.vocab_size, max_len=512)
     env = lambda: AnswerEnv(reward="math", tools=("python",), chat=chat)
     engine = Engine(fns, tok, env, EngineConfig(num_slots=1, max_len=512, max_turn_tokens=128))
@@ -175,7 +178,7 @@ def test_a_turn_cut_before_eos_gets_the_end_token_from_the_observation(tok, chat
     <|im_end|>, so the next turn still starts where the template says."""
     call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
     first = tok.encode(call)  # no eos: the budget cuts the turn
-    answer = tok.encode("\\boxed{1}") + [tok.eos_id]
+    answer = [*tok.encode("\\boxed{1}"), tok.eos_id]
     fns = ScriptedFns(first + answer, tok.vocab_size, max_len=512)
     env = lambda: AnswerEnv(reward="math", tools=("python",), chat=chat)
     cfg = EngineConfig(num_slots=1, max_len=512, max_turn_tokens=len(first))

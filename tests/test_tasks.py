@@ -43,7 +43,7 @@ def test_unknown_names_are_refused_naming_them():
         make_env("answer", turns=3)
 
 
-MODULE = '''
+MODULE = """
 from sao_jax.envs.base import StepResult
 from sao_jax.envs.tasks import Reward, register_reward, register_task
 
@@ -71,7 +71,7 @@ ECHO = register_task("echo_test_task", env=EchoEnv, prompts=lambda: sample)
 @register_reward("shout_test")
 def shout(loud=True):
     return lambda text, prompt: Reward(float(text.isupper() == loud), text.isupper() == loud)
-'''
+"""
 
 
 def test_a_task_is_one_file_registered_by_import_path(tmp_path, monkeypatch):
