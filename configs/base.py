@@ -9,8 +9,8 @@ by the module that consumes it (sao_jax.config.validate).
 """
 
 import ml_collections
+from sao_jax.configs.models import tiny
 
-from configs.models import tiny
 from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
 from sao_jax.rl.optim import ATTENTION_PATTERNS, optimizer_section
 from sao_jax.rl.settings import rl_section

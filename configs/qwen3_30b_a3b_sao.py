@@ -25,9 +25,10 @@ replay (MoE routing replay: the sampler records each token's experts, the update
 forces them), hf_path=DIR (config.json, *.safetensors, tokenizer.json), seed=N.
 """
 
-from configs import base
-from configs.models import qwen3_30b_a3b
+from sao_jax.configs.models import qwen3_30b_a3b
+
 from sao_jax.config import ConfigError, parse_arg
+from sao_jax.configs import base
 
 DEFAULT_HF_PATH = "/mnt/models/Qwen3-30B-A3B"  # a local or mounted copy of the Hub repo
 

@@ -26,7 +26,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from sao_jax import train
+from sao_jax import cli, train
 from sao_jax.parallel import distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file[:variant].")
@@ -43,6 +43,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0,
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+@cli.guard
 def main(argv):
     del argv
     spec = distributed.resolve(
@@ -63,16 +64,26 @@ def main(argv):
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing; an override of a field the config lacks (--config.rl.nonsense=1)
-    exits 1 naming the field (config_flags raises a bare KeyError("'nonsense'"))."""
+    """absl's flag parsing, after a pre-flight load of --config: a missing config file or a
+    bad variant exits 2 with one line, and so does an override of a field the config lacks
+    (--config.rl.nonsense=1; config_flags raises a bare KeyError("'nonsense'")).
+    `--config=configs/<name>.py` also finds the shipped config outside a checkout."""
+    argv = cli.config_argv(argv)
     try:
         return app.parse_flags_with_usage(argv)
     except (AttributeError, KeyError) as e:
         key = next(iter(re.findall(r"'([^'\s]+)'", str(e))), str(e))
         paths = [a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")]
         named = [p for p in paths if key in p.split(".")] or paths
-        sys.exit(f"FATAL Flags parsing error: config field {', '.join(named)}: unknown field")
+        cli.input_error_exit(
+            f"config field {', '.join(named)}: unknown field", "FATAL Flags parsing error"
+        )
+
+
+def cli_main() -> None:
+    """The `sao-train` console script."""
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    cli_main()

@@ -80,8 +80,12 @@ def _convert(key: str, text: str, default: Any) -> Any:
 
 def config_module(path: str, function: str) -> tuple[Any, str | None]:
     """(module, arg) of a config file given as ``file[:arg]``; the module must define
-    `function` (get_config, get_sweep). ConfigError names a missing file or function."""
-    file, _, arg = path.partition(":")
+    `function` (get_config, get_sweep). ConfigError names a missing file or function.
+    'configs/<name>.py' that is not under the working directory is the shipped config
+    (sao_jax.cli.resolve_config_path), in a checkout and an installed package alike."""
+    from sao_jax.cli import resolve_config_path
+
+    file, _, arg = resolve_config_path(path).partition(":")
     p = pathlib.Path(file)
     if not p.is_file():
         raise ConfigError(f"config file {file!r} does not exist")

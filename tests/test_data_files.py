@@ -112,9 +112,9 @@ def test_parquet_and_save_to_disk_folders_read_like_jsonl(tmp_path, jsonl):
     pq.write_table(_table(rows), tmp_path / "gsm8k.parquet")
     disk = tmp_path / "disk"
     disk.mkdir()
-    with pa.OSFile(str(disk / "data-00000-of-00001.arrow"), "wb") as sink:
-        with pa.ipc.new_stream(sink, _table(rows).schema) as writer:
-            writer.write_table(_table(rows))
+    arrow = str(disk / "data-00000-of-00001.arrow")
+    with pa.OSFile(arrow, "wb") as sink, pa.ipc.new_stream(sink, _table(rows).schema) as writer:
+        writer.write_table(_table(rows))
     (disk / "state.json").write_text(
         json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]})
     )
@@ -142,17 +142,18 @@ def test_prompt_format_fills_fields(tmp_path, jsonl):
     assert p.text.startswith("Q: what is") and p.text.endswith("Put the answer in \\boxed{}.")
 
 
-@pytest.mark.parametrize(
-    ("rows", "overrides", "error"),
-    [
-        ([{"question": "a", "answer": "#### 1"}, {"question": "b"}], {}, r"bad.jsonl:2: missing field 'answer'"),
-        (["[1, 2]"], {}, r"bad.jsonl:1: a row must be a JSON object"),
-        (["{oops"], {}, r"bad.jsonl:1: not valid JSON"),
-        ([{"question": "a", "answer": "no hashes"}] * 3, {}, r"bad.jsonl:\d: field 'answer' does not match"),
-        ([{"question": "a", "answer": "#### 1"}] * 3, {"prompt_format": "{nope}"}, r"bad.jsonl:1: missing field 'nope'"),
-        ([{"question": "a", "answer": "#### 1"}] * 3, {"fields__id": "uid"}, r"missing field 'uid'"),
-    ],
-)  # fmt: skip
+OK = {"question": "a", "answer": "#### 1"}
+BAD_ROWS = [
+    ([OK, {"question": "b"}], {}, r"bad.jsonl:2: missing field 'answer'"),
+    (["[1, 2]"], {}, r"bad.jsonl:1: a row must be a JSON object"),
+    (["{oops"], {}, r"bad.jsonl:1: not valid JSON"),
+    ([{"question": "a", "answer": "x"}] * 3, {}, r"bad.jsonl:\d: field 'answer' does not match"),
+    ([OK] * 3, {"prompt_format": "{nope}"}, r"bad.jsonl:1: missing field 'nope'"),
+    ([OK] * 3, {"fields__id": "uid"}, r"missing field 'uid'"),
+]
+
+
+@pytest.mark.parametrize(("rows", "overrides", "error"), BAD_ROWS)
 def test_bad_rows_are_named_by_file_line_and_field(tmp_path, rows, overrides, error):
     path = tmp_path / "bad.jsonl"
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))

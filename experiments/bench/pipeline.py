@@ -32,8 +32,8 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+from sao_jax.configs.models import tiny
 
-from configs.models import tiny
 from sao_jax.envs.base import Prompt, StepResult
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.transformer import Policy
