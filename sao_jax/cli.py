@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from sao_jax.config import resolve_config_path
 from sao_jax.schema import ConfigError
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -64,22 +65,6 @@ def entry_module(name: str) -> str:
     if in_checkout() and importlib.util.find_spec(name.partition(".")[0]) is not None:
         return name
     return f"sao_jax.{name}"
-
-
-def configs_dir() -> pathlib.Path:
-    """The folder of the shipped configs (checkout: configs/, installed: sao_jax/configs/)."""
-    return pathlib.Path(importlib.import_module("sao_jax.configs").__path__[0])
-
-
-def resolve_config_path(spec: str) -> str:
-    """`file[:arg]` with `file` made to point at a shipped config when it does not exist
-    under the working directory and reads 'configs/<name>.py'; other specs unchanged."""
-    file, colon, arg = spec.partition(":")
-    p = pathlib.Path(file)
-    if p.is_file() or p.is_absolute() or not p.parts or p.parts[0] != "configs":
-        return spec
-    shipped = configs_dir().joinpath(*p.parts[1:])
-    return f"{shipped}{colon}{arg}" if shipped.is_file() else spec
 
 
 def config_argv(argv: list[str], flag: str = "config") -> list[str]:

@@ -15,6 +15,7 @@ Each section owns its checks: a validator is registered per top-level section wi
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import pathlib
 from typing import Any
@@ -78,13 +79,27 @@ def _convert(key: str, text: str, default: Any) -> Any:
     return value
 
 
+def configs_dir() -> pathlib.Path:
+    """The folder of the shipped configs (checkout: configs/, installed: sao_jax/configs/)."""
+    return pathlib.Path(importlib.import_module("sao_jax.configs").__path__[0])
+
+
+def resolve_config_path(spec: str) -> str:
+    """`file[:arg]` with `file` made to point at a shipped config when it does not exist
+    under the working directory and reads 'configs/<name>.py'; other specs unchanged."""
+    file, colon, arg = spec.partition(":")
+    p = pathlib.Path(file)
+    if p.is_file() or p.is_absolute() or not p.parts or p.parts[0] != "configs":
+        return spec
+    shipped = configs_dir().joinpath(*p.parts[1:])
+    return f"{shipped}{colon}{arg}" if shipped.is_file() else spec
+
+
 def config_module(path: str, function: str) -> tuple[Any, str | None]:
     """(module, arg) of a config file given as ``file[:arg]``; the module must define
     `function` (get_config, get_sweep). ConfigError names a missing file or function.
     'configs/<name>.py' that is not under the working directory is the shipped config
-    (sao_jax.cli.resolve_config_path), in a checkout and an installed package alike."""
-    from sao_jax.cli import resolve_config_path
-
+    (resolve_config_path), in a checkout and an installed package alike."""
     file, _, arg = resolve_config_path(path).partition(":")
     p = pathlib.Path(file)
     if not p.is_file():
