@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 --durations=20
 WORKDIR ?= workdirs/demo
 
-.PHONY: demo test lint format install install-dev clean
+.PHONY: demo test lint format install install-dev wheel clean
 
 $(VENV)/.runtime: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,5 +35,9 @@ format: $(VENV)/.dev
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
+## The wheel (dist/): library, shipped configs (sao_jax.configs), sao-* console scripts.
+wheel: $(VENV)/.dev
+	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache build dist *.egg-info
