@@ -11,6 +11,7 @@ policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -77,14 +78,61 @@ def _host_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What a run reads besides the model: tokenizer, chat template, envs, prompts."""
+
+    tokenizer: Any
+    chat: Any  # a ChatFormat, or None for raw text
+    env_factory: Any
+    set_env_step: Any  # the task's step hook, or None
+    train_prompts: Any  # grain.MapDataset, endless
+    eval_prompts: list
+
+
+def read_inputs(config: ConfigDict) -> Inputs:
+    """Every input file read and checked (tokenizer, chat template, dataset rows, env
+    parameters and reward), before the workdir is touched; ConfigError naming the field."""
+    try:
+        tokenizer = load_tokenizer(config.init.tokenizer)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"config field init.tokenizer: {e}") from None
+    chat = run_chat_format(config, tokenizer)
+    env = config.env
+    try:
+        factory, hook = env_factory(env.name, env.params.to_dict(), chat)
+    except ConfigError:
+        raise
+    except ValueError as e:  # unknown reward, bad env parameter, bad chat rendering
+        raise ConfigError(f"config field env.params: {e}") from None
+    train_prompts, eval_prompts = run_prompts(config)  # task generator or dataset
+    try:  # the chat template renders, the env takes the prompts
+        factory().reset(eval_prompts[0])
+    except ValueError as e:
+        raise ConfigError(
+            f"config field env.name: task {env.name!r} refuses the first held-out prompt "
+            f"{eval_prompts[0].uid!r}: {e}"
+        ) from None
+    return Inputs(tokenizer, chat, factory, hook, train_prompts, eval_prompts)
+
+
 class Run:
     """One training run's objects; `run()` below drives them."""
 
-    def __init__(self, config: ConfigDict, workdir: pathlib.Path, sharder: Sharder | None = None):
+    def __init__(
+        self,
+        config: ConfigDict,
+        workdir: pathlib.Path,
+        sharder: Sharder | None = None,
+        inputs: Inputs | None = None,
+    ):
+        inputs = inputs or read_inputs(config)
         self.config = config
         self.workdir = workdir
         self.sharder = sharder or sharder_from_config(config)
-        self.tokenizer = load_tokenizer(config.init.tokenizer)
+        self.tokenizer = inputs.tokenizer
         self.models = _models(config, self.sharder, self.tokenizer)
         self.learner = Learner(config, self.models.policy_def, self.models.critic_def, self.sharder)
         # Several processes (docs/scaling.md): each host's sampler makes B / P trajectories
@@ -95,11 +143,10 @@ class Run:
         if jax.process_count() > 1:
             self.sampler_def = ModelDef.of(lambda: Policy(self.models.cfg, rngs=nnx.Rngs(0)))
         self.engine_cfg, self.sampler_cfg = configs_from_section(config.sampling, config.seed)
-        env = config.env
-        self.chat = run_chat_format(config, self.tokenizer)  # None: raw text prompts
-        self.env_factory, self.set_env_step = env_factory(env.name, env.params.to_dict(), self.chat)
-        train_prompts, eval_prompts = run_prompts(config)  # task generator or dataset
-        self.prompts = iter(distributed.process_shard(train_prompts).to_iter_dataset())
+        self.chat = inputs.chat  # None: raw text prompts
+        self.env_factory, self.set_env_step = inputs.env_factory, inputs.set_env_step
+        eval_prompts = inputs.eval_prompts
+        self.prompts = iter(distributed.process_shard(inputs.train_prompts).to_iter_dataset())
         self.evaluator = Evaluator(
             self.sampler_def,
             self.tokenizer,
@@ -262,11 +309,12 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     config = config_lib.validate(config)
     sharder = sharder_from_config(config)
     check_run(config, sharder)
+    inputs = read_inputs(config)  # a bad input file stops here, before the workdir exists
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=overwrite)
     t_start = time.time()
-    r = Run(config, workdir, sharder)
+    r = Run(config, workdir, sharder, inputs)
     t = config.train
     with checkpointing.GracefulExit() as stop:
         latest = r.ckpt.latest_step()
