@@ -41,6 +41,10 @@ class Tokenizer(Protocol):
         ...
 
 
+# Hugging Face tokenizers also carry `path` (their directory), `specials` (token strings:
+# eos_token, ...) and `eos_text`, which chat templates use (sao_jax/chat_template.py).
+
+
 class CharTokenizer:
     """One id per character of `CHAR_ALPHABET`; vocab_size = 4 + 60 = 64."""
 
