@@ -6,7 +6,9 @@ r"""Trains one run from a config: warm start, value pretraining, async SAO RL, e
       --workdir=workdirs/nfa --config.seed=1 --config.train.total_steps=200
 
 A workdir that holds a run resumes it (same config); a different config there is refused
-unless --overwrite. SIGTERM/SIGINT saves a checkpoint and exits 0.
+unless --overwrite. SIGTERM/SIGINT saves a checkpoint and exits 0. A bad config, a missing
+sandbox, or an environment that keeps failing (RUN_ERRORS) exits 1 with one line naming
+the field or the cause.
 
 One process per host (TPU pod, GPU cluster; docs/scaling.md): every host runs the same
 command, and jax.distributed connects them before anything else runs. The coordinator
@@ -27,7 +29,13 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from sao_jax import train
+from sao_jax.envs.sandbox import SandboxUnavailable
 from sao_jax.parallel import distributed
+from sao_jax.sampling.sampler import EnvErrorLimit, SamplerError
+from sao_jax.schema import ConfigError
+
+# Errors whose message says all (the field, the sandbox, the env's last failure).
+RUN_ERRORS = (ConfigError, SandboxUnavailable, EnvErrorLimit, SamplerError)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file[:variant].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, report).")
@@ -59,7 +67,10 @@ def main(argv):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if distributed.is_primary() else logging.WARNING)
     logger.propagate = False
-    train.run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    try:
+        train.run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    except RUN_ERRORS as e:
+        sys.exit(f"FATAL {type(e).__name__}: {' '.join(str(e).split())}")
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

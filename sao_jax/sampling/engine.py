@@ -21,13 +21,22 @@ place only, and a prompt or observation needs no logits from the prefill.
 Failures never kill the engine: an exception (or timeout) in env.reset/step, a tokenizer
 error, an empty or too long prompt drops that trajectory and reports a `Drop` with its
 reason. Model/jit errors propagate.
+
+Environment calls run in a bounded pool of daemon threads (`env_calls.EnvCalls`,
+`env_workers` at a time, each bounded by `env_timeout_s`): the env steps of all slots
+whose turn ended in one decode call run concurrently. By default `step` waits for all
+of them before it returns, and applies their results in slot order, so what a step
+produces does not depend on thread timing (deterministic mode, evaluation). With
+`overlap_env = True` (the async sampler) a slot whose env call is still running is
+parked, out of the decode batch, and the other slots keep decoding; it rejoins at a
+later step. Every wait for env calls calls `check()` (default: raise StopRequested once
+a stop was requested), so SIGTERM is honoured however long an env call takes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -36,6 +45,7 @@ import numpy as np
 
 from sao_jax.envs.base import Env, Prompt, StepResult
 from sao_jax.parallel.partition import Params
+from sao_jax.sampling.env_calls import EnvCall, EnvCalls, EnvTimeoutError
 from sao_jax.sampling.generate import (
     GenerateFns,
     SamplingParams,
@@ -69,10 +79,11 @@ class EngineConfig:
     top_p: float = 1.0  # 1 = off
     record_routing: bool = False  # keep each token's chosen experts (routing replay)
     add_bos: bool = True  # prepend tokenizer.bos_id (when it has one) to each prompt
-    env_timeout_s: float | None = None  # per env call; None = call inline, no timeout
+    env_timeout_s: float | None = 120.0  # per env call, then a drop; None = no timeout
+    env_workers: int = 8  # env calls running at once (threads off the decoding thread)
 
     def __post_init__(self):
-        for name in ("num_slots", "max_len", "max_turn_tokens", "steps_per_sync"):
+        for name in ("num_slots", "max_len", "max_turn_tokens", "steps_per_sync", "env_workers"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v > 0):
                 raise ValueError(f"EngineConfig.{name}: must be a positive int, got {v!r}")
@@ -109,8 +120,7 @@ class StepOutput(NamedTuple):
     generated: int  # action tokens kept this step
 
 
-class EnvTimeoutError(TimeoutError):
-    """An environment call did not return within env_timeout_s."""
+_TURN_ENDED = object()  # _advance: the slot's turn ended; its env.step is due
 
 
 class _DropError(Exception):
@@ -181,29 +191,6 @@ class _Slot:
         )
 
 
-def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float | None) -> Any:
-    """fn(*args), or EnvTimeoutError after timeout_s (the call is left running in a daemon
-    thread; the caller must stop using whatever object it was working on)."""
-    if timeout_s is None:
-        return fn(*args)
-    box: dict[str, Any] = {}
-
-    def run():
-        try:
-            box["out"] = fn(*args)
-        except BaseException as e:
-            box["err"] = e
-
-    t = threading.Thread(target=run, daemon=True, name="env-call")
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise EnvTimeoutError(f"environment call {fn!r} exceeded {timeout_s}s")
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
-
-
 def _checked(result) -> StepResult:
     """The env's StepResult, or a drop (env_error) when it is malformed."""
     ok = (
@@ -252,6 +239,9 @@ class Engine:
         self._stops = tuple(getattr(self._envs[0], "stop_strings", ()))
         self._stop_window = 4 * max((len(st) for st in self._stops), default=0) + 8
         self._slots: list[_Slot | None] = [None] * cfg.num_slots
+        self._parked: dict[int, tuple[_Slot, EnvCall]] = {}  # slots waiting for env.step
+        self.env_calls = EnvCalls(cfg.env_workers, cfg.env_timeout_s)
+        self.overlap_env = False  # True: decode other slots while env calls run
         self._routing = fns.routing_shape if cfg.record_routing else None
         self._key = jax.random.key(seed) if isinstance(seed, int) else seed
         self._cache = None
@@ -272,7 +262,8 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return sum(s is not None for s in self._slots)
+        """Slots holding a trajectory: decoding, or parked while their env call runs."""
+        return sum(s is not None for s in self._slots) + len(self._parked)
 
     # ---- host helpers -------------------------------------------------------------------
 
@@ -293,14 +284,21 @@ class Engine:
             raise _DropError("tokenizer_error", e) from e
 
     def _env_call(self, s: int, fn_name: str, arg):
-        env = self._envs[s]
-        try:
-            return call_with_timeout(getattr(env, fn_name), (arg,), self.cfg.env_timeout_s)
-        except EnvTimeoutError as e:
+        """env.<fn_name>(arg) of slot s through the pool, waited for."""
+        call = self.env_calls.submit(getattr(self._envs[s], fn_name), arg)
+        self.env_calls.wait([call])
+        return self._env_result(s, call)
+
+    def _env_result(self, s: int, call: EnvCall):
+        """What a finished call returned; a timed-out or failed one is a drop."""
+        if isinstance(call.error, EnvTimeoutError):
             self._envs[s] = self._env_factory()  # the old one may still be busy
-            raise _DropError("env_timeout", e) from e
-        except Exception as e:
-            raise _DropError("env_error", e) from e
+            raise _DropError("env_timeout", call.error) from call.error
+        if isinstance(call.error, Exception):
+            raise _DropError("env_error", call.error) from call.error
+        if call.error is not None:  # KeyboardInterrupt, SystemExit in the env thread
+            raise call.error
+        return call.result
 
     def _start(self, s: int, prompt: Prompt, version: int) -> _Slot:
         text = self._env_call(s, "reset", prompt)
@@ -324,7 +322,7 @@ class Engine:
 
     def _fill(self, next_prompt: Callable[[], Prompt | None], version: int, dropped: list):
         for s in range(self.cfg.num_slots):
-            while self._slots[s] is None:
+            while self._slots[s] is None and s not in self._parked:
                 prompt = next_prompt()
                 if prompt is None:
                     return
@@ -388,13 +386,42 @@ class Engine:
             return any(st in tail for st in self._stops)
         return False
 
-    def _end_turn(self, s: int, version: int) -> Trajectory | None:
-        """Steps the env on the finished turn; returns the trajectory if it is over."""
+    def _end_turn(self, s: int) -> None:
+        """Submits env.step on slot s's finished turn and parks the slot until it returns."""
         sl = self._slots[s]
         ids = sl.tokens[sl.turn_start : sl.n]
         if len(ids) and ids[-1] == getattr(self.tok, "eos_id", None):
             ids = ids[:-1]
-        result = _checked(self._env_call(s, "step", self._decode_text(ids)))
+        text = self._decode_text(ids)
+        self._parked[s] = (sl, self.env_calls.submit(self._envs[s].step, text))
+        self._slots[s] = None
+
+    def _collect_env_steps(self, version: int, *, block: bool, every: bool):
+        """[(slot, trajectory or None, drop or None)] of the parked slots whose env call is
+        done, in slot order (waiting for all of them, or for one, when `block`); a slot
+        whose episode goes on is back in the decode batch."""
+        calls = [call for _, call in self._parked.values()]
+        if block and calls:
+            self.env_calls.wait(calls, every=every)
+        out = []
+        for s in sorted(self._parked):
+            sl, call = self._parked[s]
+            if not call.done:
+                continue
+            del self._parked[s]
+            try:
+                traj = self._apply_step(s, sl, self._env_result(s, call), version)
+            except _DropError as d:
+                out.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
+                continue
+            if traj is None:
+                self._slots[s] = sl
+            out.append((s, traj, None))
+        return out
+
+    def _apply_step(self, s: int, sl: _Slot, result, version: int) -> Trajectory | None:
+        """Records env.step's result on slot s; returns the trajectory if it is over."""
+        result = _checked(result)
         if result.info.get("dropped"):
             raise _DropError("env_dropped", RuntimeError(str(result.info.get("error", ""))))
         sl.turn_rewards.append(float(result.reward))
@@ -422,7 +449,7 @@ class Engine:
             sl.append_action(token, out.sampled_logp_ns[i, s], out.rollout_logp_ns[i, s], version)
             kept += 1
             if self._turn_ended(sl, token):
-                return self._end_turn(s, version), kept
+                return _TURN_ENDED, kept
             if sl.n >= self.cfg.max_len:
                 return sl.finish(terminated=False, outcome=0.0, truncation="max_len"), kept
         return None, kept
@@ -440,26 +467,47 @@ class Engine:
         dropped: list[Drop] = []
         if self._cache is None:
             self._cache = self.fns.init_cache(params)
+        if self._parked:  # overlap mode: env calls of earlier steps that are done by now
+            self._split(
+                self._collect_env_steps(version, block=False, every=False), finished, dropped
+            )
         self._fill(next_prompt, version, dropped)
-        if self.active == 0:
-            return StepOutput(finished, dropped, 0, 0)
+        if all(sl is None for sl in self._slots):  # nothing to decode
+            if self._parked:  # wait for one env call, then report
+                done = self._collect_env_steps(version, block=True, every=False)
+                self._split(done, finished, dropped)
+            return StepOutput(finished, dropped, self.active, 0)
         self._prefill_pending(params)
         out = self._decode(params)
         generated = 0
+        ended: list[tuple[int, Trajectory | None, Drop | None]] = []  # (slot, traj, drop)
         for s, sl in enumerate(self._slots):
             if sl is None:
                 continue
             try:
                 traj, kept = self._advance(s, out, version)
+                generated += kept
+                if traj is _TURN_ENDED:
+                    self._end_turn(s)
+                elif traj is not None:
+                    ended.append((s, traj, None))
+                    self._slots[s] = None
             except _DropError as d:
-                dropped.append(Drop(d.reason, sl.prompt.uid, d.error))
+                ended.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
                 self._slots[s] = None
-                continue
-            generated += kept
+        # The env steps of this decode call run concurrently; by default all are waited
+        # for, so the step's result does not depend on thread timing.
+        ended += self._collect_env_steps(version, block=not self.overlap_env, every=True)
+        self._split(sorted(ended, key=lambda e: e[0]), finished, dropped)
+        return StepOutput(finished, dropped, self.active, generated)
+
+    @staticmethod
+    def _split(entries, finished: list, dropped: list) -> None:
+        for _, traj, drop in entries:
             if traj is not None:
                 finished.append(traj)
-                self._slots[s] = None
-        return StepOutput(finished, dropped, self.active, generated)
+            if drop is not None:
+                dropped.append(drop)
 
     def run(
         self, params: Params, prompts: Iterable[Prompt], version: int = 0

@@ -1,0 +1,266 @@
+"""Nothing hangs, and SIGTERM wins: each hang reproduced in issue 15 ends within a stated
+bound, with an error naming the cause, or with StopRequested.
+
+The rollouts run a tiny model (tests/sampling_support.py) on envs that always raise, hang
+(with and without env_timeout_s), or ask an LLM judge that refuses connections or trickles
+one byte at a time (a server on 127.0.0.1 only). The bounds are generous multiples of the
+configured limits (a loaded machine), far below "forever".
+"""
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+from flax import nnx
+
+from sao_jax import checkpointing, stop
+from sao_jax.envs import llm_judge as J
+from sao_jax.envs import style
+from sao_jax.envs.base import Prompt, StepResult
+from sao_jax.models.transformer import Policy
+from sao_jax.parallel.mesh import Sharder
+from sao_jax.parallel.partition import init_params
+from sao_jax.rollouts import AsyncRollouts, SyncRollouts
+from sao_jax.sampling.engine import EngineConfig
+from sao_jax.sampling.env_calls import EnvCalls, EnvCallsStuck
+from sao_jax.sampling.sampler import EnvErrorLimit, SamplerConfig, SamplerError
+from tests.sampling_support import MODEL, FakeTokenizer
+
+SLACK_S = 20.0  # start-up and compile time on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_params(lambda: Policy(MODEL, rngs=nnx.Rngs(0)), Sharder())
+
+
+def prompts():
+    i = 0
+    while True:
+        yield Prompt(f"p{i}", "bcd", None, {"topics": ("moon",)})
+        i += 1
+
+
+class _Prompts:
+    """An endless prompt iterator with the get_state/set_state the rollouts expect."""
+
+    def __init__(self):
+        self._it = prompts()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def get_state(self):
+        return {}
+
+
+class RaisingEnv:
+    stop_strings = ("a",)
+    max_turns = 2
+
+    def reset(self, prompt):
+        return prompt.text
+
+    def step(self, action_text):
+        raise RuntimeError("tool crashed: boom")
+
+
+class HangingEnv(RaisingEnv):
+    release = threading.Event()  # set at the end of the module: the threads may finish
+
+    def step(self, action_text):
+        self.release.wait()
+        return StepResult("", 0.0, True, {})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_hung_calls():
+    yield
+    HangingEnv.release.set()
+
+
+def _engine(**kw):
+    return EngineConfig(num_slots=4, max_len=32, max_turn_tokens=4, **kw)
+
+
+def _sync(model, env, *, timeout=60.0, errors=3, **engine_kw):
+    src = SyncRollouts(
+        model[0], FakeTokenizer(), env, _Prompts(), _engine(**engine_kw),
+        take_timeout_s=timeout, max_env_errors=errors,
+    )  # fmt: skip
+    src.publish(model[1], 0)
+    return src
+
+
+def _async(model, env, *, timeout=60.0, errors=3, **engine_kw):
+    src = AsyncRollouts(
+        model[0], FakeTokenizer(), env, _Prompts(), _engine(**engine_kw),
+        SamplerConfig(max_env_errors=errors), take_timeout_s=timeout,
+    )  # fmt: skip
+    src.publish(model[1], 0)
+    src.start()
+    return src
+
+
+@contextlib.contextmanager
+def within(seconds):
+    t0 = time.monotonic()
+    yield
+    assert time.monotonic() - t0 < seconds, f"took {time.monotonic() - t0:.1f}s > {seconds}s"
+
+
+# ------------------------------------------------------------------ env always raises
+
+
+def test_env_always_raises_sync_and_async(model):
+    with within(SLACK_S), pytest.raises(EnvErrorLimit, match="boom") as e:
+        _sync(model, RaisingEnv).take(4)
+    assert "max_env_errors" in str(e.value) and "env_error" in str(e.value)
+    src = _async(model, RaisingEnv)
+    try:
+        with within(SLACK_S), pytest.raises(SamplerError, match="boom"):
+            src.take(4)
+    finally:
+        assert src.stop()
+
+
+# ------------------------------------------------------------------ env hangs
+
+
+def test_env_hangs_with_env_timeout(model):
+    """3 timeouts of 0.5 s in a row: EnvErrorLimit naming the timeout, within ~2 s."""
+    with within(SLACK_S), pytest.raises(EnvErrorLimit, match="exceeded env_timeout_s=0.5"):
+        _sync(model, HangingEnv, env_timeout_s=0.5).take(4)
+    src = _async(model, HangingEnv, env_timeout_s=0.5)
+    try:
+        with within(SLACK_S), pytest.raises(SamplerError, match="env_timeout"):
+            src.take(4)
+    finally:
+        assert src.stop()
+
+
+def test_env_hangs_without_env_timeout_take_timeout_bounds_it(model):
+    with within(SLACK_S), pytest.raises(TimeoutError, match=r"take\(4\): timed out after 1.5s"):
+        _sync(model, HangingEnv, timeout=1.5, env_timeout_s=None).take(4)
+    src = _async(model, HangingEnv, timeout=1.5, env_timeout_s=None)
+    try:
+        with within(SLACK_S), pytest.raises(TimeoutError, match="timed out after 1.5s"):
+            src.take(4)
+    finally:
+        assert src.stop(timeout=2 * SLACK_S)  # compiling, then leaving the env-call wait
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_sigterm_wins_over_a_hanging_env(model, kind):
+    """No env timeout, a 600 s take timeout: SIGTERM ends the take within seconds."""
+    make = _sync if kind == "sync" else _async
+    src = make(model, HangingEnv, timeout=600.0, env_timeout_s=None)
+    with checkpointing.GracefulExit() as g:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        with pytest.raises(stop.StopRequested, match="SIGTERM"):
+            src.take(4)
+        assert g.requested and time.monotonic() - t0 < SLACK_S
+    assert not stop.requested()  # cleared on leaving the block
+    assert src.stop(timeout=2 * SLACK_S)
+
+
+def test_env_calls_pool_gives_up_on_stuck_calls():
+    calls = EnvCalls(workers=2, timeout_s=0.05, max_stuck=3, poll_s=0.01)
+    for _ in range(4):  # each times out, gives its slot back and keeps running
+        c = calls.submit(HangingEnv.release.wait)
+        with contextlib.suppress(EnvCallsStuck):
+            calls.wait([c])
+    with pytest.raises(EnvCallsStuck, match="still running past env_timeout_s=0.05"):
+        calls.wait([calls.submit(HangingEnv.release.wait)])
+    assert calls.call(lambda x: x + 1, 1) == 2  # slots were given back
+
+
+# ------------------------------------------------------------------ the LLM judge
+
+
+def _style_env(judge):
+    return lambda: style.StyleEnv(judge=judge)
+
+
+def test_judge_refuses_counts_as_env_errors_and_is_named(model):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    judge = J.LLMJudge(f"http://127.0.0.1:{port}/v1", "judge", max_retries=1, backoff_s=0.01)
+    with within(SLACK_S), pytest.raises(EnvErrorLimit, match="ConnectionRefusedError") as e:
+        _sync(model, _style_env(judge)).take(4)
+    assert "env_dropped" in str(e.value)
+    src = _async(model, _style_env(judge))
+    try:
+        with within(SLACK_S), pytest.raises(SamplerError, match="ConnectionRefusedError"):
+            src.take(4)
+    finally:
+        assert src.stop()
+
+
+@pytest.fixture
+def trickle_server():
+    """Accepts on 127.0.0.1 and answers every request one byte every 0.2 s, forever."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.settimeout(0.1)
+    done = threading.Event()
+    hits = []
+
+    def serve(conn):
+        reply = b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100000
+        with conn:
+            for byte in reply:
+                if done.wait(0.2):
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+    def accept():
+        while not done.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            hits.append(time.monotonic())
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield srv.getsockname()[1], hits
+    done.set()
+    thread.join(5)
+    srv.close()
+
+
+def test_judge_trickle_is_cut_at_the_total_deadline(trickle_server):
+    port, hits = trickle_server
+    judge = J.LLMJudge(
+        f"http://127.0.0.1:{port}/v1", "judge", timeout_s=1.0, max_retries=10,
+        backoff_s=0.01, deadline_s=2.5,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(J.JudgeError, match=r"deadline_s=2.5\): no complete answer within"):
+        judge.score(style.make_prompt(["moon"]), "text", "cute")
+    assert time.monotonic() - t0 < 2.5 + 2.0  # the deadline, plus thread wake-ups
+    assert 2 <= len(hits) <= 4  # per-attempt bound 1 s: a few attempts fit in 2.5 s
+
+
+def test_judge_trickle_in_rollouts_ends_with_the_judge_named(model, trickle_server):
+    port, _ = trickle_server
+    judge = J.LLMJudge(
+        f"http://127.0.0.1:{port}/v1", "judge", timeout_s=0.5, max_retries=0, deadline_s=1.0
+    )
+    with within(SLACK_S), pytest.raises(EnvErrorLimit, match="no complete answer within"):
+        _sync(model, _style_env(judge)).take(4)
