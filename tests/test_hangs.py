@@ -1,16 +1,22 @@
 """Nothing hangs, and SIGTERM wins: each hang reproduced in issue 15 ends within a stated
-bound, with an error naming the cause, or with StopRequested.
+bound, with an error naming the cause, or with StopRequested / exit code 0.
 
 The rollouts run a tiny model (tests/sampling_support.py) on envs that always raise, hang
 (with and without env_timeout_s), or ask an LLM judge that refuses connections or trickles
-one byte at a time (a server on 127.0.0.1 only). The bounds are generous multiples of the
-configured limits (a loaded machine), far below "forever".
+one byte at a time (servers on 127.0.0.1 only). Then the main job itself (a subprocess on
+the style task's smoke config): a refusing judge ends it with one FATAL line naming the
+connection error; a judge that never answers blocks it until SIGTERM, which it honours
+(exit 0). The bounds are generous multiples of the configured limits (a loaded machine),
+far below "forever".
 """
 
 import contextlib
 import os
+import pathlib
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -28,13 +34,24 @@ from sao_jax.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.sampling.engine import EngineConfig
 from sao_jax.sampling.env_calls import EnvCalls, EnvCallsStuck
 from sao_jax.sampling.sampler import EnvErrorLimit, SamplerConfig, SamplerError
+from tests import train_support as ts
 from tests.sampling_support import MODEL, FakeTokenizer
 
 SLACK_S = 20.0  # start-up and compile time on a loaded 2-core machine
+JOB_BOUND_S = 420  # one main-job subprocess: compiles, warm start, then the hang
+SIGTERM_BOUND_S = 30.0  # from SIGTERM to exit 0 while an env call hangs
 
 
 @pytest.fixture(scope="module")
-def model():
+def cache_env(tmp_path_factory):
+    """One persistent compilation cache for this module and its subprocesses."""
+    directory = os.environ.get("SAO_TEST_JAX_CACHE") or tmp_path_factory.mktemp("jax_cache")
+    with ts.persistent_compilation_cache(pathlib.Path(directory)) as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
+def model(cache_env):
     return init_params(lambda: Policy(MODEL, rngs=nnx.Rngs(0)), Sharder())
 
 
@@ -264,3 +281,78 @@ def test_judge_trickle_in_rollouts_ends_with_the_judge_named(model, trickle_serv
     )
     with within(SLACK_S), pytest.raises(EnvErrorLimit, match="no complete answer within"):
         _sync(model, _style_env(judge)).take(4)
+
+
+# ------------------------------------------------------------------ the main job
+
+JOB_CONFIG = """
+from configs import online_shift
+
+
+def get_config(arg=None):
+    c = online_shift.get_config("smoke")
+    c.env.params.judge = dict(base_url="http://127.0.0.1:{port}/v1", model="judge", **{judge})
+    c.sampling.env_timeout_s = {env_timeout}
+    c.sampling.max_env_errors = 4
+    c.env.eval_size, c.sft.steps = 4, 1
+    c.value_pretrain.steps, c.value_pretrain.rollouts = 1, 4
+    c.train.eval_sampled, c.train.report = False, False
+    return c
+"""
+
+
+def _job(tmp_path, cache_env, port, judge, env_timeout, log):
+    config = tmp_path / "hang_config.py"
+    config.write_text(JOB_CONFIG.format(port=port, judge=judge, env_timeout=env_timeout))
+    cmd = [sys.executable, "-m", "experiments.train", f"--config={config}"]
+    cmd.append(f"--workdir={tmp_path / 'w'}")
+    env = {**os.environ, **cache_env, "PYTHONPATH": str(ts.REPO)}
+    return subprocess.Popen(cmd, cwd=ts.REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_main_job_with_a_refusing_judge_fails_naming_it(tmp_path, cache_env):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    judge = dict(timeout_s=1.0, max_retries=1, backoff_s=0.01)
+    with (tmp_path / "log.txt").open("w") as log:
+        proc = _job(tmp_path, cache_env, port, judge, 5.0, log)
+        try:
+            rc = proc.wait(timeout=JOB_BOUND_S)
+        finally:
+            proc.kill()
+    out = (tmp_path / "log.txt").read_text()
+    assert rc == 1, out[-3000:]
+    (fatal,) = [line for line in out.splitlines() if line.startswith("FATAL")]
+    assert "EnvErrorLimit" in fatal and "ConnectionRefusedError" in fatal, fatal
+    assert "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_main_job_blocked_on_a_silent_judge_honours_sigterm(tmp_path, cache_env):
+    """No env timeout, a 600 s judge deadline: only SIGTERM ends it, with exit 0."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held = []
+    judge = dict(timeout_s=600.0, deadline_s=600.0, max_retries=0)
+    with (tmp_path / "log.txt").open("w") as log:
+        proc = _job(tmp_path, cache_env, srv.getsockname()[1], judge, None, log)
+        try:
+            srv.settimeout(JOB_BOUND_S)
+            held.append(srv.accept()[0])  # a judge call is waiting for us: the job is blocked
+            time.sleep(1.0)
+            assert proc.poll() is None
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(timeout=SIGTERM_BOUND_S)
+            took = time.monotonic() - t0
+        finally:
+            proc.kill()
+            for c in held:
+                c.close()
+            srv.close()
+    out = (tmp_path / "log.txt").read_text()
+    assert rc == 0 and took < SIGTERM_BOUND_S, out[-3000:]
+    assert "stop requested (SIGTERM)" in out and "before the first checkpoint" in out
