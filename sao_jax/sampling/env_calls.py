@@ -127,8 +127,7 @@ class EnvCalls:
                 late = self.timeout_s is not None and c.started is not None
                 if not c.done and late and now - c.started > self.timeout_s:
                     err = EnvTimeoutError(
-                        f"environment call {_name(c.fn)} exceeded env_timeout_s="
-                        f"{self.timeout_s:g}"
+                        f"environment call {_name(c.fn)} exceeded env_timeout_s={self.timeout_s:g}"
                     )
                     self._abandon(c, err)
                 if not c.done:
