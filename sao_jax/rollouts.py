@@ -221,6 +221,22 @@ class SyncRollouts:
         """
         timeout = self.take_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        mark = self._mark()
+        try:
+            return self._take(n, timeout, deadline)
+        except stop.StopRequested:
+            self._rewind(mark)  # a checkpoint saved now resumes with exactly this take
+            raise
+
+    def _mark(self) -> tuple:
+        """What a take changes: prompt position, draw number, counters."""
+        return (self.prompts.get_state(), self._draws, self.counts.copy(), self.dropped.copy())
+
+    def _rewind(self, mark: tuple) -> None:
+        state, self._draws, self.counts, self.dropped = mark
+        self.prompts.set_state(state)
+
+    def _take(self, n: int, timeout: float, deadline: float) -> list[Trajectory]:
         engine = self._fresh_engine()
         guard = _TakeGuard(n, timeout, deadline, self.max_env_errors, self.stats)
         engine.env_calls.check = guard.check

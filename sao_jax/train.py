@@ -351,13 +351,8 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
     stopped = False
     try:
         while int(state.step) < t.total_steps:
-            trajs = None
-            if not stopper.requested:
-                try:
-                    trajs = source.take(b, t.take_timeout_s)
-                except stop.StopRequested as e:
-                    log.warning("%s", e)
-            if distributed.agree_stop(trajs is None):
+            trajs = take_or_stop(source, b, t.take_timeout_s, stopper)
+            if trajs is None:
                 stopped = True
                 break
             batch = r._batch(trajs)
@@ -408,6 +403,19 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
         machine=_machine(),
         interrupted=bool(stopped or stopper.requested),
     )
+
+
+def take_or_stop(source, n: int, timeout: float, stopper) -> list[Trajectory] | None:
+    """This step's n trajectories, or None when any process stops: this one was signalled
+    (before or during the take), or another one was. Collective (`agree_stop`): every
+    process calls it once per step, before the step's first collective."""
+    trajs = None
+    if not stopper.requested:
+        try:
+            trajs = source.take(n, timeout)
+        except stop.StopRequested as e:
+            log.warning("%s", e)
+    return None if distributed.agree_stop(trajs is None) else trajs
 
 
 def _unless_stopped(fn, *args):

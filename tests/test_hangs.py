@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -76,6 +77,9 @@ class _Prompts:
 
     def get_state(self):
         return {}
+
+    def set_state(self, state):
+        pass
 
 
 class RaisingEnv:
@@ -198,6 +202,54 @@ def test_env_calls_pool_gives_up_on_stuck_calls():
     with pytest.raises(EnvCallsStuck, match="still running past env_timeout_s=0.05"):
         calls.wait([calls.submit(HangingEnv.release.wait)])
     assert calls.call(lambda x: x + 1, 1) == 2  # slots were given back
+
+
+# ------------------------------------------------------------------ env calls off the decoder
+
+
+class GateEnv:
+    """Prompt 'p0' waits at its step until `gate` opens; every other prompt is instant."""
+
+    stop_strings = ("a",)
+    max_turns = 2
+    gate = threading.Event()
+
+    def reset(self, prompt):
+        self.uid = prompt.uid
+        return prompt.text
+
+    def step(self, action_text):
+        if self.uid == "p0":
+            self.gate.wait(120)
+        return StepResult("", 1.0, True, {"success": True})
+
+
+def test_a_slow_env_call_does_not_stall_the_other_slots(model):
+    src = _async(model, GateEnv, env_timeout_s=None)
+    try:
+        got = src.take(12)  # p0 is parked in its env call the whole time
+        assert "p0" not in {t.prompt_uid for t in got}
+        GateEnv.gate.set()
+        later = []
+        while "p0" not in {t.prompt_uid for t in later}:
+            later += src.take(1)
+    finally:
+        GateEnv.gate.set()
+        assert src.stop()
+
+
+def test_concurrent_env_calls_keep_sync_rollouts_deterministic(model):
+    """Env steps of one decode call run in parallel threads, but their results are applied
+    in slot order: the same trajectories as one env call at a time."""
+    runs = []
+    for workers in (1, 8):
+        src = _sync(model, GateEnv, env_workers=workers)
+        GateEnv.gate.set()
+        runs.append(src.take(8))
+    for a, b in zip(*runs, strict=True):
+        assert a.prompt_uid == b.prompt_uid
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.rollout_logp, b.rollout_logp)
 
 
 # ------------------------------------------------------------------ the LLM judge

@@ -86,6 +86,9 @@ def _from_dict(config, edit):
         ),
         ("train.report", lambda c: _from_dict(c, lambda d: d["train"].pop("report"))),
         ("rl.k_critic", lambda c: c.rl.__setattr__("k_critic", 0)),
+        ("rl.losses.ppo_clip.eps_low", lambda c: c.rl.losses.ppo_clip.update(eps_low=1.5)),
+        ("rl.losses.estr.tau", lambda c: c.rl.losses.estr.update(tau=0.0)),
+        ("rl.losses.icepop.band_high", lambda c: c.rl.losses.icepop.update(band_high=0.9)),
         ("train.rollouts", lambda c: c.train.__setattr__("rollouts", "later")),
         ("sft.batch_size", lambda c: c.sft.__setattr__("batch_size", 4)),  # 8 devices
         ("rl.batch_size", lambda c: c.rl.__setattr__("batch_size", 12)),

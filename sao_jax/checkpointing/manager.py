@@ -278,6 +278,10 @@ class Checkpointer:
         """(state, meta) of one step, verified; _Unreadable naming the damaged file or
         tensor. With several processes the verdict is agreed (all skip, or none)."""
         where = str(self.step_dir(step))
+        has_digests, problem = integrity.check_digests(  # first: it names the damaged file
+            self.step_dir(step), jax.process_index(), jax.process_count()
+        )
+        _agreed_ok(step, problem)
         try:
             stored = self._mgr.item_metadata(step)[STATE]
             if stored is None:
@@ -286,10 +290,6 @@ class Checkpointer:
         except _READ_ERRORS as e:
             raise _Unreadable(where) from e
         _check_compatible(stored, _leaf_table(abstract), where)
-        has_digests, problem = integrity.check_digests(
-            self.step_dir(step), jax.process_index(), jax.process_count()
-        )
-        _agreed_ok(step, problem)
         has_sums = (self.step_dir(step) / SUMS).is_dir()
         items = {STATE: ocp.args.StandardRestore(abstract), META: ocp.args.JsonRestore()}
         if has_sums:
