@@ -147,10 +147,11 @@ class PythonToolEnv:
 def demonstration(prompt: Prompt, **env_kwargs: Any) -> list[tuple[str, bool]]:
     """A correct trajectory as (text, is_model_turn) segments: print the expression, answer.
 
-    Runs the code through the sandbox, so the observation is the real one.
+    Runs the code through the sandbox, so the observation is the real one. The code is
+    ours (`print(<expr>)`), not the model's: the weak sandbox is allowed by default.
     """
     expr = prompt.meta.get("expr") or prompt.text.removeprefix(arithmetic.QUESTION).strip()
-    env = PythonToolEnv(**env_kwargs)
+    env = PythonToolEnv(**{"allow_weak_isolation": True, **env_kwargs})
     segments = [(env.reset(prompt), False)]
     code_turn = f"{CODE_OPEN}print({expr})\n{FENCE_CLOSE}"
     result = env.step(code_turn)
