@@ -22,15 +22,10 @@ Failures never kill the engine: an exception (or timeout) in env.reset/step, a t
 error, an empty or too long prompt drops that trajectory and reports a `Drop` with its
 reason. Model/jit errors propagate.
 
-Environment calls run in a bounded pool of daemon threads (`env_calls.EnvCalls`,
-`env_workers` at a time, each bounded by `env_timeout_s`): the env steps of all slots
-whose turn ended in one decode call run concurrently. By default `step` waits for all
-of them before it returns, and applies their results in slot order, so what a step
-produces does not depend on thread timing (deterministic mode, evaluation). With
-`overlap_env = True` (the async sampler) a slot whose env call is still running is
-parked, out of the decode batch, and the other slots keep decoding; it rejoins at a
-later step. Every wait for env calls calls `check()` (default: raise StopRequested once
-a stop was requested), so SIGTERM is honoured however long an env call takes.
+Env calls run in a bounded pool of daemon threads (env_calls.py), concurrently across
+slots; `step` applies their results in slot order after waiting for all (deterministic),
+or, with `overlap_env` (the async sampler), parks a slot whose call still runs out of the
+decode batch while the others decode. Waits honour SIGTERM (env_calls.EnvCalls.check).
 """
 
 from __future__ import annotations
@@ -503,11 +498,8 @@ class Engine:
 
     @staticmethod
     def _split(entries, finished: list, dropped: list) -> None:
-        for _, traj, drop in entries:
-            if traj is not None:
-                finished.append(traj)
-            if drop is not None:
-                dropped.append(drop)
+        finished += [traj for _, traj, _ in entries if traj is not None]
+        dropped += [drop for _, _, drop in entries if drop is not None]
 
     def run(
         self, params: Params, prompts: Iterable[Prompt], version: int = 0
