@@ -6,7 +6,9 @@ r"""Trains one run from a config: warm start, value pretraining, async SAO RL, e
       --workdir=workdirs/nfa --config.seed=1 --config.train.total_steps=200
 
 A workdir that holds a run resumes it (same config); a different config there is refused
-unless --overwrite. SIGTERM/SIGINT saves a checkpoint and exits 0.
+unless --overwrite. SIGTERM/SIGINT saves a checkpoint and exits 0. A bad config or input
+file exits 2 with one line naming the field or file; a missing sandbox or an environment
+that keeps failing (RUN_ERRORS) exits 1 with one FATAL line naming the cause.
 
 One process per host (TPU pod, GPU cluster; docs/scaling.md): every host runs the same
 command, and jax.distributed connects them before anything else runs. The coordinator
@@ -27,7 +29,13 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from sao_jax import cli, train
+from sao_jax.envs.sandbox import SandboxUnavailable
 from sao_jax.parallel import distributed
+from sao_jax.sampling.sampler import EnvErrorLimit, SamplerError
+
+# Run-time failures whose message says all (the sandbox, the env's last failure): one FATAL
+# line, exit 1. Input errors (a bad config field or file) are cli.guard's: one line, exit 2.
+RUN_ERRORS = (SandboxUnavailable, EnvErrorLimit, SamplerError)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file[:variant].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, report).")
@@ -60,7 +68,10 @@ def main(argv):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if distributed.is_primary() else logging.WARNING)
     logger.propagate = False
-    train.run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    try:
+        train.run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    except RUN_ERRORS as e:
+        sys.exit(f"FATAL {type(e).__name__}: {' '.join(str(e).split())}")
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

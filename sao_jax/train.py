@@ -6,7 +6,10 @@ compiles or touches the workdir, the config is checked once: field names, types 
 (`sao_jax.run_settings.check_run`). Resume order
 (docs/checkpointing.md): config check against the workdir -> models and learner ->
 restore the TrainState -> restore the prompt iterator and counters -> republish the
-policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0.
+policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0; every
+wait (rollouts, env calls) polls the stop flag (sao_jax/stop.py), so a run blocked on a
+hanging environment stops within seconds too. With several processes the stop decision
+is agreed once per step (`distributed.agree_stop`), so all save the same step.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sao_jax import checkpointing, metrics, report
+from sao_jax import checkpointing, metrics, report, stop
 from sao_jax import config as config_lib
 from sao_jax.chat_template import run_chat_format
 from sao_jax.data.pipeline import run_prompts
@@ -144,6 +147,11 @@ class Run:
             self.sampler_def = ModelDef.of(lambda: Policy(self.models.cfg, rngs=nnx.Rngs(0)))
         self.engine_cfg, self.sampler_cfg = configs_from_section(config.sampling, config.seed)
         self.chat = inputs.chat  # None: raw text prompts
+        # The bounds of every rollouts take (RL loop and value pretraining): docs/checkpointing.md
+        self.take_bounds = dict(
+            take_timeout_s=config.train.take_timeout_s,
+            max_env_errors=self.sampler_cfg.max_env_errors,
+        )
         self.env_factory, self.set_env_step = inputs.env_factory, inputs.set_env_step
         eval_prompts = inputs.eval_prompts
         self.prompts = iter(distributed.process_shard(inputs.train_prompts).to_iter_dataset())
@@ -192,6 +200,7 @@ class Run:
                 add_bos=self.engine_cfg.add_bos,
             )
             batches = (distributed.global_from_replicated(x, self.batch_sharding) for x in batches)
+            batches = _stoppable(batches, "warm start (SFT)")
             trainer = SFTTrainer(models.policy_def, cfg.sft.optim, self.sharder)
             log.info("warm start: %d SFT steps on demonstrations", cfg.sft.steps)
             policy = trainer.run(
@@ -232,6 +241,7 @@ class Run:
             self.prompts,
             self.engine_cfg,
             seed=self.config.seed + 3,
+            **self.take_bounds,
         )
         source.publish(self.sampler_params(state.policy), int(state.step))
         trajs = source.take(vp.rollouts)
@@ -278,8 +288,9 @@ class Run:
         kw = dict(group_size=cfg.env.group_size)
         args = (self.sampler_def, self.tokenizer, self.env_factory, self.prompts)
         if cfg.train.rollouts == "sync":
-            return SyncRollouts(*args, self.engine_cfg, seed=cfg.seed + 5, **kw)
-        return AsyncRollouts(*args, self.engine_cfg, self.sampler_cfg, **kw)
+            return SyncRollouts(*args, self.engine_cfg, seed=cfg.seed + 5, **kw, **self.take_bounds)
+        timeout = self.take_bounds["take_timeout_s"]
+        return AsyncRollouts(*args, self.engine_cfg, self.sampler_cfg, take_timeout_s=timeout, **kw)
 
     def evaluate(self, state, step: int) -> dict[str, float]:
         t0 = time.time()
@@ -299,6 +310,13 @@ class Run:
         self.ckpt.save(step, state, meta)
 
 
+def _stoppable(items, what: str):
+    """`items`, raising StopRequested at the next item once a stop was requested."""
+    for item in items:
+        stop.raise_if_requested(what)
+        yield item
+
+
 def _fmt(m: dict[str, float], prefix: str = "") -> str:
     items = [(k.removeprefix(prefix), v) for k, v in m.items() if k.startswith(prefix)]
     return " ".join(f"{k}={v:.4g}" for k, v in sorted(items))
@@ -311,18 +329,24 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     check_run(config, sharder)
     inputs = read_inputs(config)  # a bad input file stops here, before the workdir exists
     workdir = pathlib.Path(workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"flag --workdir: {workdir} exists and is not a directory")
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=overwrite)
     t_start = time.time()
     r = Run(config, workdir, sharder, inputs)
     t = config.train
-    with checkpointing.GracefulExit() as stop:
+    with checkpointing.GracefulExit() as stopper:
         latest = r.ckpt.latest_step()
         if latest is None:
             r.writer = metrics.create_writers(workdir, resume_step=-1)
-            state = r.warm_start()
-            before = r.evaluate(state, 0)
-            state = r.value_pretrain(state)
+            try:
+                state = r.warm_start()
+                before = r.evaluate(state, 0)
+                state = r.value_pretrain(state)
+            except stop.StopRequested as e:  # nothing resumable yet: the next run starts over
+                log.warning("%s, before the first checkpoint: exiting without one", e)
+                return _close(r, workdir, t, dict(steps=0, interrupted=True, before={}))
             extra = dict(before=before, prior_wall_time=0.0, t_start=t_start)
             counters = _resume_counters({})
             r.save(0, state, None, _counters(counters, {}), extra)
@@ -336,11 +360,15 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
             extra = dict(before=meta["before"], prior_wall_time=meta["wall_time"], t_start=t_start)
             counters = _resume_counters(meta.get("counters", {}))
             log.info("resumed from step %d (checkpoint %d)", int(state.step), latest)
-        summary = _rl(r, state, counters, extra, stop, t_start)
+        summary = _rl(r, state, counters, extra, stopper, t_start)
+    return _close(r, workdir, t, summary)
+
+
+def _close(r: Run, workdir: pathlib.Path, t, summary: dict) -> dict:
     r.ckpt.wait()
     r.ckpt.close()
     r.writer.close()
-    if t.report and distributed.is_primary():
+    if t.report and distributed.is_primary() and summary.get("steps"):
         report.write_report(workdir, summary=summary)
     text = json.dumps(_finite(summary), indent=2, sort_keys=True, allow_nan=False)
     if distributed.is_primary():
@@ -348,8 +376,13 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     return summary
 
 
-def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dict:
-    """Stage (c) + (d): the asynchronous RL loop with periodic evaluation and saves."""
+def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> dict:
+    """Stage (c) + (d): the asynchronous RL loop with periodic evaluation and saves.
+
+    The stop decision is taken at one point per step, after the take: this process wants
+    to stop (a signal, or a take interrupted by it), agreed across processes
+    (`agree_stop`); then every process leaves the loop before the next collective, and
+    saves the same step."""
     cfg, learner = r.config, r.learner
     t = cfg.train
     b = r.local_batch  # this host's share of the batch
@@ -364,9 +397,13 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
     progress = Progress(t.total_steps, initial=start, enabled=t.progress)
     tokens, t_log = 0, time.time()
     last = {}
+    stopped = False
     try:
-        while int(state.step) < t.total_steps and not stop.requested:
-            trajs = source.take(b, t.take_timeout_s)
+        while int(state.step) < t.total_steps:
+            trajs = take_or_stop(source, b, t.take_timeout_s, stopper)
+            if trajs is None:
+                stopped = True
+                break
             batch = r._batch(trajs)
             version = int(state.step)
             host.append(_host_stats(trajs, version))
@@ -393,14 +430,16 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
                 last = scalars
                 acc, host, tokens, t_log = metrics.MetricAccumulator(), [], 0, now
             if t.eval_every and step % t.eval_every == 0 and step < t.total_steps:
-                r.evaluate(state, step)
+                _unless_stopped(r.evaluate, state, step)
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
                 r.save(step, state, source, _counters(counters, source.stats()), extra)
     finally:
         source.stop()
         progress.close()
     step = int(state.step)
-    after = r.evaluate(state, step) if step >= t.total_steps else {}
+    after = {}
+    if step >= t.total_steps and not stopped:
+        after = _unless_stopped(r.evaluate, state, step) or {}
     r.save(step, state, source, _counters(counters, source.stats()), extra)
     return dict(
         steps=step,
@@ -411,8 +450,31 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
         staleness_hist=source.stats().get("staleness", {}),
         wall_time_s=_wall(extra),
         machine=_machine(),
-        interrupted=bool(stop.requested),
+        interrupted=bool(stopped or stopper.requested),
     )
+
+
+def take_or_stop(source, n: int, timeout: float, stopper) -> list[Trajectory] | None:
+    """This step's n trajectories, or None when any process stops: this one was signalled
+    (before or during the take), or another one was. Collective (`agree_stop`): every
+    process calls it once per step, before the step's first collective."""
+    trajs = None
+    if not stopper.requested:
+        try:
+            trajs = source.take(n, timeout)
+        except stop.StopRequested as e:
+            log.warning("%s", e)
+    return None if distributed.agree_stop(trajs is None) else trajs
+
+
+def _unless_stopped(fn, *args):
+    """fn(*args), or None when a stop request interrupted it (host-local work only: the
+    decision to stop is agreed at the top of the next step)."""
+    try:
+        return fn(*args)
+    except stop.StopRequested as e:
+        log.warning("%s: skipped", e)
+        return None
 
 
 def _wall(extra: dict) -> float:

@@ -87,18 +87,23 @@ class PythonToolEnv:
         max_obs_chars: int = 512,
         limits: sandbox.SandboxLimits | None = None,
         isolation: str = "auto",
+        allow_weak_isolation: bool = False,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"python_tool max_turns={max_turns}: must be >= 1")
         if max_turn_chars < 8 or max_obs_chars < 16:
             raise ValueError("python_tool max_turn_chars must be >= 8 and max_obs_chars >= 16")
-        if isolation not in ("auto", sandbox.NAMESPACES, sandbox.RLIMITS):
-            raise ValueError(f"python_tool isolation={isolation!r}: auto, namespaces or rlimits")
+        if isolation not in sandbox.ISOLATIONS:
+            raise ValueError(f"python_tool isolation={isolation!r}: one of {sandbox.ISOLATIONS}")
+        # Probes the machine once per process: without kernel isolation this raises
+        # SandboxUnavailable (one line) unless the weak mode is allowed (one warning line).
+        sandbox.resolve_isolation(isolation, allow_weak_isolation)
         self.max_turns = max_turns
         self.max_turn_chars = max_turn_chars
         self.max_obs_chars = max_obs_chars
         self.limits = limits or sandbox.SandboxLimits()
         self.isolation = isolation
+        self.allow_weak_isolation = allow_weak_isolation
         self._target: int | None = None
         self._turn = 0
         self._runs = 0
@@ -124,7 +129,9 @@ class PythonToolEnv:
             return self._continue(f"{lead}e:bad\n", {**info, "error": error})
         if code is not None:
             self._runs += 1
-            result = sandbox.run_python(code, self.limits, isolation=self.isolation)
+            result = sandbox.run_python(
+                code, self.limits, isolation=self.isolation, allow_weak=self.allow_weak_isolation
+            )
             info["sandbox"] = {"error": result.error, "isolation": result.isolation}
             body = render_output(result, max_chars=self.max_obs_chars)
             return self._continue(f"{lead}{OUTPUT_OPEN}{body}{FENCE_CLOSE}", info)
@@ -151,10 +158,11 @@ class PythonToolEnv:
 def demonstration(prompt: Prompt, **env_kwargs: Any) -> list[tuple[str, bool]]:
     """A correct trajectory as (text, is_model_turn) segments: print the expression, answer.
 
-    Runs the code through the sandbox, so the observation is the real one.
+    Runs the code through the sandbox, so the observation is the real one. The code is
+    ours (`print(<expr>)`), not the model's: the weak sandbox is allowed by default.
     """
     expr = prompt.meta.get("expr") or prompt.text.removeprefix(arithmetic.QUESTION).strip()
-    env = PythonToolEnv(**env_kwargs)
+    env = PythonToolEnv(**{"allow_weak_isolation": True, **env_kwargs})
     segments = [(env.reset(prompt), False)]
     code_turn = f"{CODE_OPEN}print({expr})\n{FENCE_CLOSE}"
     result = env.step(code_turn)

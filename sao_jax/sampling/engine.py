@@ -21,13 +21,17 @@ place only, and a prompt or observation needs no logits from the prefill.
 Failures never kill the engine: an exception (or timeout) in env.reset/step, a tokenizer
 error, an empty or too long prompt drops that trajectory and reports a `Drop` with its
 reason. Model/jit errors propagate.
+
+Env calls run in a bounded pool of daemon threads (env_calls.py), concurrently across
+slots; `step` applies their results in slot order after waiting for all (deterministic),
+or, with `overlap_env` (the async sampler), parks a slot whose call still runs out of the
+decode batch while the others decode. Waits honour SIGTERM (env_calls.EnvCalls.check).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -36,6 +40,7 @@ import numpy as np
 
 from sao_jax.envs.base import Env, Prompt, StepResult
 from sao_jax.parallel.partition import Params
+from sao_jax.sampling.env_calls import EnvCall, EnvCalls, EnvTimeoutError
 from sao_jax.sampling.generate import (
     GenerateFns,
     SamplingParams,
@@ -69,10 +74,11 @@ class EngineConfig:
     top_p: float = 1.0  # 1 = off
     record_routing: bool = False  # keep each token's chosen experts (routing replay)
     add_bos: bool = True  # prepend tokenizer.bos_id (when it has one) to each prompt
-    env_timeout_s: float | None = None  # per env call; None = call inline, no timeout
+    env_timeout_s: float | None = 120.0  # per env call, then a drop; None = no timeout
+    env_workers: int = 8  # env calls running at once (threads off the decoding thread)
 
     def __post_init__(self):
-        for name in ("num_slots", "max_len", "max_turn_tokens", "steps_per_sync"):
+        for name in ("num_slots", "max_len", "max_turn_tokens", "steps_per_sync", "env_workers"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v > 0):
                 raise ValueError(f"EngineConfig.{name}: must be a positive int, got {v!r}")
@@ -109,8 +115,7 @@ class StepOutput(NamedTuple):
     generated: int  # action tokens kept this step
 
 
-class EnvTimeoutError(TimeoutError):
-    """An environment call did not return within env_timeout_s."""
+_TURN_ENDED = object()  # _advance: the slot's turn ended; its env.step is due
 
 
 class _DropError(Exception):
@@ -135,6 +140,7 @@ class _Slot:
         self.written = 0  # tokens whose keys/values are in the cache
         self.turn = 0  # current model turn
         self.turn_start = 0  # index of its first token
+        self.ended_at_eos = False  # the last finished turn ended with the eos token
         self.turn_rewards: list[float] = []
         self.infos: list[dict[str, Any]] = []
 
@@ -179,29 +185,6 @@ class _Slot:
             info=info,
             experts=None if self.experts is None else self.experts[:n].astype(np.int32),
         )
-
-
-def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float | None) -> Any:
-    """fn(*args), or EnvTimeoutError after timeout_s (the call is left running in a daemon
-    thread; the caller must stop using whatever object it was working on)."""
-    if timeout_s is None:
-        return fn(*args)
-    box: dict[str, Any] = {}
-
-    def run():
-        try:
-            box["out"] = fn(*args)
-        except BaseException as e:
-            box["err"] = e
-
-    t = threading.Thread(target=run, daemon=True, name="env-call")
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise EnvTimeoutError(f"environment call {fn!r} exceeded {timeout_s}s")
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
 
 
 def _checked(result) -> StepResult:
@@ -262,6 +245,9 @@ class Engine:
         self._stops = tuple(getattr(self._envs[0], "stop_strings", ()))
         self._stop_window = 4 * max((len(st) for st in self._stops), default=0) + 8
         self._slots: list[_Slot | None] = [None] * cfg.num_slots
+        self._parked: dict[int, tuple[_Slot, EnvCall]] = {}  # slots waiting for env.step
+        self.env_calls = EnvCalls(cfg.env_workers, cfg.env_timeout_s)
+        self.overlap_env = False  # True: decode other slots while env calls run
         self._routing = fns.routing_shape if cfg.record_routing else None
         self._key = jax.random.key(seed) if isinstance(seed, int) else seed
         self._cache = None
@@ -282,7 +268,8 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return sum(s is not None for s in self._slots)
+        """Slots holding a trajectory: decoding, or parked while their env call runs."""
+        return sum(s is not None for s in self._slots) + len(self._parked)
 
     # ---- host helpers -------------------------------------------------------------------
 
@@ -303,14 +290,21 @@ class Engine:
             raise _DropError("tokenizer_error", e) from e
 
     def _env_call(self, s: int, fn_name: str, arg):
-        env = self._envs[s]
-        try:
-            return call_with_timeout(getattr(env, fn_name), (arg,), self.cfg.env_timeout_s)
-        except EnvTimeoutError as e:
+        """env.<fn_name>(arg) of slot s through the pool, waited for."""
+        call = self.env_calls.submit(getattr(self._envs[s], fn_name), arg)
+        self.env_calls.wait([call])
+        return self._env_result(s, call)
+
+    def _env_result(self, s: int, call: EnvCall):
+        """What a finished call returned; a timed-out or failed one is a drop."""
+        if isinstance(call.error, EnvTimeoutError):
             self._envs[s] = self._env_factory()  # the old one may still be busy
-            raise _DropError("env_timeout", e) from e
-        except Exception as e:
-            raise _DropError("env_error", e) from e
+            raise _DropError("env_timeout", call.error) from call.error
+        if isinstance(call.error, Exception):
+            raise _DropError("env_error", call.error) from call.error
+        if call.error is not None:  # KeyboardInterrupt, SystemExit in the env thread
+            raise call.error
+        return call.result
 
     def _start(self, s: int, prompt: Prompt, version: int) -> _Slot:
         text = self._env_call(s, "reset", prompt)
@@ -334,7 +328,7 @@ class Engine:
 
     def _fill(self, next_prompt: Callable[[], Prompt | None], version: int, dropped: list):
         for s in range(self.cfg.num_slots):
-            while self._slots[s] is None:
+            while self._slots[s] is None and s not in self._parked:
                 prompt = next_prompt()
                 if prompt is None:
                     return
@@ -398,14 +392,44 @@ class Engine:
             return any(st in tail for st in self._stops)
         return False
 
-    def _end_turn(self, s: int, version: int) -> Trajectory | None:
-        """Steps the env on the finished turn; returns the trajectory if it is over."""
+    def _end_turn(self, s: int) -> None:
+        """Submits env.step on slot s's finished turn and parks the slot until it returns."""
         sl = self._slots[s]
         ids = sl.tokens[sl.turn_start : sl.n]
         ended_at_eos = bool(len(ids)) and ids[-1] == getattr(self.tok, "eos_id", None)
         if ended_at_eos:
             ids = ids[:-1]
-        result = _checked(self._env_call(s, "step", self._decode_text(ids)))
+        sl.ended_at_eos = ended_at_eos  # the observation then drops the template's eos text
+        text = self._decode_text(ids)
+        self._parked[s] = (sl, self.env_calls.submit(self._envs[s].step, text))
+        self._slots[s] = None
+
+    def _collect_env_steps(self, version: int, *, block: bool, every: bool):
+        """[(slot, trajectory or None, drop or None)] of the parked slots whose env call is
+        done, in slot order (waiting for all of them, or for one, when `block`); a slot
+        whose episode goes on is back in the decode batch."""
+        calls = [call for _, call in self._parked.values()]
+        if block and calls:
+            self.env_calls.wait(calls, every=every)
+        out = []
+        for s in sorted(self._parked):
+            sl, call = self._parked[s]
+            if not call.done:
+                continue
+            del self._parked[s]
+            try:
+                traj = self._apply_step(s, sl, self._env_result(s, call), version)
+            except _DropError as d:
+                out.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
+                continue
+            if traj is None:
+                self._slots[s] = sl
+            out.append((s, traj, None))
+        return out
+
+    def _apply_step(self, s: int, sl: _Slot, result, version: int) -> Trajectory | None:
+        """Records env.step's result on slot s; returns the trajectory if it is over."""
+        result = _checked(result)
         if result.info.get("dropped"):
             raise _DropError("env_dropped", RuntimeError(str(result.info.get("error", ""))))
         sl.turn_rewards.append(float(result.reward))
@@ -415,7 +439,7 @@ class Engine:
             return sl.finish(terminated=True, outcome=result.reward, truncation=None)
         if sl.turn >= self._envs[s].max_turns:
             return sl.finish(terminated=False, outcome=0.0, truncation="max_turns")
-        obs = self._encode(_after_turn(result.observation, self.tok, ended_at_eos))
+        obs = self._encode(_after_turn(result.observation, self.tok, sl.ended_at_eos))
         if sl.n + len(obs) + 1 > self.cfg.max_len:
             return sl.finish(terminated=False, outcome=0.0, truncation="max_len")
         sl.append_context(obs, version)
@@ -433,7 +457,7 @@ class Engine:
             sl.append_action(token, out.sampled_logp_ns[i, s], out.rollout_logp_ns[i, s], version)
             kept += 1
             if self._turn_ended(sl, token):
-                return self._end_turn(s, version), kept
+                return _TURN_ENDED, kept
             if sl.n >= self.cfg.max_len:
                 return sl.finish(terminated=False, outcome=0.0, truncation="max_len"), kept
         return None, kept
@@ -451,26 +475,44 @@ class Engine:
         dropped: list[Drop] = []
         if self._cache is None:
             self._cache = self.fns.init_cache(params)
+        if self._parked:  # overlap mode: env calls of earlier steps that are done by now
+            self._split(
+                self._collect_env_steps(version, block=False, every=False), finished, dropped
+            )
         self._fill(next_prompt, version, dropped)
-        if self.active == 0:
-            return StepOutput(finished, dropped, 0, 0)
+        if all(sl is None for sl in self._slots):  # nothing to decode
+            if self._parked:  # wait for one env call, then report
+                done = self._collect_env_steps(version, block=True, every=False)
+                self._split(done, finished, dropped)
+            return StepOutput(finished, dropped, self.active, 0)
         self._prefill_pending(params)
         out = self._decode(params)
         generated = 0
+        ended: list[tuple[int, Trajectory | None, Drop | None]] = []  # (slot, traj, drop)
         for s, sl in enumerate(self._slots):
             if sl is None:
                 continue
             try:
                 traj, kept = self._advance(s, out, version)
+                generated += kept
+                if traj is _TURN_ENDED:
+                    self._end_turn(s)
+                elif traj is not None:
+                    ended.append((s, traj, None))
+                    self._slots[s] = None
             except _DropError as d:
-                dropped.append(Drop(d.reason, sl.prompt.uid, d.error))
+                ended.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
                 self._slots[s] = None
-                continue
-            generated += kept
-            if traj is not None:
-                finished.append(traj)
-                self._slots[s] = None
+        # The env steps of this decode call run concurrently; by default all are waited
+        # for, so the step's result does not depend on thread timing.
+        ended += self._collect_env_steps(version, block=not self.overlap_env, every=True)
+        self._split(sorted(ended, key=lambda e: e[0]), finished, dropped)
         return StepOutput(finished, dropped, self.active, generated)
+
+    @staticmethod
+    def _split(entries, finished: list, dropped: list) -> None:
+        finished += [traj for _, traj, _ in entries if traj is not None]
+        dropped += [drop for _, _, drop in entries if drop is not None]
 
     def run(
         self, params: Params, prompts: Iterable[Prompt], version: int = 0
