@@ -19,6 +19,8 @@ from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
 from sao_jax.sampling.engine import Engine, EngineConfig
 from sao_jax.sampling.generate import Spans, choose_spans, span_buckets
+from sao_jax.sampling.sampler import configs_from_section, sampling_section
+from sao_jax.schema import ConfigError
 from tests.sampling_support import MODEL, FakeTokenizer, TurnEnv, prompts
 
 L_MAX = 64
@@ -44,6 +46,15 @@ def test_span_buckets_and_choice():
         EngineConfig(num_slots=4, lane_slots=4)
     with pytest.raises(ValueError, match="span_buckets"):
         EngineConfig(span_buckets=(32, 16))
+    assert EngineConfig(max_len=96).spans == (64, 96)
+    assert EngineConfig(max_len=96, span_buckets=(16, 200)).spans == (16, 96)
+    section = sampling_section()
+    section.update(max_len=96, span_buckets=[16, 32], lane_slots=1)
+    engine, _ = configs_from_section(section)
+    assert engine.spans == (16, 32, 96) and engine.lane_slots == 1
+    section.lane_slots = 9
+    with pytest.raises(ConfigError, match="sampling.*lane_slots"):
+        configs_from_section(section)
 
 
 def test_cached_attention_over_spans_equals_whole_cache():

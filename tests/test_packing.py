@@ -218,3 +218,10 @@ def test_bad_packed_batches_named():
         pack_batch(trajs, length=T, row_length=3)
     with pytest.raises(ValueError, match="packed_rows"):
         pack_batch(trajs, length=T, packed_rows=1)
+    c = base.get_config()
+    c.train.pack, c.train.pack_length = True, c.sampling.max_len - 1
+    with pytest.raises(ConfigError, match="train.pack_length"):
+        config_lib.validate(c)
+    c.train.pack_length, c.train.pack_rows_multiple = 0, 0
+    with pytest.raises(ConfigError, match="train.pack_rows_multiple"):
+        config_lib.validate(c)
