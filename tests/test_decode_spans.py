@@ -32,9 +32,9 @@ def model():
 
 
 def test_span_buckets_and_choice():
-    assert span_buckets(96) == (64, 96)
-    assert span_buckets(4096) == (64, 128, 256, 512, 1024, 2048, 4096)
-    assert span_buckets(64) == (64,)
+    assert span_buckets(96) == (96,)  # the demo's cache: nothing to gain below 128
+    assert span_buckets(4096) == (128, 256, 512, 1024, 2048, 4096)
+    assert span_buckets(300, smallest=64) == (64, 128, 256, 300)
     b = (8, 16, 32, 64)
     assert choose_spans([3, 9, 0, 5], b) == Spans(16)
     s = choose_spans([3, 40, 0, 5], b, lane_slots=1)
@@ -46,7 +46,8 @@ def test_span_buckets_and_choice():
         EngineConfig(num_slots=4, lane_slots=4)
     with pytest.raises(ValueError, match="span_buckets"):
         EngineConfig(span_buckets=(32, 16))
-    assert EngineConfig(max_len=96).spans == (64, 96)
+    assert EngineConfig(max_len=96).spans == (96,)
+    assert EngineConfig(max_len=1024).spans == (128, 256, 512, 1024)
     assert EngineConfig(max_len=96, span_buckets=(16, 200)).spans == (16, 96)
     section = sampling_section()
     section.update(max_len=96, span_buckets=[16, 32], lane_slots=1)

@@ -132,9 +132,10 @@ def _run(learner, state, batches):
     [  # each compiles two update steps: options that don't interact share a case
         (dict(microbatches=2), None),
         (dict(advantage="grpo", policy_loss="ppo_clip", routing_replay=True), None),
-        (dict(), (1, 2, 2, 2)),  # 4 shards of 2 trajectories: short ones, to pack
+        # 4 shards of 2 (short) trajectories; values at observation tokens are read too
+        (dict(advantage="cross_observation", order="policy_first"), (1, 2, 2, 2)),
     ],
-    ids=["gae-microbatches", "grpo-replay-ppo", "sharded"],
+    ids=["gae-microbatches", "grpo-replay-ppo", "sharded-cross-observation"],
 )
 def test_packed_update_equals_padded(rl, mesh):
     config = _config(**rl)

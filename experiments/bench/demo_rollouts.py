@@ -1,6 +1,6 @@
 """Demo-scale rollouts: sampler tokens/s by cache read policy, padding vs packing of updates.
 
-    python -m experiments.bench.demo_rollouts --params=workdirs/demo/warm_start
+    python -m experiments.bench.demo_rollouts --params=workdirs/demo/warm_start --update=256
     python -m experiments.bench.demo_rollouts --quick        # random-init policy, fewer rounds
 
 On configs/sao.py (the README's demo: 32 slots, max_len 96, the calculator env, the
@@ -8,14 +8,16 @@ character tokenizer) with the given policy (a warm start written by the demo, or
 random init), side by side in one process:
 
 1. Sampler throughput: the demo's engine runs rounds of --prompts prompts to completion,
-   alternating the read policies (whole cache, as before span buckets; span buckets;
-   span buckets + a long lane of 4 slots), same seed and prompts per round. tokens/s =
-   generated action tokens / wall seconds, after one warm-up round per policy.
+   alternating the read policies (whole cache, as before span buckets; the default span
+   buckets if they differ from it; spans 32/64, without and with a 4-slot long lane),
+   same seed and prompts per round, so every policy generates the same tokens. tokens/s
+   = generated action tokens / wall seconds, after one warm-up round per policy.
 2. Batches: the trajectories of (1), the policy's own length distribution, are cut into
    update batches of rl.batch_size as the learner takes them; printed: the padding
-   fraction of padded [B, T] rows (T rounded up to train.length_bucket) and of packed
-   rows (train.pack_rows_multiple), and, with --update, the update step's wall time on
-   each layout (medians, interleaved, compile excluded) and its compile time.
+   fraction of the model's input rows, padded [B, T] (T rounded up to
+   train.length_bucket) vs packed into rows of each --pack-lengths; with --update=Lp,
+   the update step's wall time padded vs packed into rows of Lp (medians of 3,
+   interleaved, after the compiling call, whose time is printed too).
 """
 
 from __future__ import annotations
@@ -45,11 +47,16 @@ from sao_jax.tokenizer import load_tokenizer
 
 def _policies(ecfg: EngineConfig) -> dict[str, EngineConfig]:
     base = {f: getattr(ecfg, f) for f in ecfg.__dataclass_fields__}
-    return {
-        "whole cache (before)": EngineConfig(**{**base, "span_buckets": (ecfg.max_len,)}),
-        "span buckets": EngineConfig(**{**base, "span_buckets": (), "lane_slots": 0}),
-        "spans + lane of 4": EngineConfig(**{**base, "span_buckets": (), "lane_slots": 4}),
-    }
+    whole = EngineConfig(**{**base, "span_buckets": (ecfg.max_len,), "lane_slots": 0})
+    out = {"whole cache (before)": whole}
+    if whole.spans != ecfg.spans or ecfg.lane_slots:
+        out["default spans (after)"] = ecfg
+    small = (32, 64)  # below the default's smallest bucket: what reading less buys here
+    out["spans 32, 64"] = EngineConfig(**{**base, "span_buckets": small, "lane_slots": 0})
+    out["spans 32, 64 + lane of 4"] = EngineConfig(
+        **{**base, "span_buckets": small, "lane_slots": 4}
+    )
+    return out
 
 
 def sampler_rates(mdef, params, tok, make_env, prompts, ecfg, rounds, per_round):
@@ -70,43 +77,46 @@ def sampler_rates(mdef, params, tok, make_env, prompts, ecfg, rounds, per_round)
             if r:
                 tokens[name] += sum(x.num_actions for x in done)
                 wall[name] += dt
-                if name == "span buckets":
+                if name == "whole cache (before)":
                     trajs += done
     return {k: (tokens[k] / wall[k], tokens[k]) for k in engines}, trajs
 
 
-def batch_padding(trajs, config, shards: int = 1):
-    """Mean padding fraction of padded and packed batches of rl.batch_size trajectories."""
+def _pack(chunk, config, row_length):
+    t = config.train
+    return pack_batch(
+        chunk,
+        length_bucket=t.length_bucket,
+        row_length=row_length,
+        microbatches=config.rl.microbatches,
+        rows_multiple=t.pack_rows_multiple,
+    )[0]
+
+
+def batch_padding(trajs, config, row_lengths):
+    """{layout: [(padding fraction, model-input shape)]} over batches of rl.batch_size."""
     b, t = config.rl.batch_size, config.train
-    out = {"padded": [], "packed": []}
+    out = {"padded": []} | {f"packed, rows of {lp or 'T'}": [] for lp in row_lengths}
     for i in range(0, len(trajs) - b + 1, b):
         chunk = trajs[i : i + b]
         padded = pad_batch(chunk, length_bucket=t.length_bucket)
-        packed, _ = pack_batch(
-            chunk,
-            length_bucket=t.length_bucket,
-            row_length=t.pack_length or None,
-            microbatches=config.rl.microbatches,
-            shards=shards,
-            rows_multiple=t.pack_rows_multiple,
-        )
         out["padded"].append((padding_fraction(padded["segment_ids"]), padded["tokens"].shape))
-        out["packed"].append(
-            (padding_fraction(packed["packed_segment_ids"]), packed["packed_tokens"].shape)
-        )
+        for lp in row_lengths:
+            packed = _pack(chunk, config, lp or None)
+            out[f"packed, rows of {lp or 'T'}"].append(
+                (padding_fraction(packed["packed_segment_ids"]), packed["packed_tokens"].shape)
+            )
     return out
 
 
-def update_times(config, models, trajs, repeats):
+def update_times(config, models, trajs, row_length, repeats):
     """Median update-step seconds (and compile seconds) on padded vs packed batches."""
     learner = Learner(config, models.policy_def, models.critic_def, Sharder())
     b, t = config.rl.batch_size, config.train
     chunk = trajs[:b]
     batches = {
         "padded": pad_batch(chunk, length_bucket=t.length_bucket),
-        "packed": pack_batch(
-            chunk, length_bucket=t.length_bucket, rows_multiple=t.pack_rows_multiple
-        )[0],
+        f"packed, rows of {row_length or 'T'}": _pack(chunk, config, row_length or None),
     }
     state = {k: learner.new_state(models.policy, models.critic, seed=0) for k in batches}
     times = {k: [] for k in batches}
@@ -125,7 +135,13 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="2 rounds, no update timing")
     p.add_argument("--rounds", type=int, default=4, help="timed rounds per read policy")
     p.add_argument("--prompts", type=int, default=128, help="prompts per round")
-    p.add_argument("--update", action="store_true", help="also time the update step")
+    p.add_argument("--pack-lengths", default="0,128,192,256", help="packed row lengths; 0 = T")
+    p.add_argument(
+        "--update",
+        type=int,
+        default=-1,
+        help="time the update step padded vs packed rows of this length (0 = T; -1 = skip)",
+    )
     args = p.parse_args(argv)
     rounds = 2 if args.quick else args.rounds
 
@@ -156,6 +172,8 @@ def main(argv=None):
         models.policy_def, params, tok, make_env, prompts, ecfg, rounds, args.prompts
     )
     base = rates["whole cache (before)"][0]
+    if "default spans (after)" not in rates:
+        print(f"(default spans {ecfg.spans} read the whole cache at max_len {ecfg.max_len})")
     print("| read policy | tokens/s | tokens | vs whole cache |")
     print("|---|---|---|---|")
     for name, (rate, n) in rates.items():
@@ -165,16 +183,15 @@ def main(argv=None):
         f"trajectory tokens: n={len(lengths)} p50={np.median(lengths):.0f} "
         f"p90={np.percentile(lengths, 90):.0f} max={lengths.max()} mean={lengths.mean():.1f}"
     )
-    pads = batch_padding(trajs, config)
-    for k, v in pads.items():
-        fr = [f for f, _ in v]
-        shapes = sorted({s for _, s in v})
-        print(
-            f"{k}: padding fraction mean {np.mean(fr):.3f} over {len(v)} batches; shapes {shapes}"
-        )
-    if args.update and not args.quick:
-        for k, (med, first) in update_times(config, models, trajs, repeats=3).items():
-            print(f"update step {k}: {med:.2f} s median (first call with compile {first:.1f} s)")
+    row_lengths = [int(x) for x in args.pack_lengths.split(",")]
+    print(f"| batch of {config.rl.batch_size} | padding fraction (mean) | model rows x length |")
+    print("|---|---|---|")
+    for k, v in batch_padding(trajs, config, row_lengths).items():
+        shapes = ", ".join(f"{r}x{c}" for r, c in sorted({s for _, s in v}))
+        print(f"| {k} | {np.mean([f for f, _ in v]):.3f} | {shapes} |")
+    if args.update >= 0 and not args.quick:
+        for k, (med, first) in update_times(config, models, trajs, args.update, 3).items():
+            print(f"update step, {k}: {med:.2f} s median (first call, compile: {first:.1f} s)")
 
 
 if __name__ == "__main__":

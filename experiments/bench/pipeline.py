@@ -20,7 +20,10 @@ of each, their ratio, the staleness histogram of (a), and the decode cost per st
 (cache length --cache-len, every slot at position 64, or at 2048, or all at 64 but one at
 2048), interleaved in one loop, for three read policies: the whole cache (what every step
 paid before span buckets), span buckets (the smallest power of two covering the longest
-slot), and span buckets with a one-row long lane (docs/sampling.md section 1).
+slot), and span buckets with a one-row long lane (docs/sampling.md section 1). Last, the
+padding fraction of the learner's model inputs for (a)'s batches: padded rows [8, T] (T =
+the longest rounded up to 32) vs the same trajectories packed first-fit decreasing into
+rows of T (`pack_batch`, docs/sampling.md section 3).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from sao_jax.parallel.partition import init_params
 from sao_jax.sampling.engine import Engine, EngineConfig
 from sao_jax.sampling.generate import GenerateFns, SamplingParams, choose_spans, span_buckets
 from sao_jax.sampling.sampler import AsyncSampler, SamplerConfig
+from sao_jax.sampling.trajectory import pack_rows, round_up
 
 GROUP = 8  # batch size of both modes, and the group size of (b)
 
@@ -156,6 +160,17 @@ def decode_cost(mdef, params, cache_len, repeats):
     return {k: statistics.median(ts[1:]) for k, ts in times.items()}, list(layouts)
 
 
+def padding_fractions(lengths, batch=GROUP, bucket=32):
+    """Mean padding fraction of padded vs packed model rows over consecutive batches."""
+    padded, packed = [], []
+    for i in range(0, len(lengths) - batch + 1, batch):
+        ls = lengths[i : i + batch]
+        t = round_up(max(ls), bucket)
+        padded.append(1 - sum(ls) / (len(ls) * t))
+        packed.append(1 - sum(ls) / (len(pack_rows(ls, t)) * t))
+    return float(np.mean(padded)), float(np.mean(packed))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer steps (a minute or two)")
@@ -199,6 +214,8 @@ def main(argv=None):
     print(f"throughput ratio (a)/(b): {a['traj_s'] / b['traj_s']:.2f}x")
     print(f"staleness of taken trajectories (versions behind: count): {stats['staleness']}")
     print(f"dropped: {stats['dropped'] or 'none'}")
+    pad, packed = padding_fractions(a["lengths"])
+    print(f"padding of (a)'s update batches: padded rows {pad:.1%}, packed rows {packed:.1%}")
     cost, layouts = decode_cost(mdef, params, args.cache_len, repeats=10 if args.quick else 30)
     print(f"decode step (ms), {GROUP} slots, cache {args.cache_len}, medians, interleaved:")
     print("| read policy | " + " | ".join(layouts) + " | pos 64 / pos 2048 |")

@@ -65,7 +65,7 @@ class EngineConfig:
     max_len: int = 128  # L: cache length = longest trajectory in tokens
     max_turn_tokens: int = 64  # a model turn ends after this many tokens
     prefill_buckets: tuple[int, ...] = ()  # chunk widths; () = powers of two 8..L
-    span_buckets: tuple[int, ...] = ()  # cache read spans; () = powers of two 64..L, L
+    span_buckets: tuple[int, ...] = ()  # cache read spans; () = powers of two 128..L, L
     lane_slots: int = 0  # long-lane rows: the longest slots read their own span; 0 = off
     steps_per_sync: int = 1  # decode steps per host check (overshoot is discarded)
     temperature: float = 1.0  # 0 = greedy

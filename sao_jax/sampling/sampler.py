@@ -99,7 +99,7 @@ def sampling_section() -> ConfigDict:
     c.max_len = 128  # cache length = longest trajectory in tokens
     c.max_turn_tokens = 64  # a model turn ends after this many tokens
     c.prefill_buckets = ()  # prefill chunk widths; () = powers of two 8..max_len
-    c.span_buckets = ()  # cache read spans; () = powers of two 64..max_len; (max_len,) = off
+    c.span_buckets = ()  # cache read spans; () = powers of two 128..max_len; (max_len,) = off
     c.lane_slots = 0  # the longest slots read their own longer span; 0 = off
     c.steps_per_sync = 1  # decode steps between host checks (overshoot discarded)
     c.temperature = 1.0  # 0 = greedy
