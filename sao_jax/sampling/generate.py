@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sao_jax.models.attention import KVCache
 from sao_jax.models.config import ModelConfig
 from sao_jax.parallel.partition import ModelDef, Params
 
@@ -193,14 +194,24 @@ class GenerateFns:
 
     @staticmethod
     def _reading(cache, lane_rows_r, span, lane_span):
-        """Per-layer caches that read [0, span) (lane rows: [0, lane_span))."""
-        return tuple(
-            c.replace(lane_rows_r=lane_rows_r, span=span, lane_span=lane_span) for c in cache
-        )
+        """Caches that read [0, span) (lane rows: [0, lane_span)). Works on a tuple of
+        per-layer caches or on layer-stacked ones (lane rows broadcast over the stack)."""
+
+        def one(c: KVCache) -> KVCache:
+            rows = lane_rows_r
+            if rows is not None:
+                rows = jnp.broadcast_to(rows, c.k_bskh.shape[:-4] + rows.shape)
+            return c.replace(lane_rows_r=rows, span=span, lane_span=lane_span)
+
+        return jax.tree.map(one, cache, is_leaf=lambda x: isinstance(x, KVCache))
 
     @staticmethod
     def _plain(cache):
-        return tuple(c.replace(lane_rows_r=None, span=None, lane_span=None) for c in cache)
+        return jax.tree.map(
+            lambda c: c.replace(lane_rows_r=None, span=None, lane_span=None),
+            cache,
+            is_leaf=lambda x: isinstance(x, KVCache),
+        )
 
     def _prefill_impl(
         self, params, cache, tokens_sc, positions_sc, lane_rows_r, *, span, lane_span
