@@ -86,6 +86,9 @@ def train_section() -> ConfigDict:
     c.total_steps = 100  # policy updates of the RL stage
     c.rollouts = "async"  # 'async' (SAO) | 'sync' (deterministic, resumable bit-exactly)
     c.length_bucket = 32  # pad batches to a multiple of this (few update-step shapes)
+    c.pack = False  # model passes on packed rows, several trajectories each (rl/packing.py)
+    c.pack_length = 0  # packed row length; 0 = the padded length T of the batch
+    c.pack_rows_multiple = 4  # packed rows per (microbatch, shard) rounded up to this
     c.log_every = 5  # steps between metric writes (device -> host only then)
     c.eval_every = 25  # steps between held-out evaluations (0 = only before/after)
     c.eval_sampled = True  # also report sampled pass@1 (greedy always)
@@ -192,8 +195,17 @@ def _check_train(config: ConfigDict) -> None:
         "train.rollouts",
         f"must be one of {ROLLOUT_MODES}, got {t.rollouts!r}",
     )
-    for name in ("length_bucket", "log_every", "keep_checkpoints"):
+    for name in ("length_bucket", "log_every", "keep_checkpoints", "pack_rows_multiple"):
         require(t[name] >= 1, f"train.{name}", f"must be >= 1, got {t[name]}")
+    require(isinstance(t.pack, bool), "train.pack", f"must be True or False, got {t.pack!r}")
+    if t.pack_length and "sampling" in config:
+        require(
+            t.pack_length >= config.sampling.max_len,
+            "train.pack_length",
+            f"{t.pack_length} < sampling.max_len={config.sampling.max_len} (a trajectory "
+            "must fit in a row); 0 = the batch's padded length",
+        )
+    require(t.pack_length >= 0, "train.pack_length", f"must be >= 0, got {t.pack_length}")
     for name in ("eval_every", "checkpoint_every"):
         require(t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
     require(t.take_timeout_s > 0, "train.take_timeout_s", "must be > 0")

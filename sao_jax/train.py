@@ -46,7 +46,7 @@ from sao_jax.rl.update import Learner
 from sao_jax.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.run_settings import check_run
 from sao_jax.sampling.sampler import configs_from_section
-from sao_jax.sampling.trajectory import Trajectory, pad_batch, round_up
+from sao_jax.sampling.trajectory import Trajectory, pack_batch, pad_batch, round_up
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.sft import SFTTrainer, demo_batches
 from sao_jax.tokenizer import load_tokenizer
@@ -141,6 +141,11 @@ class Run:
         # Several processes (docs/scaling.md): each host's sampler makes B / P trajectories
         # with a host-local policy copy (a model without global-mesh constraints).
         self.local_batch = distributed.local_batch_size(config.rl.batch_size)
+        if config.train.pack and jax.process_count() > 1:
+            raise ConfigError(
+                "config field train.pack: packing is single-process for now (hosts would "
+                "bring different numbers of packed rows); set train.pack=False"
+            )
         self.batch_sharding = self.sharder.named(("batch",))
         self.sampler_def = self.models.policy_def
         if jax.process_count() > 1:
@@ -263,13 +268,23 @@ class Run:
         if jax.process_count() > 1:  # all hosts pad to the longest row of the global batch
             longest = distributed.agree_max(max(t.length for t in trajs))
             length = round_up(longest, cfg.train.length_bucket)
-        batch = pad_batch(
-            trajs,
+        kw = dict(
             length=length,
             length_bucket=cfg.train.length_bucket,
             with_groups=self.learner.estimator.needs_groups,
             with_routing=cfg.rl.routing_replay,
         )
+        if cfg.train.pack:  # model passes on packed rows (sao_jax/rl/packing.py)
+            batch, _ = pack_batch(
+                trajs,
+                row_length=cfg.train.pack_length or None,
+                microbatches=cfg.rl.microbatches,
+                shards=self.sharder.axis_size("batch"),
+                rows_multiple=cfg.train.pack_rows_multiple,
+                **kw,
+            )
+        else:
+            batch = pad_batch(trajs, **kw)
         batch = distributed.global_batch(batch, self.batch_sharding)
         self.learner.check_batch(batch)
         return batch

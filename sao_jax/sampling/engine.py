@@ -45,8 +45,10 @@ from sao_jax.sampling.generate import (
     GenerateFns,
     SamplingParams,
     bucket_length,
+    choose_spans,
     default_buckets,
     inert_rows,
+    span_buckets,
 )
 from sao_jax.sampling.trajectory import Trajectory
 
@@ -68,6 +70,8 @@ class EngineConfig:
     max_len: int = 128  # L: cache length = longest trajectory in tokens
     max_turn_tokens: int = 64  # a model turn ends after this many tokens
     prefill_buckets: tuple[int, ...] = ()  # chunk widths; () = powers of two 8..L
+    span_buckets: tuple[int, ...] = ()  # cache read spans; () = powers of two 128..L, L
+    lane_slots: int = 0  # long-lane rows: the longest slots read their own span; 0 = off
     steps_per_sync: int = 1  # decode steps per host check (overshoot is discarded)
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
@@ -84,10 +88,14 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}: must be a positive int, got {v!r}")
         if self.max_len < 2:
             raise ValueError(f"EngineConfig.max_len: must be >= 2, got {self.max_len}")
-        b = tuple(self.prefill_buckets)
-        if b and (any(x <= 0 for x in b) or list(b) != sorted(set(b))):
+        for name in ("prefill_buckets", "span_buckets"):
+            b = tuple(getattr(self, name))
+            if b and (any(x <= 0 for x in b) or list(b) != sorted(set(b))):
+                raise ValueError(f"EngineConfig.{name}: must be increasing positive ints, got {b}")
+        if not (isinstance(self.lane_slots, int) and 0 <= self.lane_slots < self.num_slots):
             raise ValueError(
-                f"EngineConfig.prefill_buckets: must be increasing positive ints, got {b}"
+                f"EngineConfig.lane_slots: must be an int in [0, num_slots), "
+                f"got {self.lane_slots!r}"
             )
         if self.env_timeout_s is not None and not self.env_timeout_s > 0:
             raise ValueError(f"EngineConfig.env_timeout_s: must be > 0, got {self.env_timeout_s}")
@@ -100,6 +108,13 @@ class EngineConfig:
     @property
     def buckets(self) -> tuple[int, ...]:
         return tuple(self.prefill_buckets) or default_buckets(self.max_len)
+
+    @property
+    def spans(self) -> tuple[int, ...]:
+        """Read spans, ending at max_len; `span_buckets=(max_len,)` reads the whole cache."""
+        if not self.span_buckets:
+            return span_buckets(self.max_len)
+        return (*(b for b in self.span_buckets if b < self.max_len), self.max_len)
 
 
 class Drop(NamedTuple):
@@ -350,12 +365,17 @@ class Engine:
             width = bucket_length(most, self.cfg.buckets)
             tokens_sc, positions_sc = inert_rows(S, width, L)
             counts = [min(p, width) for p in pending]
+            need_s = np.zeros(S, np.int64)  # cache slots each writing row reads
             for s, c in enumerate(counts):
                 if c > 0:
                     sl = self._slots[s]
                     tokens_sc[s, :c] = sl.tokens[sl.written : sl.written + c]
                     positions_sc[s, :c] = np.arange(sl.written, sl.written + c)
-            self._cache, experts = self.fns.prefill(params, self._cache, tokens_sc, positions_sc)
+                    need_s[s] = sl.written + c
+            spans = choose_spans(need_s, self.cfg.spans)  # inert rows' outputs are unused
+            self._cache, experts = self.fns.prefill(
+                params, self._cache, tokens_sc, positions_sc, spans
+            )
             self.calls["prefill"] += 1
             experts = None if (experts is None or self._routing is None) else np.asarray(experts)
             for s, c in enumerate(counts):
@@ -369,12 +389,15 @@ class Engine:
         S, L = self.cfg.num_slots, self.cfg.max_len
         tokens_s = np.zeros(S, np.int32)
         positions_s = np.full(S, L, np.int32)
+        need_s = np.zeros(S, np.int64)  # free slots' samples are unused
         for s, sl in enumerate(self._slots):
             if sl is not None:
                 tokens_s[s], positions_s[s] = sl.tokens[sl.n - 1], sl.n - 1
+                need_s[s] = min(sl.n - 1 + self.cfg.steps_per_sync, L)
+        spans = choose_spans(need_s, self.cfg.spans, self.cfg.lane_slots)
         self._key, step_key = jax.random.split(self._key)
         self._cache, out = self.fns.decode(
-            params, self._cache, tokens_s, positions_s, step_key, self._sampling
+            params, self._cache, tokens_s, positions_s, step_key, self._sampling, spans
         )
         self.calls["decode"] += 1
         return jax.tree.map(np.asarray, out)

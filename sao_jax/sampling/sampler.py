@@ -108,6 +108,8 @@ def sampling_section() -> ConfigDict:
     c.max_len = 128  # cache length = longest trajectory in tokens
     c.max_turn_tokens = 64  # a model turn ends after this many tokens
     c.prefill_buckets = ()  # prefill chunk widths; () = powers of two 8..max_len
+    c.span_buckets = ()  # cache read spans; () = powers of two 128..max_len; (max_len,) = off
+    c.lane_slots = 0  # the longest slots read their own longer span; 0 = off
     c.steps_per_sync = 1  # decode steps between host checks (overshoot discarded)
     c.temperature = 1.0  # 0 = greedy
     c.top_k = 0  # 0 = off
@@ -133,6 +135,7 @@ def configs_from_section(section: ConfigDict, seed: int = 0) -> tuple[EngineConf
     if unknown:
         raise ConfigError(f"config field sampling.{unknown[0]}: unknown sampling field")
     values["prefill_buckets"] = tuple(values.get("prefill_buckets", ()))
+    values["span_buckets"] = tuple(values.get("span_buckets", ()))
     try:
         engine = EngineConfig(**{k: v for k, v in values.items() if k in engine_fields})
         sampler = SamplerConfig(
