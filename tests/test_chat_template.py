@@ -133,10 +133,10 @@ class ScriptedFns:
     def init_cache(self, params):
         return None
 
-    def prefill(self, params, cache, tokens_sc, positions_sc):
+    def prefill(self, params, cache, tokens_sc, positions_sc, spans=None):
         return cache, None
 
-    def decode(self, params, cache, tokens_s, positions_s, key, sampling):
+    def decode(self, params, cache, tokens_s, positions_s, key, sampling, spans=None):
         self.fed.append(int(tokens_s[0]))
         token = self._tokens.pop(0)
         zeros = np.zeros((1, 1), np.float32)
