@@ -90,6 +90,18 @@ def make_optimizer(
     return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, frozen)
 
 
+def apply_updates(params: Params, updates: Params, frozen: Params | None) -> Params:
+    """optax.apply_updates, leaving frozen leaves bit-identical (not p + 0)."""
+    if frozen is None:
+        return optax.apply_updates(params, updates)
+    return jax.tree.map(
+        lambda lab, p, u: p if lab == "frozen" else (p + u).astype(p.dtype),
+        frozen,
+        params,
+        updates,
+    )
+
+
 def update_count(opt_state) -> jax.Array:
     """The number of updates an optimizer of `make_optimizer` has applied (int32 scalar)."""
     found = optax.tree_utils.tree_get_all_with_path(opt_state, "count")

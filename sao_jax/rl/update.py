@@ -39,7 +39,13 @@ from sao_jax.rl import advantages as adv_lib
 from sao_jax.rl import gae, losses
 from sao_jax.rl import passes as P
 from sao_jax.rl.batch import check_batch
-from sao_jax.rl.optim import critic_frozen_labels, make_optimizer, schedule, update_count
+from sao_jax.rl.optim import (
+    apply_updates,
+    critic_frozen_labels,
+    make_optimizer,
+    schedule,
+    update_count,
+)
 from sao_jax.rl.settings import loss_params
 from sao_jax.rl.state import TrainState, init_state, state_shardings
 from sao_jax.schema import ConfigDict, ConfigError
@@ -447,12 +453,4 @@ def _masked(x_bt, m_bt) -> tuple[jax.Array, jax.Array]:
 
 
 def _apply(params, updates, frozen):
-    """optax.apply_updates, leaving frozen leaves bit-identical (not p + 0)."""
-    if frozen is None:
-        return optax.apply_updates(params, updates)
-    return jax.tree.map(
-        lambda lab, p, u: p if lab == "frozen" else (p + u).astype(p.dtype),
-        frozen,
-        params,
-        updates,
-    )
+    return apply_updates(params, updates, frozen)
