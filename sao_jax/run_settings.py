@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-
 from typing import Any
 
 from sao_jax.rl.optim import TRAINABLE_SETS, optimizer_section
@@ -18,6 +17,7 @@ from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 ENV_NAMES = ("arithmetic", "python_tool", "style")
 INIT_KINDS = ("sft", "hf", "params", "random")
 ROLLOUT_MODES = ("async", "sync")
+WARM_START_CRITIC_SUBDIR = "warm_start_critic"  # <workdir>/...: a run's pretrained critic
 # Config fields value pretraining reads besides the warm-start policy (prefixes end in
 # '.'), minus those it does not; two runs that agree on them pretrain the same critic
 # (`pretraining_fields`). Not read: rl.k_critic, rl.lam_critic, rl.policy_loss, every

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from sao_jax import checkpointing
 from sao_jax import metrics as metrics_lib
 from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder
@@ -57,9 +59,11 @@ from sao_jax.rl.optim import (
 )
 from sao_jax.rl.state import optimizer_shardings
 from sao_jax.rl.update import NonFiniteError, monte_carlo_returns
-from sao_jax.schema import ConfigDict
+from sao_jax.run_settings import WARM_START_CRITIC_SUBDIR, pretraining_fields
+from sao_jax.schema import ConfigDict, ConfigError
 
 log = logging.getLogger("sao_jax")
+CRITIC_SUBDIR = WARM_START_CRITIC_SUBDIR  # <workdir>/...: its critic (init.critic_path)
 PREFIX = "value_pretrain"
 STEP_KEY = f"{PREFIX}/step"
 
@@ -309,6 +313,49 @@ def pretrain(
     )
     log.info("value pretraining done after %d steps (%.0f s): %s", step, wall, reason)
     return Result(critic, summary, history)
+
+
+def save_critic(path: str | os.PathLike, critic: Params, result: Result, config) -> None:
+    """Writes the pretrained critic; its meta holds the summary, the history and the
+    config fields the pretraining read (`load_critic` checks them)."""
+    meta = dict(
+        model=config.model.to_dict(),
+        value_pretrain=result.summary,
+        history=result.history,
+        fields=pretraining_fields(config),
+    )
+    with checkpointing.Checkpointer(path, keep=1, async_save=False) as c:
+        c.save(0, critic, _finite(meta), force=True)  # a rerun's pretraining replaces it
+
+
+def load_critic(
+    path: str | os.PathLike, config: ConfigDict, critic_def: ModelDef, sharder: Sharder
+) -> tuple[Params, dict[str, Any]]:
+    """(critic, meta) of a run's <workdir>/warm_start_critic; ConfigError naming the
+    first differing field when it was pretrained with other settings than `config`'s
+    (sao_jax.run_settings.pretraining_fields)."""
+    with checkpointing.Checkpointer(path, keep=1, async_save=False) as c:
+        critic, meta = c.restore(
+            checkpointing.abstract_like(critic_def.shapes(), critic_def.shardings(sharder))
+        )
+    theirs, ours = meta.get("fields", {}), pretraining_fields(config)
+    diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    if diff:
+        raise ConfigError(
+            f"config field init.critic_path: {path} was value-pretrained with other settings: "
+            f"{diff[0]} = {theirs.get(diff[0])!r} there, {ours.get(diff[0])!r} here"
+        )
+    log.info("warm start: value-pretrained critic from %s", path)
+    return critic, meta
+
+
+def _finite(x: Any) -> Any:
+    """`x` with non-finite floats as None (checkpoint meta is strict JSON)."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 # Shown per record: means and explained variances, not the E[x^2] / std helpers.

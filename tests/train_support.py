@@ -35,7 +35,6 @@ SHRINK: dict[str, Any] = {
     "env.eval_size": 4,
     "sft.steps": 2,
     "value_pretrain.steps": 1,
-    "value_pretrain.rollouts": 4,
     "train.eval_sampled": False,
     "train.report": False,
 }
