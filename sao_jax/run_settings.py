@@ -105,9 +105,7 @@ def pretraining_fields(config: ConfigDict) -> dict[str, Any]:
     """The flattened config fields value pretraining reads (PRETRAIN_READS); equal for two
     configs iff they pretrain the same critic from the same warm start. optim.critic.lr
     is read only when value_pretrain.lr is 0."""
-    from sao_jax.checkpointing.workdir import flatten_config
-
-    flat = flatten_config(config.to_dict() if isinstance(config, ConfigDict) else config)
+    flat = _flatten(config.to_dict() if isinstance(config, ConfigDict) else config)
     reads = PRETRAIN_READS + (("optim.critic.lr",) if not flat["value_pretrain.lr"] else ())
     keep = lambda k: any(k == r or (r.endswith(".") and k.startswith(r)) for r in reads)
     out = {k: v for k, v in sorted(flat.items()) if keep(k) and k not in PRETRAIN_IGNORES}
@@ -129,6 +127,17 @@ def train_section() -> ConfigDict:
     c.report = True  # write report.md + plots at the end
     c.progress = True  # terminal progress bar
     return c
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 @register_validator("env")

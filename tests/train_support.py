@@ -140,8 +140,8 @@ def restore(target, workdir: pathlib.Path, step: int | None = None) -> tuple[Any
         return ckpt.restore(target, step=step)
 
 
-def saved_steps(workdir: pathlib.Path) -> list[int]:
-    with checkpointing.Checkpointer(workdir / "checkpoints") as ckpt:
+def saved_steps(workdir: pathlib.Path, subdir: str = "checkpoints") -> list[int]:
+    with checkpointing.Checkpointer(workdir / subdir) as ckpt:
         return ckpt.all_steps()
 
 
