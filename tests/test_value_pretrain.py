@@ -11,7 +11,7 @@ from configs import base
 from sao_jax import config as config_lib
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import init_models
-from sao_jax.parallel.mesh import Sharder
+from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import monte_carlo_returns
 from sao_jax.run_settings import pretraining_fields
@@ -189,3 +189,18 @@ def test_bad_settings_are_named():
     for field, value in (("heldout_rollouts", 12), ("trainable", "attention"), ("reuse", 0)):
         with pytest.raises(ConfigError, match=f"value_pretrain.{field}"):
             config_lib.validate(_config(**{field: value}))
+
+
+def test_sharded_and_microbatched_equals_unsharded_whole_batch(setup):
+    ref, _, _ = _run(setup, _config(steps=3, eval_every=3))
+    config = _config(steps=3, eval_every=3)
+    config.rl.microbatches = 2
+    sharder = Sharder(build_mesh((2, 1, 2, 2)))  # batch over data x expert, tensor 2
+    models = init_models(ModelConfig.from_config(config.model), sharder, seed=0)
+    trainer = ValuePretrainer(config_lib.validate(config), models.critic_def, sharder)
+    got, _, _ = _run((models, trainer), config)
+    for x, y in zip(jax.tree.leaves(got.critic), jax.tree.leaves(ref.critic), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=0)
+    assert got.summary["heldout_ev_final"] == pytest.approx(
+        ref.summary["heldout_ev_final"], abs=1e-4
+    )
