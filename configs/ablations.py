@@ -129,8 +129,6 @@ def get_sweep(arg=None) -> SweepSpec:
         "train.progress": False,
     }
     common = "smoke" if arg.mode == "smoke" else ""
-    if arg.mode == "smoke":  # 8-row batches on 8 data-parallel devices: one minibatch
-        fixed["rl.minibatches"] = 1
     if arg.table != "staleness_lr":
         return SweepSpec(
             name=arg.table,

@@ -12,7 +12,7 @@ regresses the Monte-Carlo returns of fresh rollouts of the fixed warm-start poli
   rollouts of their prompts are skipped). Their explained variance and value loss are
   measured at step 0, every `eval_every` steps and at the last step.
 * Stop: after `patience` held-out evaluations in a row without an EV gain of at least
-  `min_delta` over the best so far, or at `steps`. The reason is logged and returned.
+  `min_delta` (over the EV of the last such gain), or at `steps`. The reason is logged.
 * Independent of every RL-time setting: its own trainable set (`trainable`), learning
   rate (`lr`; 0 reuses optim.critic.lr) and warm-up, and its own optimizer state, which
   is discarded: the RL critic's optimizer starts fresh, so optim.critic.warmup_steps
@@ -174,18 +174,22 @@ class Result:
 
 
 class PlateauStop:
-    """Held-out EV plateau: `done` after `patience` evaluations in a row without a gain of
-    at least `min_delta` over the best so far (patience 0: never)."""
+    """Held-out EV plateau, as early stopping usually reads it: `done` after `patience`
+    evaluations in a row without a gain of at least `min_delta` over `best`, the EV of
+    the last such gain (patience 0: never). `top` / `top_step`: the highest EV seen."""
 
     def __init__(self, patience: int, min_delta: float):
         self.patience, self.min_delta = patience, min_delta
-        self.best, self.best_step, self.since = -math.inf, 0, 0
+        self.best, self.since = -math.inf, 0
+        self.top, self.top_step = -math.inf, 0
 
     def update(self, step: int, ev: float) -> None:
-        if math.isfinite(ev) and ev >= self.best + self.min_delta:
-            self.best, self.best_step, self.since = ev, step, 0
+        finite = math.isfinite(ev)
+        if finite and ev > self.top:
+            self.top, self.top_step = ev, step
+        if finite and ev >= self.best + self.min_delta:
+            self.best, self.since = ev, 0
         else:
-            self.best = max(self.best, ev) if math.isfinite(ev) else self.best
             self.since += 1
 
     @property
@@ -257,7 +261,7 @@ def pretrain(
     held = evaluate(critic)
     start_ev = held["heldout/explained_variance"]
     plateau.update(0, start_ev)
-    record(0, {**held, "heldout/best_explained_variance": plateau.best, "rollouts": 0})
+    record(0, {**held, "heldout/best_explained_variance": plateau.top, "rollouts": 0})
     log.info("value pretraining: held-out EV %.4f at step 0 (%d rollouts)", start_ev,
              vp.heldout_rollouts)  # fmt: skip
     opt = trainer.init_opt(critic)
@@ -280,11 +284,11 @@ def pretrain(
             scalars |= evaluate(critic)
             final_ev = scalars["heldout/explained_variance"]
             plateau.update(step, final_ev)
-            scalars["heldout/best_explained_variance"] = plateau.best
+            scalars["heldout/best_explained_variance"] = plateau.top
             log.info(
                 "value pretraining step %d: held-out EV %.4f (best %.4f at step %d), "
                 "batch EV before update %.4f, %d rollouts",
-                step, final_ev, plateau.best, plateau.best_step,
+                step, final_ev, plateau.top, plateau.top_step,
                 scalars["batch/explained_variance"], counts["rollouts"],
             )  # fmt: skip
         record(step, scalars)
@@ -294,7 +298,8 @@ def pretrain(
         if plateau.done:
             reason = (
                 f"plateau: {vp.patience} held-out evaluations without an EV gain >= "
-                f"{vp.min_delta} over the best {plateau.best:.4f} (step {plateau.best_step})"
+                f"{vp.min_delta} over {plateau.best:.4f} (best {plateau.top:.4f} at step "
+                f"{plateau.top_step})"
             )
             break
     wall = time.time() - t0
@@ -305,8 +310,8 @@ def pretrain(
         skipped_heldout_prompts=counts["skipped_heldout_prompts"],
         heldout_ev_start=start_ev,
         heldout_ev_final=final_ev,
-        heldout_ev_best=plateau.best,
-        heldout_ev_best_step=plateau.best_step,
+        heldout_ev_best=plateau.top,
+        heldout_ev_best_step=plateau.top_step,
         stop_reason=reason,
         wall_time_s=wall,
         rollout_wait_s=waited[0],

@@ -114,7 +114,8 @@ def test_plateau_stop_hand_checked():
         p.update(step, ev)
         assert not p.done
     p.update(50, 0.29)
-    assert p.done and (p.best, p.best_step) == (0.305, 30)  # best kept, gains < 0.01
+    assert p.done and p.best == 0.3  # the last gain of at least 0.01 (0.305 is not one)
+    assert (p.top, p.top_step) == (0.305, 40)
     never = PlateauStop(patience=0, min_delta=0.01)
     for step in range(10):
         never.update(step, 0.0)
