@@ -1,5 +1,10 @@
 """The main job: warm start -> value pretraining -> asynchronous RL -> evaluation -> report.
 
+Value pretraining (sao_jax/value_pretrain.py) runs once, before checkpoint 0, on its own
+prompt stream; the pretrained critic is saved to <workdir>/warm_start_critic, which other
+runs can start from (init.critic_path; sweeps share it per seed). A SIGTERM during it
+leaves no checkpoint: the rerun starts the run again.
+
 `run(config, workdir)` is everything `python -m experiments.train` does. Before anything
 compiles or touches the workdir, the config is checked once: field names, types and ranges
 (`sao_jax.config.validate`), then paths and batch sizes against the mesh
@@ -17,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -27,7 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sao_jax import checkpointing, metrics, report, stop
+from sao_jax import checkpointing, metrics, report, stop, value_pretrain
 from sao_jax import config as config_lib
 from sao_jax.chat_template import run_chat_format
 from sao_jax.data.pipeline import run_prompts
@@ -52,6 +58,7 @@ from sao_jax.sft import SFTTrainer, demo_batches
 from sao_jax.tokenizer import load_tokenizer
 
 log = logging.getLogger("sao_jax")
+PRETRAIN_SEED_OFFSET = 3  # value pretraining's prompt stream and sampler: seed + 3
 
 
 def _models(config: ConfigDict, sharder, tokenizer) -> Models:
@@ -175,8 +182,7 @@ class Run:
         )
         self.writer = None  # created once the resume step is known
         self.key = jax.random.key(config.seed)
-        vp = config.value_pretrain.steps
-        self.pre_updates = vp if (self.learner.uses_critic and vp > 0) else 0
+        self.loaded_critic: dict | None = None  # meta of a critic from init.critic_path
 
     # ------------------------------------------------------------------------ stages
 
@@ -215,7 +221,12 @@ class Run:
                 on_log=lambda s, m: log.info("sft step %d: %s", s, _fmt(m)),
             )
             self.save_policy(self.workdir / "warm_start", policy)
-        critic = critic_params_from_policy(policy, models.critic)
+        if cfg.init.critic_path and self.learner.uses_critic:
+            critic, self.loaded_critic = value_pretrain.load_critic(
+                cfg.init.critic_path, cfg, models.critic_def, self.sharder
+            )
+        else:
+            critic = critic_params_from_policy(policy, models.critic)
         return self.learner.new_state(policy, critic, cfg.seed)
 
     def save_policy(self, path: pathlib.Path, policy) -> None:
@@ -234,35 +245,80 @@ class Run:
         log.info("warm start: policy params from %s", path)
         return policy
 
-    def value_pretrain(self, state):
-        """Stage (b): critic-only steps on Monte-Carlo returns of the fixed initial policy."""
-        vp, b = self.config.value_pretrain, self.local_batch
-        if not (self.learner.uses_critic and vp.steps > 0):
-            return state
-        source = SyncRollouts(
-            self.sampler_def,
-            self.tokenizer,
-            self.env_factory,
-            self.prompts,
-            self.engine_cfg,
-            seed=self.config.seed + 3,
-            **self.take_bounds,
-        )
-        source.publish(self.sampler_params(state.policy), int(state.step))
-        trajs = source.take(vp.rollouts)
-        log.info("value pretraining: %d steps on %d rollouts", vp.steps, len(trajs))
-        acc = metrics.MetricAccumulator()
-        for i in range(vp.steps):
-            chunk = [trajs[(i * b + j) % len(trajs)] for j in range(b)]
-            batch = self._batch(chunk)
-            state, m = self.learner.value_step(state, batch, self._key(state))
-            acc.add(m)
-        result = acc.result()
-        log.info("value pretraining done: %s", _fmt(result, "critic/"))
-        self.learner.raise_if_diverged(state)
-        return state
+    def value_pretrain(self, state, stopper) -> tuple[Any, dict]:
+        """Stage (b): value pretraining (sao_jax/value_pretrain.py); (state, summary).
 
-    def _batch(self, trajs: list[Trajectory]) -> dict[str, Any]:
+        A critic loaded from init.critic_path is not pretrained again: its pretraining
+        record is copied into this run's metrics. The RL critic optimizer is untouched (it
+        starts fresh, so optim.critic.warmup_steps warms up the first RL steps)."""
+        cfg, vp = self.config, self.config.value_pretrain
+        if not self.learner.uses_critic:
+            return state, {}
+        writer = metrics.StageWriter(self.workdir, "value_pretrain", value_pretrain.STEP_KEY)
+        try:
+            if self.loaded_critic is not None:
+                meta = self.loaded_critic
+                for record in meta.get("history", []):
+                    scalars = {k: _nan(v) for k, v in record.items()}
+                    writer.write(int(scalars.pop(value_pretrain.STEP_KEY)), scalars)
+                return state, {**meta["value_pretrain"], "source": cfg.init.critic_path}
+            if vp.steps == 0:
+                return state, {}
+            trainer = value_pretrain.ValuePretrainer(cfg, self.models.critic_def, self.sharder)
+            source = self.pretrain_rollouts(state.policy)
+            try:
+                result = value_pretrain.pretrain(
+                    trainer,
+                    state.critic,
+                    take=lambda n: source.take(n, cfg.train.take_timeout_s),
+                    batch_of=lambda trajs: self._batch(trajs, for_learner=False),
+                    write=writer.write,
+                    should_stop=lambda: stopper.requested,
+                    max_consecutive_skips=cfg.rl.max_consecutive_skips,
+                )
+            finally:
+                source.stop()
+        finally:
+            writer.close()
+        if result.summary["stop_reason"] != "interrupted":
+            path = self.workdir / value_pretrain.CRITIC_SUBDIR
+            value_pretrain.save_critic(path, result.critic, result, cfg)
+        return state.replace(critic=result.critic), result.summary
+
+    def pretrain_rollouts(self, policy):
+        """The sampler of value pretraining: the fixed warm-start policy, published once
+        and never again, on a prompt stream of its own (seed + 3), so the RL prompt stream
+        is the same whether the critic was pretrained here or loaded."""
+        cfg, vp = self.config, self.config.value_pretrain
+        seed = cfg.seed + PRETRAIN_SEED_OFFSET
+        prompts = distributed.process_shard(run_prompts(cfg, seed=seed)[0])
+        args = (self.sampler_def, self.tokenizer, self.env_factory, iter(prompts.to_iter_dataset()))
+        if self.set_env_step is not None:
+            self.set_env_step(0)
+        if vp.sampler == "sync":
+            source = SyncRollouts(*args, self.engine_cfg, seed=seed, **self.take_bounds)
+        else:
+            local = distributed.local_batch_size(vp.batch_size, "value_pretrain.batch_size")
+            sampler_cfg = dataclasses.replace(
+                self.sampler_cfg,
+                seed=seed,
+                max_staleness=None,
+                lockstep=None,
+                queue_size=max(self.sampler_cfg.queue_size, 2 * local),
+            )
+            source = AsyncRollouts(
+                *args,
+                self.engine_cfg,
+                sampler_cfg,
+                take_timeout_s=self.take_bounds["take_timeout_s"],
+            )
+        source.publish(self.sampler_params(policy), 0)
+        source.start()
+        return source
+
+    def _batch(self, trajs: list[Trajectory], for_learner: bool = True) -> dict[str, Any]:
+        """The padded global batch of this host's trajectories (checked against the
+        learner's batch rules unless `for_learner` is off: value pretraining)."""
         cfg = self.config
         length = None
         if jax.process_count() > 1:  # all hosts pad to the longest row of the global batch
@@ -271,7 +327,7 @@ class Run:
         kw = dict(
             length=length,
             length_bucket=cfg.train.length_bucket,
-            with_groups=self.learner.estimator.needs_groups,
+            with_groups=for_learner and self.learner.estimator.needs_groups,
             with_routing=cfg.rl.routing_replay,
         )
         if cfg.train.pack:  # model passes on packed rows (sao_jax/rl/packing.py)
@@ -286,7 +342,8 @@ class Run:
         else:
             batch = pad_batch(trajs, **kw)
         batch = distributed.global_batch(batch, self.batch_sharding)
-        self.learner.check_batch(batch)
+        if for_learner:
+            self.learner.check_batch(batch)
         return batch
 
     def sampler_params(self, policy):
@@ -320,6 +377,7 @@ class Run:
             prompts=source.prompt_state() if source is not None else self.prompts.get_state(),
             counters=counters,
             before=extra["before"],
+            value_pretrain=_finite(extra.get("value_pretrain", {})),
             wall_time=_wall(extra),
         )
         self.ckpt.save(step, state, meta)
@@ -358,11 +416,14 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
             try:
                 state = r.warm_start()
                 before = r.evaluate(state, 0)
-                state = r.value_pretrain(state)
+                state, pretrained = r.value_pretrain(state, stopper)
+                stop.raise_if_requested("value pretraining")
             except stop.StopRequested as e:  # nothing resumable yet: the next run starts over
                 log.warning("%s, before the first checkpoint: exiting without one", e)
                 return _close(r, workdir, t, dict(steps=0, interrupted=True, before={}))
-            extra = dict(before=before, prior_wall_time=0.0, t_start=t_start)
+            extra = dict(
+                before=before, value_pretrain=pretrained, prior_wall_time=0.0, t_start=t_start
+            )
             counters = _resume_counters({})
             r.save(0, state, None, _counters(counters, {}), extra)
         else:
@@ -372,7 +433,12 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
             state, meta = r.ckpt.restore(abstract)
             r.prompts.set_state(meta["prompts"])
             r.writer = metrics.create_writers(workdir, resume_step=int(state.step))
-            extra = dict(before=meta["before"], prior_wall_time=meta["wall_time"], t_start=t_start)
+            extra = dict(
+                before=meta["before"],
+                value_pretrain=meta.get("value_pretrain", {}),
+                prior_wall_time=meta["wall_time"],
+                t_start=t_start,
+            )
             counters = _resume_counters(meta.get("counters", {}))
             log.info("resumed from step %d (checkpoint %d)", int(state.step), latest)
         summary = _rl(r, state, counters, extra, stopper, t_start)
@@ -423,7 +489,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
             version = int(state.step)
             host.append(_host_stats(trajs, version))
             tokens += int(batch["action_mask"].sum())
-            if int(state.updates) < r.pre_updates + cfg.rl.critic_only_steps:
+            if int(state.updates) < cfg.rl.critic_only_steps:
                 state, m = learner.value_step(state, batch, r._key(state))  # critic warm-up
                 acc.add(m)
                 continue
@@ -460,6 +526,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
         steps=step,
         before=extra["before"],
         after=after,
+        value_pretrain=extra.get("value_pretrain", {}),
         last_train=last,
         counters=_counters(counters, source.stats()),
         staleness_hist=source.stats().get("staleness", {}),
@@ -520,6 +587,11 @@ def _sampler_scalars(stats: dict[str, Any], base: dict) -> dict[str, float]:
     out["sampler/taken"] = float(totals["trained"])
     out["sampler/dropped"] = float(totals["dropped_stale"] + totals["dropped_episodes"])
     return out
+
+
+def _nan(x: Any) -> Any:
+    """None (a non-finite value stored as null) back to NaN."""
+    return math.nan if x is None else x
 
 
 def _finite(x: Any) -> Any:
