@@ -230,7 +230,9 @@ class LLMJudge:
             status, reason = resp.status, resp.reason
             body = resp.read(self.max_response_bytes + 1)
         except (OSError, http.client.HTTPException, ValueError) as e:
-            if expired.is_set():
+            # The socket's own timeout and the watchdog race at `budget`: either way the
+            # attempt ran out of time, and it is reported as such.
+            if expired.is_set() or isinstance(e, TimeoutError):
                 raise _Retryable(
                     f"no complete answer within {budget:.3g} s from {self.url}"
                 ) from None
