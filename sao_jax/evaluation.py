@@ -1,4 +1,12 @@
-"""Held-out evaluation: greedy and sampled pass@1 on prompts training never sees."""
+"""Held-out evaluation: greedy and sampled pass@1 on prompts training never sees.
+
+Episodes the environment fails (an exception, a timeout, a judge that gave up: the
+sampler's ENV_FAILURES) count as failures of the policy and are reported as
+`eval/<mode>_env_failures`. When at least `max_env_errors` of them make up the majority of
+an evaluation, its success rate would measure the environment, not the policy: the
+evaluation raises EnvErrorLimit naming the last cause, as training does
+(sao_jax/sampling/sampler.py).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +18,8 @@ import numpy as np
 
 from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel.partition import ModelDef, Params
-from sao_jax.sampling.engine import Engine, EngineConfig
+from sao_jax.sampling.engine import Drop, Engine, EngineConfig
+from sao_jax.sampling.sampler import ENV_FAILURES, EnvErrorLimit, describe_drop
 from sao_jax.sampling.trajectory import Trajectory
 
 
@@ -45,11 +54,13 @@ class Evaluator:
         *,
         sampled: bool = True,
         seed: int = 0,
+        max_env_errors: int = 8,
     ):
         if not prompts:
             raise ValueError("evaluation prompts: need at least one")
         self.prompts = list(prompts)
         self.seed = seed
+        self.max_env_errors = max_env_errors
         self._tok, self._env_factory = tokenizer, env_factory
         greedy_cfg = dataclasses.replace(engine_cfg, temperature=0.0)
         self.greedy = Engine.create(policy_def, tokenizer, env_factory, greedy_cfg)
@@ -69,4 +80,17 @@ class Evaluator:
         for name, engine in engines.items():
             trajs, drops = engine.run(params, self.prompts, version)
             out.update(summarize(trajs, len(drops), f"eval/{name}_"))
+            out[f"eval/{name}_env_failures"] = float(self.check_env_failures(name, drops))
         return out
+
+    def check_env_failures(self, name: str, drops: Sequence[Drop]) -> int:
+        """The number of episodes the environment failed; EnvErrorLimit when they are at
+        least max_env_errors and the majority of the evaluation."""
+        failed = [d for d in drops if d.reason in ENV_FAILURES]
+        if len(failed) >= self.max_env_errors and 2 * len(failed) > len(self.prompts):
+            raise EnvErrorLimit(
+                f"{name} evaluation: the environment failed {len(failed)} of "
+                f"{len(self.prompts)} episodes (sampling.max_env_errors="
+                f"{self.max_env_errors}); last: {describe_drop(failed[-1])}"
+            ) from failed[-1].error
+        return len(failed)

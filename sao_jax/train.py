@@ -100,6 +100,7 @@ class Run:
             self.engine_cfg,
             sampled=config.train.eval_sampled,
             seed=config.seed + 1,
+            max_env_errors=self.sampler_cfg.max_env_errors,
         )
         t = config.train
         self.ckpt = checkpointing.Checkpointer(

@@ -28,6 +28,7 @@ from sao_jax import checkpointing, stop
 from sao_jax.envs import llm_judge as J
 from sao_jax.envs import style
 from sao_jax.envs.base import Prompt, StepResult
+from sao_jax.evaluation import Evaluator
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
@@ -150,6 +151,21 @@ def test_env_always_raises_sync_and_async(model):
             src.take(4)
     finally:
         assert src.stop()
+
+
+def test_evaluation_with_a_broken_env_fails_naming_it(model):
+    """An evaluation whose episodes the env mostly fails raises EnvErrorLimit; below the
+    limit the failures are counted as policy failures and reported."""
+    env_prompts = [Prompt(f"e{i}", "bcd", None, {}) for i in range(6)]
+    ev = Evaluator(
+        model[0], FakeTokenizer(), RaisingEnv, env_prompts, _engine(), sampled=False,
+        max_env_errors=4,
+    )  # fmt: skip
+    with pytest.raises(EnvErrorLimit, match=r"greedy evaluation: .* 6 of 6 .*boom"):
+        ev(model[1])
+    ev.max_env_errors = 7  # six failures stay under the limit
+    out = ev(model[1])
+    assert out["eval/greedy_env_failures"] == 6 and out["eval/greedy_success"] == 0
 
 
 # ------------------------------------------------------------------ env hangs
