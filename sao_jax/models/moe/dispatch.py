@@ -3,33 +3,42 @@
 Unsharded, every expert is local. On a mesh the experts are split over the `expert`
 logical axis (expert parallelism) and their hidden width over `expert_mlp` (tensor
 parallelism) inside a `shard_map`: each device all-gathers the tokens of its expert
-group, computes the contributions of its own experts with `ragged_dot`, and the partial
-outputs are summed back with `psum_scatter` (tokens sharded there) or `psum`. Expert
-weights are never gathered and no token is ever dropped.
+group, computes the contributions of its own experts, and the partial outputs are summed
+back with `psum_scatter` (tokens sharded there) or `psum`. Expert weights are never
+gathered and no token is ever dropped.
+
+The local expert compute is one of three exact, dropless implementations (`moe_impl`):
+  ragged   `ragged_dot` grouped GEMMs over the rows sorted by expert (GPU/TPU);
+  grouped  one batched einsum over capacity-padded groups (sao_jax/models/moe/grouped.py);
+  dense    every local expert on every token, combined with the routing weights.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sao_jax.models.moe.experts import grouped_swiglu
+from sao_jax.models.moe.grouped import grouped_local_moe
 from sao_jax.parallel.mesh import Sharder
 
-IMPLS = ("ragged", "dense")
+IMPLS = ("ragged", "grouped", "dense")
 
 
-def resolve_impl(impl: str) -> str:
-    """'auto' -> 'ragged' on accelerators, 'dense' on CPU.
+def resolve_impl(impl: str, backend: str | None = None) -> str:
+    """'auto' -> 'grouped' on CPU, 'ragged' on accelerators (GPU, TPU, ...).
 
-    XLA's CPU `ragged_dot` runs every row against every group (about 15x a plain matmul
-    of the useful work, docs/benchmarks.md), so for the few experts of CPU-sized models
-    computing all local experts densely (E_local / k times the useful FLOPs) is faster.
-    Both are exact and dropless.
+    Measured (docs/benchmarks.md, "MoE expert compute"): XLA's CPU `ragged_dot` runs every
+    row against every group (~15x a plain matmul of the useful work) and `dense` computes
+    E_local / k times the useful FLOPs, while `grouped` computes 1-1.5x of them as one
+    batched einsum. On GPU/TPU `ragged_dot` lowers to a grouped GEMM that does only the
+    useful work with no padding, so accelerators keep it. All three are exact and dropless.
     """
     if impl == "auto":
-        return "dense" if jax.default_backend() == "cpu" else "ragged"
+        return "grouped" if (backend or jax.default_backend()) == "cpu" else "ragged"
     if impl not in IMPLS:
         raise ValueError(f"moe impl: {impl!r} is not one of {('auto', *IMPLS)}")
     return impl
@@ -82,7 +91,11 @@ def moe_dispatch(
     impl: str = "auto",
 ) -> jax.Array:
     """Expert-parallel dropless MoE forward; equals `local_moe` with offset 0."""
-    compute = local_moe if resolve_impl(impl) == "ragged" else dense_local_moe
+    compute = {
+        "ragged": local_moe,
+        "dense": dense_local_moe,
+        "grouped": functools.partial(grouped_local_moe, num_experts=w_gate_edf.shape[0]),
+    }[resolve_impl(impl)]
     if sharder.mesh is None:
         return compute(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, 0)
     batch_axes = _as_tuple(sharder.spec(("batch",), x_nd.shape[:1])[0])
