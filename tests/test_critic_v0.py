@@ -18,9 +18,9 @@ B, T, V = 8, 20, 32
 def _config(**rl):
     c = base.get_config()
     c.model.update(
-        vocab_size=V, hidden_size=16, num_hidden_layers=2, head_dim=8, num_attention_heads=2,
-        num_key_value_heads=1, intermediate_size=32, moe_intermediate_size=8, num_experts=4,
-        num_experts_per_tok=2, mlp_only_layers=(0,),
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, head_dim=8, num_attention_heads=2,
+        num_key_value_heads=1, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+        mlp_only_layers=(),
     )  # fmt: skip
     c.rl.batch_size = B
     c.optim.critic.warmup_steps = 0
@@ -40,8 +40,6 @@ def _run(config, separate: bool):
         batch = synthetic_batch(B, T, V, seed=i, version=int(state.step), max_lag=1)
         state, m = learner.update_step(state, batch, jax.random.key(i))
         metrics.append(m)
-    state, m = learner.value_step(state, synthetic_batch(B, T, V, seed=7), jax.random.key(0))
-    metrics.append(m)
     return jax.tree.map(np.asarray, (state, metrics))
 
 
@@ -49,10 +47,11 @@ def _run(config, separate: bool):
     "rl",
     [
         dict(),  # SAO's defaults: critic_first, K = 2, one microbatch
-        dict(order="policy_first", k_critic=3, microbatches=2, value_clip=0.2),
-        dict(k_critic=1, microbatches=4, advantage="step_mean"),
+        dict(
+            order="policy_first", k_critic=3, microbatches=2, value_clip=0.2, advantage="step_mean"
+        ),
     ],
-    ids=["default", "policy_first,k3,mb2,clip", "k1,mb4,step_mean"],
+    ids=["default", "policy_first,k3,mb2,clip,step_mean"],
 )
 def test_fused_v0_is_bit_identical_to_a_separate_pass(rl):
     config = _config(**rl)
