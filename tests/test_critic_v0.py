@@ -15,12 +15,12 @@ from sao_jax.rl.update import Learner
 B, T, V = 8, 20, 32
 
 
-def _config(**rl):
+def _config(experts=4, **rl):
     c = base.get_config()
     c.model.update(
         vocab_size=V, hidden_size=16, num_hidden_layers=1, head_dim=8, num_attention_heads=2,
-        num_key_value_heads=1, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
-        mlp_only_layers=(),
+        num_key_value_heads=1, intermediate_size=32, moe_intermediate_size=8,
+        num_experts=experts, num_experts_per_tok=2, mlp_only_layers=(),
     )  # fmt: skip
     c.rl.batch_size = B
     c.optim.critic.warmup_steps = 0
@@ -46,9 +46,14 @@ def _run(config, separate: bool):
 @pytest.mark.parametrize(
     "rl",
     [
-        dict(),  # SAO's defaults: critic_first, K = 2, one microbatch
-        dict(
-            order="policy_first", k_critic=3, microbatches=2, value_clip=0.2, advantage="step_mean"
+        dict(),  # SAO's defaults (critic_first, K = 2, one microbatch), MoE layer
+        dict(  # a dense layer: the MoE path is covered above, this one compiles faster
+            experts=0,
+            order="policy_first",
+            k_critic=3,
+            microbatches=2,
+            value_clip=0.2,
+            advantage="step_mean",
         ),
     ],
     ids=["default", "policy_first,k3,mb2,clip,step_mean"],

@@ -125,7 +125,7 @@ def pass_programs(learner, holder, batch) -> dict[str, object]:
         lambda p, b: P.policy_pass(learner.policy_def.bind(p), b, replay=False)["logp"]
     )
     policy_step = jax.jit(lambda s, b: learner._policy_step(s, b, b["rewards"], n_tok)[:2])
-    run = lambda fn, *a: lambda: jax.block_until_ready(fn(*a()))
+    run = lambda fn, args: lambda: jax.block_until_ready(fn(*args()))
     st = lambda: holder["state"]
     fns = {
         "critic forward": run(critic_fwd, lambda: (st().critic, batch)),
