@@ -1,5 +1,6 @@
-"""The capacity-bucketed grouped expert matmul: values and gradients against `dense`,
-`ragged` and the slow reference, every capacity rung, expert parallelism, no retraces."""
+"""The capacity-tiled grouped expert matmul: values and gradients against `dense`,
+`ragged` and the slow reference, balanced to one-expert routings, padding masks, expert
+parallelism, no retraces."""
 
 import jax
 import jax.numpy as jnp
@@ -31,19 +32,21 @@ def _inputs(seed=0, skew=0.0):
     return x, logits, w
 
 
-def _loss(impl, sharder, forced, x, logits, *w):
+def _loss(impl, sharder, forced, mask, x, logits, *w):
     """A scalar of the MoE output whose gradient reaches x, the router and the experts."""
     r = route(logits, K, norm_topk=False, forced_experts_nk=forced)
     if impl == "reference":
-        y = reference_moe(x, r.experts_nk, r.weights_nk, *w)
+        keep = jnp.ones((N,), bool) if mask is None else mask
+        w_nk = jnp.where(keep[:, None], r.weights_nk, 0.0)
+        y = reference_moe(x, r.experts_nk, w_nk, *w)
     else:
-        y = moe_dispatch(x, r.experts_nk, r.weights_nk, *w, sharder, impl)
+        y = moe_dispatch(x, r.experts_nk, r.weights_nk, *w, sharder, impl, mask)
     return jnp.sum(jnp.tanh(y) * jnp.linspace(-1.0, 2.0, D)), y
 
 
-def _value_and_grads(impl, sharder, x, logits, w, forced=None):
+def _value_and_grads(impl, sharder, x, logits, w, forced=None, mask=None):
     fn = jax.value_and_grad(
-        lambda *a: _loss(impl, sharder, forced, *a), argnums=(0, 1, 2, 3, 4), has_aux=True
+        lambda *a: _loss(impl, sharder, forced, mask, *a), argnums=(0, 1, 2, 3, 4), has_aux=True
     )
     return jax.jit(fn)(x, logits, *w)
 
@@ -53,30 +56,43 @@ def _assert_tree_close(got, want, what):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5, err_msg=what)
 
 
-def _rung(experts_nk):
+def _tiles(experts_nk):
+    """Tiles the grouped path runs for this routing, and the most it could need."""
     sizes = np.bincount(np.asarray(experts_nk).reshape(-1), minlength=E)
-    ladder = grouped.capacity_ladder(N, K, E)
-    return next(i for i, c in enumerate(ladder) if c >= sizes.max()), len(ladder)
+    rows = grouped.tile_rows(N, K, E)
+    return -(-sizes.max() // rows), -(-N // rows)
 
 
 BALANCED = jnp.stack([jnp.arange(N) % E, (jnp.arange(N) + 1) % E], axis=1)  # N k / E each
 
 
 @pytest.mark.parametrize(
-    "skew, forced, rung",
-    [(0.0, BALANCED, "first"), (1.5, None, "middle"), (100.0, None, "last")],
+    "skew, forced, tiles",
+    [(0.0, BALANCED, "fewest"), (1.5, None, "between"), (100.0, None, "most")],
     ids=["balanced", "skewed", "one_expert"],
 )
-def test_values_and_gradients_equal_dense_ragged_reference(skew, forced, rung):
+def test_values_and_gradients_equal_dense_ragged_reference(skew, forced, tiles):
     x, logits, w = _inputs(skew=skew)
-    chosen, rungs = _rung(route(logits, K, norm_topk=False, forced_experts_nk=forced).experts_nk)
-    assert {"first": chosen == 0, "middle": 0 < chosen < rungs - 1, "last": chosen == rungs - 1}[
-        rung
-    ], (chosen, rungs)
+    used, most = _tiles(route(logits, K, norm_topk=False, forced_experts_nk=forced).experts_nk)
+    fewest = -(-(N * K // E) // grouped.tile_rows(N, K, E))  # groups of 12, tiles of 8: 2
+    assert {"fewest": used == fewest, "between": fewest < used < most, "most": used == most}[
+        tiles
+    ], (used, most)
     want = _value_and_grads("reference", Sharder(), x, logits, w, forced)
     for impl in ("grouped", "dense", "ragged"):
         got = _value_and_grads(impl, Sharder(), x, logits, w, forced)
         _assert_tree_close(got, want, impl)
+
+
+def test_padding_tokens_go_to_no_expert():
+    x, logits, w = _inputs(seed=3, skew=0.5)
+    mask = jnp.arange(N) % 3 != 0  # a third of the tokens are padding
+    want = _value_and_grads("reference", Sharder(), x, logits, w, mask=mask)
+    for impl in ("grouped", "dense", "ragged"):
+        (loss, y), grads = _value_and_grads(impl, Sharder(), x, logits, w, mask=mask)
+        _assert_tree_close(((loss, y), grads), want, impl)
+        assert np.all(np.asarray(y)[~np.asarray(mask)] == 0)
+        assert np.all(np.asarray(grads[0])[~np.asarray(mask)] == 0)  # no gradient to pads
 
 
 def test_repeated_forced_experts_are_merged_not_dropped():
@@ -96,13 +112,11 @@ def test_expert_parallel_equals_unsharded(shape):
     _assert_tree_close(got, want, f"grouped on {shape}")
 
 
-def test_ladder_is_dropless_and_bounded():
+def test_tile_height():
     for n, k, e in ((48, 2, 8), (2048, 2, 16), (7, 3, 4), (8192, 8, 128)):
-        ladder = grouped.capacity_ladder(n, k, e)
-        assert list(ladder) == sorted(set(ladder)) and ladder[-1] == n
-        assert len(ladder) <= len(grouped.CAPACITY_RATIOS) + 1
-        assert all(c % 8 == 0 for c in ladder[:-1])
-        assert ladder[0] >= n * k / e  # the first rung holds a perfectly balanced routing
+        rows = grouped.tile_rows(n, k, e)
+        assert rows % 8 == 0 and rows >= n * k / e / grouped.TILES_PER_BALANCED_GROUP
+        assert rows < n * k / e / grouped.TILES_PER_BALANCED_GROUP + 8 or rows == 8
 
 
 def test_one_compile_whatever_the_routing():
@@ -125,6 +139,9 @@ def test_padding_overhead_report():
     report = grouped.padding_overhead(r.experts_nk, E)
     assert report["capacity"] == N and report["executed_over_useful"] == E / K
     assert report["largest_over_balanced"] == pytest.approx(E / K)
+    half = grouped.padding_overhead(BALANCED, E, token_mask_n=jnp.arange(N) < N // 2)
+    assert half["largest_over_balanced"] == 1.0  # N / 2 tokens, k = 2, spread evenly
+    assert half["capacity"] == 8  # groups of 6: one tile of 8 rows
 
 
 def test_auto_resolves_by_backend_and_rejects_unknown():

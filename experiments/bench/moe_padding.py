@@ -8,10 +8,11 @@ arithmetic env, tokenised as the rollout engine lays out episodes, padded to the
 rollout length) in batches of the demo's RL batch size, routed by the demo's policy
 (configs/models/tiny.py), (a) freshly initialised and (b) after the demo's SFT warm start
 (`--sft-steps`, default the demo's 500). For every MoE layer and batch: the largest
-expert group over the balanced size N k / E, the capacity rung
-(sao_jax/models/moe/grouped.py) that group selects, and the rows the grouped path
-multiplies over the useful rows, E C / (N k) (1.00 = no padding; `dense` would be E / k).
-Padding positions are routed too (the model computes on every position of the batch).
+expert group over the balanced size (real tokens x k / E), the capacity C that group
+rounds up to (sao_jax/models/moe/grouped.py: whole tiles), and the rows the grouped path
+multiplies over the useful rows, E C / (real tokens x k) (1.00 = no padding). Padding
+positions are routed but computed by no expert (MoEBlock's token mask); the `dense` path
+multiplies E / k x the rows of EVERY position, padding included.
 """
 
 from __future__ import annotations
@@ -63,20 +64,21 @@ def routing_report(models, batches) -> list[list[dict[str, float]]]:
         experts = np.asarray(
             fwd(models.policy, batch["tokens"], batch["positions"], batch["segment_ids"])
         )
-        k = experts.shape[-1]
+        k, e = experts.shape[-1], models.cfg.num_experts
+        real = (batch["segment_ids"] != 0).reshape(-1)
         out.append(
             [
-                grouped.padding_overhead(experts[:, :, i].reshape(-1, k), models.cfg.num_experts)
+                grouped.padding_overhead(experts[:, :, i].reshape(-1, k), e, token_mask_n=real)
                 for i in range(experts.shape[2])
             ]
         )
     return out
 
 
-def print_report(title: str, cfg: ModelConfig, report, tokens: int) -> None:
-    ladder = grouped.capacity_ladder(tokens, cfg.num_experts_per_tok, cfg.num_experts)
-    print(f"\n## {title}: capacity ladder for N = {tokens} tokens: {ladder}")
-    print("| MoE layer | largest / balanced (mean, max) | rungs chosen | rows executed / useful |")
+def print_report(title: str, cfg: ModelConfig, report, tokens: int, real_fraction) -> None:
+    rows = grouped.tile_rows(tokens, cfg.num_experts_per_tok, cfg.num_experts)
+    print(f"\n## {title}: N = {tokens} tokens per batch, tiles of {rows} rows per expert")
+    print("| MoE layer | largest / balanced (mean, max) | capacities C | rows executed / useful |")
     print("|---|---|---|---|")
     for i, layer in enumerate(cfg.moe_layers):
         per = [batch[i] for batch in report]
@@ -88,10 +90,11 @@ def print_report(title: str, cfg: ModelConfig, report, tokens: int) -> None:
             f"{statistics.mean(ex):.2f} (max {max(ex):.2f}) |"
         )
     all_ex = [o["executed_over_useful"] for batch in report for o in batch]
-    dense = cfg.num_experts / cfg.num_experts_per_tok
+    dense = cfg.num_experts / cfg.num_experts_per_tok / statistics.mean(real_fraction)
     print(
         f"overall: the grouped path multiplies {statistics.mean(all_ex):.2f}x the useful expert "
-        f"rows (padding overhead {statistics.mean(all_ex) - 1:.0%}); dense: {dense:.2f}x"
+        f"rows (padding overhead {statistics.mean(all_ex) - 1:.0%}); dense: {dense:.2f}x "
+        f"(E / k over the real-token fraction {statistics.mean(real_fraction):.0%})"
     )
 
 
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# batches of B x T = {b} x {t} demonstration tokens (padded), {args.batches} batches")
     batches = demo_token_batches(config, args.seed + 1000, args.batches, b, t)
     models = init_models(cfg, Sharder(), seed=config.seed)
-    print_report("freshly initialised policy", cfg, routing_report(models, batches), b * t)
+    real = [float(np.mean(batch["segment_ids"] != 0)) for batch in batches]
+    print_report("freshly initialised policy", cfg, routing_report(models, batches), b * t, real)
     if steps > 0:
         trainer = SFTTrainer(models.policy_def, config.sft.optim, Sharder())
         sft = demo_token_batches(
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         policy = trainer.run(models.policy, iter(sft), steps)
         print(f"\n# SFT warm start: {steps} steps in {time.perf_counter() - start:.0f} s")
         trained = models._replace(policy=policy)
-        print_report(f"after {steps} SFT steps", cfg, routing_report(trained, batches), b * t)
+        report = routing_report(trained, batches)
+        print_report(f"after {steps} SFT steps", cfg, report, b * t, real)
 
 
 if __name__ == "__main__":

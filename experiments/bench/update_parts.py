@@ -32,34 +32,43 @@ def _row(pass_name: str) -> str:
     return "critic K steps (fwd+bwd)" if pass_name.startswith("critic step") else _ROW_OF[pass_name]
 
 
-def policy_routing(models, host_batch) -> np.ndarray:
-    """[B, T, L_moe, k] experts the policy chooses on the batch (one forward)."""
+def policy_routing(models, host_batch) -> tuple[np.ndarray, np.ndarray]:
+    """([B, T, L_moe, k] experts the policy chooses on the batch, [B, T] real tokens)."""
     out = jax.jit(lambda p, tok, pos, seg: models.policy_def.bind(p)(tok, pos, seg))(
         models.policy, host_batch["tokens"], host_batch["positions"], host_batch["segment_ids"]
     )
-    return np.asarray(out.experts_btlk)
+    return np.asarray(out.experts_btlk), np.asarray(host_batch["segment_ids"] != 0)
 
 
 def layer_overheads(cfg, routing) -> list[dict[str, float]]:
-    """grouped.padding_overhead of each MoE layer's routing [B, T, L_moe, k]."""
-    k = routing.shape[-1]
+    """grouped.padding_overhead of each MoE layer's routing (real tokens only)."""
+    experts, real = routing
+    k = experts.shape[-1]
     return [
-        grouped.padding_overhead(jnp.asarray(routing[:, :, i].reshape(-1, k)), cfg.num_experts)
-        for i in range(routing.shape[2])
+        grouped.padding_overhead(
+            experts[:, :, i].reshape(-1, k), cfg.num_experts, token_mask_n=real.reshape(-1)
+        )
+        for i in range(experts.shape[2])
     ]
 
 
-def expert_factor(impl: str, cfg, routing) -> float:
-    """Rows the MoE implementation multiplies per useful (token, slot) row, averaged over
-    the MoE layers: dense E / k, grouped E C / (N k) at the chosen rung, ragged 1 on
-    accelerators (grouped GEMM) and E on XLA:CPU (every row against every group)."""
+def expert_factors(impl: str, cfg, routing) -> tuple[float, float]:
+    """(useful, executed) expert rows per position row (B T k), averaged over MoE layers.
+
+    Useful: the rows of real tokens only (padding is routed but is no useful work).
+    Executed: `dense` multiplies E / k rows per position row (padding included); `grouped`
+    E C / (B T k) at the capacity the real tokens' routing selects; `ragged` E on XLA:CPU
+    (every row against every group) and the real rows on accelerators (grouped GEMM).
+    """
+    real = float(np.mean(routing[1]))
     if not cfg.num_experts:
-        return 1.0
+        return 1.0, 1.0
     if impl == "dense":
-        return cfg.num_experts / cfg.num_experts_per_tok
+        return real, cfg.num_experts / cfg.num_experts_per_tok
     if impl == "ragged":
-        return float(cfg.num_experts) if jax.default_backend() == "cpu" else 1.0
-    return statistics.mean(o["executed_over_useful"] for o in layer_overheads(cfg, routing))
+        return real, (float(cfg.num_experts) if jax.default_backend() == "cpu" else real)
+    per_real = statistics.mean(o["executed_over_useful"] for o in layer_overheads(cfg, routing))
+    return real, real * per_real
 
 
 def routing_summary(cfg, routing) -> str:
@@ -68,7 +77,11 @@ def routing_summary(cfg, routing) -> str:
         f"C = {o['capacity']:.0f}, rows {o['executed_over_useful']:.2f}x useful"
         for layer, o in zip(cfg.moe_layers, layer_overheads(cfg, routing))
     ]
-    return "grouped MoE on this batch's routing (policy at init): " + "; ".join(parts)
+    real = float(np.mean(routing[1]))
+    return (
+        f"real (non-padding) tokens {real:.0%}; grouped MoE on their routing (policy at "
+        "init): " + "; ".join(parts)
+    )
 
 
 def moe_kernel_times(cfg, tokens: int, rounds: int) -> dict[str, list[float]]:

@@ -21,10 +21,11 @@ range over rounds are printed, with the load average before and after.
 
 FLOPs (sao_jax/flops.py): USEFUL = the analytic matmul work of every pass (2 x active
 params x tokens forward, 3x that forward + backward, attention scores over the full
-T x T square the code computes); EXECUTED = useful + the MoE rows an implementation
-multiplies beyond the useful ones (dense: E / k x the expert FLOPs; grouped: E C / (N k)
-at the capacity rung the batch's routing selects, measured per MoE layer on the policy's
-routing of this batch; ragged on XLA:CPU: E x). Shares: of the useful FLOPs per pass,
+T x T square the code computes) over every position of the padded batch, except that
+the routed experts count for real (non-padding) tokens only; EXECUTED = the same with
+the expert rows an implementation multiplies (dense: E / k x every position's; grouped:
+E C at the capacity the real tokens' routing selects, measured per MoE layer on the
+policy's routing of this batch; ragged on XLA:CPU: E x every position's). Shares: of the useful FLOPs per pass,
 and of the time of the separately jitted passes (their sum is printed against the whole
 step: XLA fuses across passes inside the step, so the two need not agree).
 """
@@ -137,15 +138,16 @@ def build_form(name, spec, overrides, b, t, args, host_batch, routing) -> Form:
     if name == "after":
         print(parts.state_summary(cfg, config.optim, holder["state"]))
     rl = config.rl
-    factor = parts.expert_factor(resolve_impl(cfg.moe_impl), cfg, routing)
+    useful_factor, factor = parts.expert_factors(resolve_impl(cfg.moe_impl), cfg, routing)
     kw = dict(
         order=rl.order,
         frozen_attention=learner.critic_frozen is not None,
         old_logp=learner.loss_entry.needs_old_logp,
         separate_v0=separate,
     )
-    useful = flops.update_step_passes(cfg, b, t, rl.k_critic, **kw)
+    useful = flops.update_step_passes(cfg, b, t, rl.k_critic, expert_factor=useful_factor, **kw)
     executed = flops.update_step_flops(cfg, b, t, rl.k_critic, expert_factor=factor, **kw)
+    factor /= useful_factor  # MoE rows computed per useful row
     pass_fns = {} if args.no_passes else parts.pass_programs(learner, holder, batch)
     return Form(
         name, resolve_impl(cfg.moe_impl), useful, factor, executed, compile_s, step, pass_fns

@@ -49,7 +49,8 @@ def dense_local_moe(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_e
     routing weights (zero for experts a token did not choose or that are not local)."""
     dt = x_nd.dtype
     e_local = w_gate_edf.shape[0]
-    onehot_nke = jax.nn.one_hot(experts_nk - offset, e_local, dtype=jnp.float32)  # 0 if not local
+    local_nk = jnp.where(experts_nk >= 0, experts_nk - offset, -1)  # -1: masked token
+    onehot_nke = jax.nn.one_hot(local_nk, e_local, dtype=jnp.float32)  # 0 if not local
     combine_ne = jnp.einsum("nke,nk->ne", onehot_nke, weights_nk.astype(jnp.float32))
     gate_nef = jnp.einsum("nd,edf->nef", x_nd, w_gate_edf.astype(dt))
     up_nef = jnp.einsum("nd,edf->nef", x_nd, w_up_edf.astype(dt))
@@ -63,7 +64,7 @@ def local_moe(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, ex
     k = experts_nk.shape[1]
     e_local = w_gate_edf.shape[0]
     expert_m = experts_nk.reshape(-1) - expert_offset  # [M = N * k]
-    is_local_m = (expert_m >= 0) & (expert_m < e_local)
+    is_local_m = (experts_nk.reshape(-1) >= 0) & (expert_m >= 0) & (expert_m < e_local)
     key_m = jnp.where(is_local_m, expert_m, e_local)  # non-local slots sort to the end
     order_m = jnp.argsort(key_m, stable=True)
     token_m = order_m // k
@@ -89,8 +90,16 @@ def moe_dispatch(
     w_down_efd,
     sharder: Sharder,
     impl: str = "auto",
+    token_mask_n: jax.Array | None = None,
 ) -> jax.Array:
-    """Expert-parallel dropless MoE forward; equals `local_moe` with offset 0."""
+    """Expert-parallel dropless MoE forward; equals `local_moe` with offset 0.
+
+    `token_mask_n` (bool [N]): tokens that are False (padding) go to no expert and get a
+    zero output; the expert work is then only that of the real tokens.
+    """
+    if token_mask_n is not None:  # expert -1 is local nowhere: every impl skips it
+        experts_nk = jnp.where(token_mask_n[:, None], experts_nk, -1)
+        weights_nk = jnp.where(token_mask_n[:, None], weights_nk, 0)
     compute = {
         "ragged": local_moe,
         "dense": dense_local_moe,

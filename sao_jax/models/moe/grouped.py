@@ -1,31 +1,31 @@
-"""Capacity-bucketed grouped expert matmul: only the useful work, dropless, jittable.
+"""Grouped expert matmul with a data-dependent capacity: only the useful work, dropless.
 
 For backends whose `ragged_dot` is not a grouped GEMM (XLA:CPU runs every row against
-every group), this computes the routed SwiGLU experts as ONE batched einsum per weight,
-`[E, C, D] x [E, D, F]`, over the (token, slot) pairs sorted by expert and each expert's
-group padded to a capacity C:
+every group), the routed SwiGLU experts run as batched einsums `[E, C, D] x [E, D, F]`
+over the (token, slot) pairs sorted by expert, each expert's group padded to a common
+capacity C:
 
-  1. pairs m = n k + j (token n, slot j) are keyed by local expert (others: key E) and
-     stably argsorted; group_sizes_e = the count per expert, starts_e its prefix sum;
-  2. slot (e, c) of the padded [E, C] layout holds pair order[starts_e + c] when
-     c < group_sizes_e, nothing otherwise; pair m sits at slot (e_m, rank_m);
+  1. pairs m = n k + j (token n, slot j) are keyed by local expert (pairs of no local
+     expert, and of masked tokens, get key E) and stably argsorted; sizes_e = the count
+     per expert, starts_e their prefix sums, rank_m = the pair's place in its group;
+  2. slot (e, c) holds pair order[starts_e + c] when c < sizes_e, nothing otherwise;
   3. y = down(silu(x gate) * (x up)) batched over E; each pair reads its slot back and
-     y_n = sum_j w_nj y_(n, j).
+     out_n = sum_j w_nj y_(n, j).
 
-C must be static, yet dropless means C >= max_e group_sizes_e, which is data. The
-capacity is therefore chosen INSIDE the program from a small static ladder with
-`lax.switch`: C_i = round_up(r_i * N k / E, 8) for r in `CAPACITY_RATIOS` (below N),
-then C = N, which always fits because a token's (deduplicated) experts are distinct, so
-no expert gets more than N pairs. Every branch is compiled once, in the same program:
-no recompiles whatever the routing, and only the chosen branch runs. The top rung C = N
-costs what the dense path costs, so the worst case is never worse than `dense`; a
-balanced router lands on the first rungs (1.25x-1.5x the useful work).
+Dropless needs C >= the largest group, which is data; einsum shapes must be static. So
+the capacity is cut into TILES of a static height R (a quarter of the balanced group
+size N k / E, rounded up to 8 rows) and the program runs ceil(max_e sizes_e / R) tiles
+in a `lax.fori_loop` whose trip count is that traced number: tile i computes slots
+[i R, (i + 1) R) of every expert as one `[E, R, D] x [E, D, F]` einsum. In effect the
+capacity is the largest group rounded up to R: ONE compiled loop body whatever the
+routing (no recompiles, no branch per bucket), never a dropped token, and the work is
+E x that capacity: 1.0-1.3x the useful rows for a balanced router, up to E / k x (the
+`dense` cost) when one expert takes everything.
 
-The backward is a `custom_vjp` whose residuals have static shapes (the pair layout
-[N k, F]): autodiff through `lax.switch` would keep zero-filled residuals of EVERY
-branch. It switches on the same rung, recomputes nothing but the SwiGLU's elementwise
-part, and moves data with gathers only (each pair's slot and each slot's pair are known
-both ways), never a scatter-add.
+The backward is a `custom_vjp` (a loop with a traced trip count has no autodiff
+transpose) with static residuals in the pair layout [N k, F]; it walks the same tiles,
+accumulates the weight gradients in the loop carry and moves rows with gathers and
+unique-index writes only, never a scatter-add.
 """
 
 from __future__ import annotations
@@ -36,19 +36,16 @@ import math
 import jax
 import jax.numpy as jnp
 
-# Capacity rungs as multiples of the balanced group size N k / E, each rounded up to a
-# multiple of 8 rows; rungs at or above N are dropped (C = N always closes the ladder).
-CAPACITY_RATIOS = (1.25, 1.5, 2.0, 3.0, 4.0, 6.0)
+TILES_PER_BALANCED_GROUP = 4  # R = balanced group / 4: capacity rounds up by <= 25%
 _ROW_MULTIPLE = 8
 
 
-def capacity_ladder(tokens: int, top_k: int, num_experts: int) -> tuple[int, ...]:
-    """Static capacities C_0 < C_1 < ... < N for `tokens` tokens routed top-`top_k` over
-    `num_experts` experts in all: round_up(r N k / E, 8) for r in CAPACITY_RATIOS, below N,
-    then N itself (the dropless bound)."""
+def tile_rows(tokens: int, top_k: int, num_experts: int) -> int:
+    """R: rows per expert per tile for `tokens` tokens routed top-`top_k` over
+    `num_experts` experts in all (the balanced group N k / E over 4, rounded up to 8)."""
     balanced = tokens * top_k / num_experts
-    caps = {_ROW_MULTIPLE * math.ceil(r * balanced / _ROW_MULTIPLE) for r in CAPACITY_RATIOS}
-    return (*sorted(c for c in caps if c < tokens), tokens)
+    rows = _ROW_MULTIPLE * math.ceil(balanced / TILES_PER_BALANCED_GROUP / _ROW_MULTIPLE)
+    return max(_ROW_MULTIPLE, min(rows, _ROW_MULTIPLE * math.ceil(tokens / _ROW_MULTIPLE)))
 
 
 def dedupe_slots(experts_nk, weights_nk, valid_nk):
@@ -63,81 +60,68 @@ def dedupe_slots(experts_nk, weights_nk, valid_nk):
     return first_nk, jnp.where(first_nk, merged_nk, 0)
 
 
-class _Layout:
-    """Index maps between pairs m (= n k + j) and slots s (= e C + c) for one capacity."""
+class _Groups:
+    """Pairs sorted by expert: order, group sizes and starts, and each pair's rank."""
 
-    def __init__(self, order_m, sizes_e, starts_e, key_m, rank_m, capacity: int):
-        e = sizes_e.shape[0]
-        m = order_m.shape[0]
-        c_c = jnp.arange(capacity, dtype=jnp.int32)
-        filled_ec = c_c[None, :] < sizes_e[:, None]
-        src_ec = jnp.minimum(starts_e[:, None] + c_c[None, :], m - 1)
-        self.pair_s = jnp.where(filled_ec, order_m[src_ec], m).reshape(-1)  # m: empty slot
-        self.valid_m = key_m < e
-        self.slot_m = jnp.where(self.valid_m, key_m * capacity + rank_m, 0)
-        self.shape = (e, capacity)
+    def __init__(self, key_m, num_local: int, rows: int):
+        m = key_m.shape[0]
+        self.key_m, self.rows = key_m, rows
+        self.order_m = jnp.argsort(key_m, stable=True).astype(jnp.int32)
+        sizes = jnp.bincount(key_m, length=num_local + 1)[:num_local].astype(jnp.int32)
+        self.sizes_e, self.starts_e = sizes, jnp.cumsum(sizes) - sizes
+        self.tiles = (jnp.max(sizes) + rows - 1) // rows  # traced trip count
+        self.m = m
 
-    def to_slots(self, a_md, fill=0):
-        """[M, X] pair layout -> [E, C, X] slot layout (empty slots = fill)."""
-        out = jnp.take(a_md, self.pair_s, axis=0, mode="fill", fill_value=fill)
-        return out.reshape(*self.shape, a_md.shape[-1])
-
-    def to_pairs(self, a_ecx):
-        """[E, C, X] slot layout -> [M, X] pair layout (pairs of no local expert = 0)."""
-        a_sx = a_ecx.reshape(-1, a_ecx.shape[-1])
-        return jnp.where(self.valid_m[:, None], a_sx[self.slot_m], 0)
+    def pairs_of_tile(self, i):
+        """[E, R] pair index of each slot of tile i (m = no pair: an empty slot)."""
+        c_r = i * self.rows + jnp.arange(self.rows, dtype=jnp.int32)
+        filled_er = c_r[None, :] < self.sizes_e[:, None]
+        src_er = jnp.minimum(self.starts_e[:, None] + c_r[None, :], self.m - 1)
+        return jnp.where(filled_er, self.order_m[src_er], self.m)
 
 
-def _sort_pairs(key_m, num_local: int):
-    order_m = jnp.argsort(key_m, stable=True).astype(jnp.int32)
-    sizes_e = jnp.bincount(key_m, length=num_local + 1)[:num_local].astype(jnp.int32)
-    starts_e = jnp.cumsum(sizes_e) - sizes_e
-    inv_m = jnp.zeros_like(order_m).at[order_m].set(jnp.arange(order_m.shape[0], dtype=jnp.int32))
-    rank_m = inv_m - starts_e[jnp.minimum(key_m, num_local - 1)]
-    return order_m, sizes_e, starts_e, rank_m
+def _gather(a_mx, pair_er, fill=0):
+    """[M, X] rows at pair_er -> [E, R, X] (empty slots = fill)."""
+    return jnp.take(a_mx, pair_er, axis=0, mode="fill", fill_value=fill)
 
 
-def _swiglu_slots(x_ecd, w_gate_edf, w_up_edf, w_down_efd):
-    dt = x_ecd.dtype
-    gate_ecf = jnp.einsum("ecd,edf->ecf", x_ecd, w_gate_edf.astype(dt))
-    up_ecf = jnp.einsum("ecd,edf->ecf", x_ecd, w_up_edf.astype(dt))
-    y_ecd = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate_ecf) * up_ecf, w_down_efd.astype(dt))
-    return y_ecd, gate_ecf, up_ecf
+def _put(buf_mx, pair_er, val_erx):
+    """buf[pair] = val for every filled slot (pairs are unique; empty slots dropped)."""
+    return buf_mx.at[pair_er.reshape(-1)].set(val_erx.reshape(-1, val_erx.shape[-1]), mode="drop")
 
 
-def _pairs_of_tokens(x_nd, k: int):
-    """[N, D] -> [N k, D]: row m = n k + j is token n."""
-    n, d = x_nd.shape
-    return jnp.broadcast_to(x_nd[:, None, :], (n, k, d)).reshape(n * k, d)
+def _token_rows(x_nd, pair_er, k: int):
+    """x rows of the tokens of the pairs in the slots (pair m is token m // k)."""
+    return _gather(x_nd, jnp.where(pair_er < x_nd.shape[0] * k, pair_er // k, x_nd.shape[0]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _grouped(x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, caps):
-    return _grouped_fwd(x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, caps)[0]
+def _grouped(x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, rows):
+    return _grouped_fwd(x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, rows)[0]
 
 
-def _grouped_fwd(x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, caps):
-    n = x_nd.shape[0]
-    k = key_m.shape[0] // n
-    e_local = w_gate_edf.shape[0]
-    order_m, sizes_e, starts_e, rank_m = _sort_pairs(key_m, e_local)
-    rung = jnp.sum(jnp.max(sizes_e) > jnp.asarray(caps[:-1], jnp.int32)).astype(jnp.int32)
-    x_md = _pairs_of_tokens(x_nd, k)
+def _grouped_fwd(x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, rows):
+    n, d = x_nd.shape
+    m = key_m.shape[0]
+    k, f, dt = m // n, w_gate_edf.shape[-1], x_nd.dtype
+    g = _Groups(key_m, w_gate_edf.shape[0], rows)
 
-    def branch(capacity):
-        def run():
-            lay = _Layout(order_m, sizes_e, starts_e, key_m, rank_m, capacity)
-            y_ecd, gate_ecf, up_ecf = _swiglu_slots(
-                lay.to_slots(x_md), w_gate_edf, w_up_edf, w_down_efd
-            )
-            return lay.to_pairs(y_ecd), lay.to_pairs(gate_ecf), lay.to_pairs(up_ecf)
+    def tile(i, bufs):
+        y_md, gate_mf, up_mf = bufs
+        pair_er = g.pairs_of_tile(i)
+        x_erd = _token_rows(x_nd, pair_er, k)
+        gate_erf = jnp.einsum("erd,edf->erf", x_erd, w_gate_edf.astype(dt))
+        up_erf = jnp.einsum("erd,edf->erf", x_erd, w_up_edf.astype(dt))
+        h_erf = jax.nn.silu(gate_erf) * up_erf
+        y_erd = jnp.einsum("erf,efd->erd", h_erf, w_down_efd.astype(dt))
+        put = functools.partial(_put, pair_er=pair_er)
+        return put(y_md, val_erx=y_erd), put(gate_mf, val_erx=gate_erf), put(up_mf, val_erx=up_erf)
 
-        return run
-
-    y_md, gate_mf, up_mf = jax.lax.switch(rung, [branch(c) for c in caps])
-    out_nd = _combine(y_md, w_m, n, k, x_nd.dtype)
-    res = (x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, order_m, sizes_e, starts_e)
-    return out_nd, (*res, rank_m, rung, y_md, gate_mf, up_mf)
+    zeros = lambda width: _vary_like(jnp.zeros((m, width), dt), x_nd)  # unrouted pairs: 0
+    y_md, gate_mf, up_mf = jax.lax.fori_loop(0, g.tiles, tile, (zeros(d), zeros(f), zeros(f)))
+    out_nd = _combine(y_md, w_m, n, k, dt)
+    res = (x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, y_md, gate_mf, up_mf)
+    return out_nd, res
 
 
 def _combine(y_md, w_m, n: int, k: int, dtype):
@@ -146,44 +130,43 @@ def _combine(y_md, w_m, n: int, k: int, dtype):
     return jnp.sum(y_mkd, axis=1).astype(dtype)
 
 
-def _grouped_bwd(caps, res, dout_nd):
-    x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, order_m, sizes_e, starts_e = res[:9]
-    rank_m, rung, y_md, gate_mf, up_mf = res[9:]
-    n, dt = x_nd.shape[0], x_nd.dtype
-    k = key_m.shape[0] // n
-    dout_md = _pairs_of_tokens(dout_nd.astype(jnp.float32), k)
+def _grouped_bwd(rows, res, dout_nd):
+    x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, y_md, gate_mf, up_mf = res
+    n, d = x_nd.shape
+    m = key_m.shape[0]
+    k, dt = m // n, x_nd.dtype
+    g = _Groups(key_m, w_gate_edf.shape[0], rows)
+    dout_mkd = jnp.broadcast_to(dout_nd.astype(jnp.float32)[:, None, :], (n, k, d))
+    dout_md = dout_mkd.reshape(m, d)
     # d out / d w_m = <dout_n, y_m>; d out / d y_m = w_m dout_n.
     dw_m = jnp.sum(dout_md * y_md.astype(jnp.float32), axis=-1).astype(w_m.dtype)
     dy_md = (dout_md * w_m[:, None].astype(jnp.float32)).astype(dt)
-    x_md = _pairs_of_tokens(x_nd, k)
+    wg, wu, wd = (w.astype(dt) for w in (w_gate_edf, w_up_edf, w_down_efd))
 
-    def branch(capacity):
-        def run():
-            lay = _Layout(order_m, sizes_e, starts_e, key_m, rank_m, capacity)
-            x_ecd, dy_ecd = lay.to_slots(x_md), lay.to_slots(dy_md)
-            gate_ecf, up_ecf = lay.to_slots(gate_mf), lay.to_slots(up_mf)
-            sig_ecf = jax.nn.sigmoid(gate_ecf.astype(jnp.float32))
-            silu_ecf = (gate_ecf.astype(jnp.float32) * sig_ecf).astype(dt)
-            h_ecf = silu_ecf * up_ecf
-            d_down = jnp.einsum("ecf,ecd->efd", h_ecf, dy_ecd)
-            dh_ecf = jnp.einsum("ecd,efd->ecf", dy_ecd, w_down_efd.astype(dt))
-            dsilu_ecf = sig_ecf * (1 + gate_ecf.astype(jnp.float32) * (1 - sig_ecf))
-            dgate_ecf = (dh_ecf * up_ecf * dsilu_ecf.astype(dt)).astype(dt)
-            dup_ecf = dh_ecf * silu_ecf
-            d_gate = jnp.einsum("ecd,ecf->edf", x_ecd, dgate_ecf)
-            d_up = jnp.einsum("ecd,ecf->edf", x_ecd, dup_ecf)
-            dx_ecd = jnp.einsum("ecf,edf->ecd", dgate_ecf, w_gate_edf.astype(dt))
-            dx_ecd = dx_ecd + jnp.einsum("ecf,edf->ecd", dup_ecf, w_up_edf.astype(dt))
-            return lay.to_pairs(dx_ecd), d_gate, d_up, d_down
+    def tile(i, carry):
+        dx_md, d_gate, d_up, d_down = carry
+        pair_er = g.pairs_of_tile(i)
+        x_erd, dy_erd = _token_rows(x_nd, pair_er, k), _gather(dy_md, pair_er)
+        gate_erf, up_erf = _gather(gate_mf, pair_er), _gather(up_mf, pair_er)
+        sig_erf = jax.nn.sigmoid(gate_erf.astype(jnp.float32))
+        silu_erf = (gate_erf.astype(jnp.float32) * sig_erf).astype(dt)
+        d_down = d_down + jnp.einsum("erf,erd->efd", silu_erf * up_erf, dy_erd)
+        dh_erf = jnp.einsum("erd,efd->erf", dy_erd, wd)
+        dsilu_erf = sig_erf * (1 + gate_erf.astype(jnp.float32) * (1 - sig_erf))
+        dgate_erf = (dh_erf * up_erf * dsilu_erf.astype(dt)).astype(dt)
+        dup_erf = dh_erf * silu_erf
+        d_gate = d_gate + jnp.einsum("erd,erf->edf", x_erd, dgate_erf)
+        d_up = d_up + jnp.einsum("erd,erf->edf", x_erd, dup_erf)
+        dx_erd = jnp.einsum("erf,edf->erd", dgate_erf, wg) + jnp.einsum("erf,edf->erd", dup_erf, wu)
+        return _put(dx_md, pair_er, dx_erd), d_gate, d_up, d_down
 
-        return run
-
-    dx_md, d_gate, d_up, d_down = jax.lax.switch(rung, [branch(c) for c in caps])
-    dx_nd = jnp.sum(dx_md.astype(jnp.float32).reshape(n, k, -1), axis=1).astype(dt)
-    d_key = jnp.zeros(key_m.shape, jax.dtypes.float0)
+    zeros = lambda a: _vary_like(jnp.zeros(a.shape, a.dtype), x_nd)
+    init = (zeros(dy_md), zeros(wg), zeros(wu), zeros(wd))
+    dx_md, d_gate, d_up, d_down = jax.lax.fori_loop(0, g.tiles, tile, init)
+    dx_nd = jnp.sum(dx_md.astype(jnp.float32).reshape(n, k, d), axis=1).astype(dt)
     return (
         dx_nd,
-        d_key,
+        jnp.zeros(key_m.shape, jax.dtypes.float0),
         dw_m,
         d_gate.astype(w_gate_edf.dtype),
         d_up.astype(w_up_edf.dtype),
@@ -205,18 +188,18 @@ def grouped_local_moe(
     *,
     num_experts: int | None = None,
 ) -> jax.Array:
-    """As `dispatch.local_moe` (experts in [offset, offset + E_local) only), computed as
-    one batched einsum per weight over capacity-padded groups. `num_experts` is the
-    model's E over all devices (default E_local), which sets the balanced group size."""
+    """As `dispatch.local_moe` (experts in [offset, offset + E_local) only; others, and
+    negative ids, contribute zero), as capacity-tiled batched einsums. `num_experts` is
+    the model's E over all devices (default E_local): it sets the balanced group size."""
     n, k = experts_nk.shape
     e_local = w_gate_edf.shape[0]
     expert_nk = experts_nk - expert_offset
-    local_nk = (expert_nk >= 0) & (expert_nk < e_local)
+    local_nk = (experts_nk >= 0) & (expert_nk >= 0) & (expert_nk < e_local)
     keep_nk, w_nk = dedupe_slots(expert_nk, weights_nk, local_nk)
     key_m = jnp.where(keep_nk, expert_nk, e_local).reshape(-1).astype(jnp.int32)
-    caps = capacity_ladder(n, k, num_experts or e_local)
+    rows = tile_rows(n, k, num_experts or e_local)
     args = _same_varying_axes(x_nd, key_m, w_nk.reshape(-1), w_gate_edf, w_up_edf, w_down_efd)
-    return _grouped(*args, caps)
+    return _grouped(*args, rows)
 
 
 def _varying(a) -> frozenset:
@@ -224,6 +207,12 @@ def _varying(a) -> frozenset:
     aval = jax.typeof(a)
     mat = getattr(aval, "manual_axis_type", None)
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _vary_like(a, ref):
+    """`a` marked as varying over the mesh axes `ref` varies over (loop carries)."""
+    missing = tuple(sorted(_varying(ref) - _varying(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 
 def _same_varying_axes(*arrays):
@@ -239,16 +228,22 @@ def _same_varying_axes(*arrays):
     return out
 
 
-def padding_overhead(experts_nk, num_experts: int) -> dict[str, float]:
-    """The chosen rung's capacity against the routing (host-side report): rows computed
-    E C over useful rows N k, and the largest group over the balanced size N k / E."""
+def padding_overhead(experts_nk, num_experts: int, token_mask_n=None) -> dict[str, float]:
+    """What the grouped path computes for this routing (host side, one device): the
+    capacity (largest group rounded up to the tile height), the largest group over the
+    balanced size of the routed (unmasked) pairs, and rows executed E C over useful rows."""
+    experts_nk = jnp.asarray(experts_nk)
     n, k = experts_nk.shape
-    sizes = jnp.bincount(experts_nk.reshape(-1), length=num_experts)
-    largest = int(jnp.max(sizes))
-    caps = capacity_ladder(n, k, num_experts)
-    cap = next(c for c in caps if c >= largest)
+    if token_mask_n is not None:
+        experts_nk = jnp.where(jnp.asarray(token_mask_n)[:, None], experts_nk, -1)
+    flat = experts_nk.reshape(-1)
+    sizes = jnp.bincount(jnp.where(flat >= 0, flat, num_experts), length=num_experts + 1)
+    useful = int(jnp.sum(sizes[:num_experts]))
+    largest = int(jnp.max(sizes[:num_experts]))
+    rows = tile_rows(n, k, num_experts)
+    cap = rows * math.ceil(largest / rows)
     return dict(
         capacity=float(cap),
-        largest_over_balanced=largest * num_experts / (n * k),
-        executed_over_useful=num_experts * cap / (n * k),
+        largest_over_balanced=largest * num_experts / max(useful, 1),
+        executed_over_useful=num_experts * cap / max(useful, 1),
     )
