@@ -19,8 +19,8 @@ position of the padded batch, since the model computes on all of them.
 
 These are the USEFUL FLOPs. What a backend executes can be more: `expert_factor` = rows
 an MoE implementation multiplies per useful (token, slot) row (1: only the useful work;
-`dense`: E / k; `grouped`: E C / (N k) for the capacity C chosen; XLA:CPU's `ragged_dot`:
-E) turns a count into the EXECUTED FLOPs of that implementation.
+`dense`: E / k; `grouped`: its tiles' rows over the useful rows, under 1 + E R / (N k);
+XLA:CPU's `ragged_dot`: E) turns a count into the EXECUTED FLOPs of that implementation.
 """
 
 from __future__ import annotations

@@ -102,7 +102,9 @@ def test_hand_computed_two_turns():
     r = np.array([[0, 0, 0, 0, 0, 0, 1, 0]], np.float32)
     for impl in gae.GAE_IMPLS:
         a, ret = gae.skip_observation_gae(r, v, m, gamma=0.5, lam=0.5, impl=impl)
-        close = lambda x, y, i=impl: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6, err_msg=i)
+        close = lambda x, y, i=impl: np.testing.assert_allclose(
+            x, y, rtol=1e-6, atol=1e-6, err_msg=i
+        )
         close(a[0], [0, -0.234375, -0.9375, 0, 0, -1.75, -3, 0])
         close(ret[0], [0, 0.765625, 1.0625, 0, 0, 1.25, 1, 0])
         a, _ = gae.skip_observation_gae(

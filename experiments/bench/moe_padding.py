@@ -8,9 +8,9 @@ arithmetic env, tokenised as the rollout engine lays out episodes, padded to the
 rollout length) in batches of the demo's RL batch size, routed by the demo's policy
 (configs/models/tiny.py), (a) freshly initialised and (b) after the demo's SFT warm start
 (`--sft-steps`, default the demo's 500). For every MoE layer and batch: the largest
-expert group over the balanced size (real tokens x k / E), the capacity C that group
-rounds up to (sao_jax/models/moe/grouped.py: whole tiles), and the rows the grouped path
-multiplies over the useful rows, E C / (real tokens x k) (1.00 = no padding). Padding
+expert group over the balanced size (real tokens x k / E), the tiles the grouped path runs
+(sao_jax/models/moe/grouped.py: each expert's group in tiles of R rows), and the rows it
+multiplies over the useful rows, R x tiles / (real tokens x k) (1.00 = no padding). Padding
 positions are routed but computed by no expert (MoEBlock's token mask); the `dense` path
 multiplies E / k x the rows of EVERY position, padding included.
 """
@@ -78,15 +78,17 @@ def routing_report(models, batches) -> list[list[dict[str, float]]]:
 def print_report(title: str, cfg: ModelConfig, report, tokens: int, real_fraction) -> None:
     rows = grouped.tile_rows(tokens, cfg.num_experts_per_tok, cfg.num_experts)
     print(f"\n## {title}: N = {tokens} tokens per batch, tiles of {rows} rows per expert")
-    print("| MoE layer | largest / balanced (mean, max) | capacities C | rows executed / useful |")
+    print(
+        "| MoE layer | largest / balanced (mean, max) | tiles (min-max) | rows executed / useful |"
+    )
     print("|---|---|---|---|")
     for i, layer in enumerate(cfg.moe_layers):
         per = [batch[i] for batch in report]
         big = [o["largest_over_balanced"] for o in per]
-        caps = sorted({int(o["capacity"]) for o in per})
+        tiles = [int(o["tiles"]) for o in per]
         ex = [o["executed_over_useful"] for o in per]
         print(
-            f"| {layer} | {statistics.mean(big):.2f}, {max(big):.2f} | C in {caps} | "
+            f"| {layer} | {statistics.mean(big):.2f}, {max(big):.2f} | {min(tiles)}-{max(tiles)} | "
             f"{statistics.mean(ex):.2f} (max {max(ex):.2f}) |"
         )
     all_ex = [o["executed_over_useful"] for batch in report for o in batch]

@@ -57,7 +57,7 @@ def expert_factors(impl: str, cfg, routing) -> tuple[float, float]:
 
     Useful: the rows of real tokens only (padding is routed but is no useful work).
     Executed: `dense` multiplies E / k rows per position row (padding included); `grouped`
-    E C / (B T k) at the capacity the real tokens' routing selects; `ragged` E on XLA:CPU
+    its tiles' rows (sum_e R ceil(group_e / R)) per real row; `ragged` E on XLA:CPU
     (every row against every group) and the real rows on accelerators (grouped GEMM).
     """
     real = float(np.mean(routing[1]))
@@ -74,7 +74,7 @@ def expert_factors(impl: str, cfg, routing) -> tuple[float, float]:
 def routing_summary(cfg, routing) -> str:
     parts = [
         f"layer {layer}: largest group {o['largest_over_balanced']:.2f}x balanced, "
-        f"C = {o['capacity']:.0f}, rows {o['executed_over_useful']:.2f}x useful"
+        f"{o['tiles']:.0f} tiles of {o['rows']:.0f}, rows {o['executed_over_useful']:.2f}x useful"
         for layer, o in zip(cfg.moe_layers, layer_overheads(cfg, routing))
     ]
     real = float(np.mean(routing[1]))

@@ -10,7 +10,7 @@ DIS loss, frozen critic attention) on a synthetic multi-turn batch, in two forms
 
   before  moe_impl 'dense' (every expert on every token) and V0 by its own critic
           forward (`Learner(separate_v0_pass=True)`): the update step before issue 16;
-  after   moe_impl 'auto' (on CPU: 'grouped', capacity-padded batched einsum) and V0
+  after   moe_impl 'auto' (on CPU: 'grouped', matmuls over tiles of each expert's group) and V0
           from the first critic step's own forward.
 
 The machine may be shared, so everything is timed in INTERLEAVED rounds: each round
@@ -24,10 +24,10 @@ params x tokens forward, 3x that forward + backward, attention scores over the f
 T x T square the code computes) over every position of the padded batch, except that
 the routed experts count for real (non-padding) tokens only; EXECUTED = the same with
 the expert rows an implementation multiplies (dense: E / k x every position's; grouped:
-E C at the capacity the real tokens' routing selects, measured per MoE layer on the
-policy's routing of this batch; ragged on XLA:CPU: E x every position's). Shares: of the useful FLOPs per pass,
-and of the time of the separately jitted passes (their sum is printed against the whole
-step: XLA fuses across passes inside the step, so the two need not agree).
+the rows of the tiles the real tokens' routing needs, measured per MoE layer on the
+policy's routing of this batch; ragged on XLA:CPU: E x every position's). Shares: of the
+useful FLOPs per pass, and of the time of the separately jitted passes (their sum is
+printed against the whole step: XLA fuses across passes inside the step, so the two need not agree).
 """
 
 from __future__ import annotations

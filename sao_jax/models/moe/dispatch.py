@@ -9,7 +9,7 @@ gathered and no token is ever dropped.
 
 The local expert compute is one of three exact, dropless implementations (`moe_impl`):
   ragged   `ragged_dot` grouped GEMMs over the rows sorted by expert (GPU/TPU);
-  grouped  one batched einsum over capacity-padded groups (sao_jax/models/moe/grouped.py);
+  grouped  plain matmuls over tiles of each expert's group (sao_jax/models/moe/grouped.py);
   dense    every local expert on every token, combined with the routing weights.
 """
 
@@ -33,9 +33,10 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
 
     Measured (docs/benchmarks.md, "MoE expert compute"): XLA's CPU `ragged_dot` runs every
     row against every group (~15x a plain matmul of the useful work) and `dense` computes
-    E_local / k times the useful FLOPs, while `grouped` computes 1-1.5x of them as one
-    batched einsum. On GPU/TPU `ragged_dot` lowers to a grouped GEMM that does only the
-    useful work with no padding, so accelerators keep it. All three are exact and dropless.
+    E_local / k times the useful FLOPs, while `grouped` computes the useful rows plus under
+    one tile of R = N k / (4 E) rows per expert (<= 1.25x) as plain matmuls. On GPU/TPU
+    `ragged_dot` lowers to a grouped GEMM that does only the useful work with no padding,
+    so accelerators keep it. All three are exact and dropless.
     """
     if impl == "auto":
         return "grouped" if (backend or jax.default_backend()) == "cpu" else "ragged"

@@ -1,31 +1,33 @@
-"""Grouped expert matmul with a data-dependent capacity: only the useful work, dropless.
+"""Grouped expert matmul over tiles of each expert's group: only the useful work, dropless.
 
 For backends whose `ragged_dot` is not a grouped GEMM (XLA:CPU runs every row against
-every group), the routed SwiGLU experts run as batched einsums `[E, C, D] x [E, D, F]`
-over the (token, slot) pairs sorted by expert, each expert's group padded to a common
-capacity C:
+every group), the routed SwiGLU experts run as plain matmuls over the (token, slot)
+pairs sorted by expert, each expert's group cut into tiles of R rows:
 
   1. pairs m = n k + j (token n, slot j) are keyed by local expert (pairs of no local
      expert, and of masked tokens, get key E) and stably argsorted; sizes_e = the count
-     per expert, starts_e their prefix sums, rank_m = the pair's place in its group;
-  2. slot (e, c) holds pair order[starts_e + c] when c < sizes_e, nothing otherwise;
-  3. y = down(silu(x gate) * (x up)) batched over E; each pair reads its slot back and
-     out_n = sum_j w_nj y_(n, j).
+     per expert, starts_e their prefix sums;
+  2. tile i of expert e holds pairs order[starts_e + i R + r] for i R + r < sizes_e
+     (empty rows past the group's end);
+  3. per tile, y = down(silu(x gate_e) * (x up_e)) as three `[R, D] x [D, F]` matmuls;
+     each pair's row is written back and out_n = sum_j w_nj y_(n, j).
 
-Dropless needs C >= the largest group, which is data; einsum shapes must be static. So
-the capacity is cut into TILES of a static height R (a quarter of the balanced group
-size N k / E, rounded up to 8 rows) and the program runs ceil(max_e sizes_e / R) tiles
-in a `lax.fori_loop` whose trip count is that traced number: tile i computes slots
-[i R, (i + 1) R) of every expert as one `[E, R, D] x [E, D, F]` einsum. In effect the
-capacity is the largest group rounded up to R: ONE compiled loop body whatever the
-routing (no recompiles, no branch per bucket), never a dropped token, and the work is
-E x that capacity: 1.0-1.3x the useful rows for a balanced router, up to E / k x (the
-`dense` cost) when one expert takes everything.
+Group sizes are data and matmul shapes must be static, so the program is two
+`lax.fori_loop`s: over the E local experts (each slices its weights once), and inside,
+over ceil(sizes_e / R) tiles, a trip count that is TRACED. ONE compiled body whatever the
+routing (no recompiles, no branch per bucket), never a dropped token, and the rows
+multiplied are sum_e R ceil(sizes_e / R): the useful rows plus less than one tile per
+expert, whatever the imbalance. R is a quarter of the balanced group N k / E rounded up
+to 8 rows, so the padding is at most E R ~ 25% of the useful rows (~12% on average) for
+any router, balanced or not. (An earlier form padded every expert to the largest group
+and ran `[E, C, D] x [E, D, F]` batched einsums; at init routing, largest groups 2.4-3x
+the balanced size, that multiplied 2.5-3.3x the useful rows, and it measured slower
+even when balanced: docs/benchmarks.md, "MoE expert compute".)
 
 The backward is a `custom_vjp` (a loop with a traced trip count has no autodiff
-transpose) with static residuals in the pair layout [N k, F]; it walks the same tiles,
-accumulates the weight gradients in the loop carry and moves rows with gathers and
-unique-index writes only, never a scatter-add.
+transpose) with residuals in the pair layout [N k, F]; it walks the same tiles,
+accumulates each expert's weight gradients in the inner loop carry, writes them once per
+expert, and moves rows with gathers and unique-index writes only, never a scatter-add.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-TILES_PER_BALANCED_GROUP = 4  # R = balanced group / 4: capacity rounds up by <= 25%
+TILES_PER_BALANCED_GROUP = 4  # R = balanced group / 4: padding < E R = 25% of useful
 _ROW_MULTIPLE = 8
 
 
@@ -61,38 +64,43 @@ def dedupe_slots(experts_nk, weights_nk, valid_nk):
 
 
 class _Groups:
-    """Pairs sorted by expert: order, group sizes and starts, and each pair's rank."""
+    """Pairs sorted by expert: order, group sizes and starts, and the tiles of a group."""
 
     def __init__(self, key_m, num_local: int, rows: int):
-        m = key_m.shape[0]
-        self.key_m, self.rows = key_m, rows
+        self.m, self.rows = key_m.shape[0], rows
         self.order_m = jnp.argsort(key_m, stable=True).astype(jnp.int32)
         sizes = jnp.bincount(key_m, length=num_local + 1)[:num_local].astype(jnp.int32)
         self.sizes_e, self.starts_e = sizes, jnp.cumsum(sizes) - sizes
-        self.tiles = (jnp.max(sizes) + rows - 1) // rows  # traced trip count
-        self.m = m
 
-    def pairs_of_tile(self, i):
-        """[E, R] pair index of each slot of tile i (m = no pair: an empty slot)."""
+    def tiles(self, e):
+        """ceil(sizes_e / R): the traced trip count of expert e's tile loop."""
+        return (self.sizes_e[e] + self.rows - 1) // self.rows
+
+    def pairs_of_tile(self, e, i):
+        """[R] pair index of each row of tile i of expert e (m = no pair: an empty row)."""
         c_r = i * self.rows + jnp.arange(self.rows, dtype=jnp.int32)
-        filled_er = c_r[None, :] < self.sizes_e[:, None]
-        src_er = jnp.minimum(self.starts_e[:, None] + c_r[None, :], self.m - 1)
-        return jnp.where(filled_er, self.order_m[src_er], self.m)
+        src_r = jnp.minimum(self.starts_e[e] + c_r, self.m - 1)
+        return jnp.where(c_r < self.sizes_e[e], self.order_m[src_r], self.m)
 
 
-def _gather(a_mx, pair_er, fill=0):
-    """[M, X] rows at pair_er -> [E, R, X] (empty slots = fill)."""
-    return jnp.take(a_mx, pair_er, axis=0, mode="fill", fill_value=fill)
+def _gather(a_mx, pair_r, fill=0):
+    """[M, X] rows at pair_r -> [R, X] (empty rows = fill)."""
+    return jnp.take(a_mx, pair_r, axis=0, mode="fill", fill_value=fill)
 
 
-def _put(buf_mx, pair_er, val_erx):
-    """buf[pair] = val for every filled slot (pairs are unique; empty slots dropped)."""
-    return buf_mx.at[pair_er.reshape(-1)].set(val_erx.reshape(-1, val_erx.shape[-1]), mode="drop")
+def _put(buf_mx, pair_r, val_rx):
+    """buf[pair] = val for every filled row (pairs are unique; empty rows dropped)."""
+    return buf_mx.at[pair_r].set(val_rx, mode="drop")
 
 
-def _token_rows(x_nd, pair_er, k: int):
-    """x rows of the tokens of the pairs in the slots (pair m is token m // k)."""
-    return _gather(x_nd, jnp.where(pair_er < x_nd.shape[0] * k, pair_er // k, x_nd.shape[0]))
+def _token_rows(x_nd, pair_r, k: int):
+    """x rows of the tokens of the pairs in the tile (pair m is token m // k)."""
+    return _gather(x_nd, jnp.where(pair_r < x_nd.shape[0] * k, pair_r // k, x_nd.shape[0]))
+
+
+def _expert_weights(e, dtype, *w_edf):
+    """Expert e's slice of each weight, in the compute dtype."""
+    return tuple(jax.lax.dynamic_index_in_dim(w, e, keepdims=False).astype(dtype) for w in w_edf)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -106,19 +114,23 @@ def _grouped_fwd(x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, rows):
     k, f, dt = m // n, w_gate_edf.shape[-1], x_nd.dtype
     g = _Groups(key_m, w_gate_edf.shape[0], rows)
 
-    def tile(i, bufs):
-        y_md, gate_mf, up_mf = bufs
-        pair_er = g.pairs_of_tile(i)
-        x_erd = _token_rows(x_nd, pair_er, k)
-        gate_erf = jnp.einsum("erd,edf->erf", x_erd, w_gate_edf.astype(dt))
-        up_erf = jnp.einsum("erd,edf->erf", x_erd, w_up_edf.astype(dt))
-        h_erf = jax.nn.silu(gate_erf) * up_erf
-        y_erd = jnp.einsum("erf,efd->erd", h_erf, w_down_efd.astype(dt))
-        put = functools.partial(_put, pair_er=pair_er)
-        return put(y_md, val_erx=y_erd), put(gate_mf, val_erx=gate_erf), put(up_mf, val_erx=up_erf)
+    def expert(e, bufs):
+        w_gate_df, w_up_df, w_down_fd = _expert_weights(e, dt, w_gate_edf, w_up_edf, w_down_efd)
+
+        def tile(i, bufs):
+            y_md, gate_mf, up_mf = bufs
+            pair_r = g.pairs_of_tile(e, i)
+            x_rd = _token_rows(x_nd, pair_r, k)
+            gate_rf, up_rf = x_rd @ w_gate_df, x_rd @ w_up_df
+            y_rd = (jax.nn.silu(gate_rf) * up_rf) @ w_down_fd
+            put = functools.partial(_put, pair_r=pair_r)
+            return put(y_md, val_rx=y_rd), put(gate_mf, val_rx=gate_rf), put(up_mf, val_rx=up_rf)
+
+        return jax.lax.fori_loop(0, g.tiles(e), tile, bufs)
 
     zeros = lambda width: _vary_like(jnp.zeros((m, width), dt), x_nd)  # unrouted pairs: 0
-    y_md, gate_mf, up_mf = jax.lax.fori_loop(0, g.tiles, tile, (zeros(d), zeros(f), zeros(f)))
+    init = (zeros(d), zeros(f), zeros(f))
+    y_md, gate_mf, up_mf = jax.lax.fori_loop(0, w_gate_edf.shape[0], expert, init)
     out_nd = _combine(y_md, w_m, n, k, dt)
     res = (x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, y_md, gate_mf, up_mf)
     return out_nd, res
@@ -130,40 +142,62 @@ def _combine(y_md, w_m, n: int, k: int, dtype):
     return jnp.sum(y_mkd, axis=1).astype(dtype)
 
 
+def _outer(a_rx, b_ry):
+    """sum_r a_rx b_ry -> [X, Y] in float32 (weight-gradient accumulation)."""
+    return jnp.einsum("rx,ry->xy", a_rx, b_ry, preferred_element_type=jnp.float32)
+
+
 def _grouped_bwd(rows, res, dout_nd):
     x_nd, key_m, w_m, w_gate_edf, w_up_edf, w_down_efd, y_md, gate_mf, up_mf = res
     n, d = x_nd.shape
     m = key_m.shape[0]
-    k, dt = m // n, x_nd.dtype
+    k, dt, f32 = m // n, x_nd.dtype, jnp.float32
     g = _Groups(key_m, w_gate_edf.shape[0], rows)
-    dout_mkd = jnp.broadcast_to(dout_nd.astype(jnp.float32)[:, None, :], (n, k, d))
-    dout_md = dout_mkd.reshape(m, d)
+    dout_md = jnp.broadcast_to(dout_nd.astype(f32)[:, None, :], (n, k, d)).reshape(m, d)
     # d out / d w_m = <dout_n, y_m>; d out / d y_m = w_m dout_n.
-    dw_m = jnp.sum(dout_md * y_md.astype(jnp.float32), axis=-1).astype(w_m.dtype)
-    dy_md = (dout_md * w_m[:, None].astype(jnp.float32)).astype(dt)
-    wg, wu, wd = (w.astype(dt) for w in (w_gate_edf, w_up_edf, w_down_efd))
+    dw_m = jnp.sum(dout_md * y_md.astype(f32), axis=-1).astype(w_m.dtype)
+    dy_md = (dout_md * w_m[:, None].astype(f32)).astype(dt)
 
-    def tile(i, carry):
-        dx_md, d_gate, d_up, d_down = carry
-        pair_er = g.pairs_of_tile(i)
-        x_erd, dy_erd = _token_rows(x_nd, pair_er, k), _gather(dy_md, pair_er)
-        gate_erf, up_erf = _gather(gate_mf, pair_er), _gather(up_mf, pair_er)
-        sig_erf = jax.nn.sigmoid(gate_erf.astype(jnp.float32))
-        silu_erf = (gate_erf.astype(jnp.float32) * sig_erf).astype(dt)
-        d_down = d_down + jnp.einsum("erf,erd->efd", silu_erf * up_erf, dy_erd)
-        dh_erf = jnp.einsum("erd,efd->erf", dy_erd, wd)
-        dsilu_erf = sig_erf * (1 + gate_erf.astype(jnp.float32) * (1 - sig_erf))
-        dgate_erf = (dh_erf * up_erf * dsilu_erf.astype(dt)).astype(dt)
-        dup_erf = dh_erf * silu_erf
-        d_gate = d_gate + jnp.einsum("erd,erf->edf", x_erd, dgate_erf)
-        d_up = d_up + jnp.einsum("erd,erf->edf", x_erd, dup_erf)
-        dx_erd = jnp.einsum("erf,edf->erd", dgate_erf, wg) + jnp.einsum("erf,edf->erd", dup_erf, wu)
-        return _put(dx_md, pair_er, dx_erd), d_gate, d_up, d_down
+    def expert(e, carry):
+        dx_md, d_gate_edf, d_up_edf, d_down_efd = carry
+        w_gate_df, w_up_df, w_down_fd = _expert_weights(e, dt, w_gate_edf, w_up_edf, w_down_efd)
 
-    zeros = lambda a: _vary_like(jnp.zeros(a.shape, a.dtype), x_nd)
-    init = (zeros(dy_md), zeros(wg), zeros(wu), zeros(wd))
-    dx_md, d_gate, d_up, d_down = jax.lax.fori_loop(0, g.tiles, tile, init)
-    dx_nd = jnp.sum(dx_md.astype(jnp.float32).reshape(n, k, d), axis=1).astype(dt)
+        def tile(i, inner):
+            dx_md, d_gate_df, d_up_df, d_down_fd = inner
+            pair_r = g.pairs_of_tile(e, i)
+            x_rd, dy_rd = _token_rows(x_nd, pair_r, k), _gather(dy_md, pair_r)
+            gate_rf, up_rf = _gather(gate_mf, pair_r).astype(f32), _gather(up_mf, pair_r)
+            sig_rf = jax.nn.sigmoid(gate_rf)
+            silu_rf = (gate_rf * sig_rf).astype(dt)
+            dh_rf = dy_rd @ w_down_fd.T
+            dsilu_rf = (sig_rf * (1 + gate_rf * (1 - sig_rf))).astype(dt)
+            dgate_rf, dup_rf = dh_rf * up_rf * dsilu_rf, dh_rf * silu_rf
+            dx_rd = dgate_rf @ w_gate_df.T + dup_rf @ w_up_df.T
+            return (
+                _put(dx_md, pair_r, dx_rd),
+                d_gate_df + _outer(x_rd, dgate_rf),
+                d_up_df + _outer(x_rd, dup_rf),
+                d_down_fd + _outer(silu_rf * up_rf, dy_rd),
+            )
+
+        zeros = lambda w: _vary_like(jnp.zeros(w.shape, f32), x_nd)
+        init = (dx_md, zeros(w_gate_df), zeros(w_up_df), zeros(w_down_fd))
+        dx_md, d_gate_df, d_up_df, d_down_fd = jax.lax.fori_loop(0, g.tiles(e), tile, init)
+        put = lambda buf, val: jax.lax.dynamic_update_index_in_dim(buf, val, e, 0)
+        return (
+            dx_md,
+            put(d_gate_edf, d_gate_df),
+            put(d_up_edf, d_up_df),
+            put(d_down_efd, d_down_fd),
+        )
+
+    zeros = lambda shape, dtype: _vary_like(jnp.zeros(shape, dtype), x_nd)
+    init = (
+        zeros(dy_md.shape, dt),
+        *(zeros(w.shape, f32) for w in (w_gate_edf, w_up_edf, w_down_efd)),
+    )
+    dx_md, d_gate, d_up, d_down = jax.lax.fori_loop(0, w_gate_edf.shape[0], expert, init)
+    dx_nd = jnp.sum(dx_md.astype(f32).reshape(n, k, d), axis=1).astype(dt)
     return (
         dx_nd,
         jnp.zeros(key_m.shape, jax.dtypes.float0),
@@ -189,7 +223,7 @@ def grouped_local_moe(
     num_experts: int | None = None,
 ) -> jax.Array:
     """As `dispatch.local_moe` (experts in [offset, offset + E_local) only; others, and
-    negative ids, contribute zero), as capacity-tiled batched einsums. `num_experts` is
+    negative ids, contribute zero), as matmuls over tiles of each expert's group. `num_experts` is
     the model's E over all devices (default E_local): it sets the balanced group size."""
     n, k = experts_nk.shape
     e_local = w_gate_edf.shape[0]
@@ -229,21 +263,22 @@ def _same_varying_axes(*arrays):
 
 
 def padding_overhead(experts_nk, num_experts: int, token_mask_n=None) -> dict[str, float]:
-    """What the grouped path computes for this routing (host side, one device): the
-    capacity (largest group rounded up to the tile height), the largest group over the
-    balanced size of the routed (unmasked) pairs, and rows executed E C over useful rows."""
-    experts_nk = jnp.asarray(experts_nk)
+    """What the grouped path computes for this routing (host side, one device): the tile
+    height R, the tiles run (sum_e ceil(sizes_e / R)), the largest group over the balanced
+    size of the routed (unmasked) pairs, and the rows multiplied (tiles x R) over the useful
+    rows."""
+    experts_nk = np.asarray(experts_nk)
     n, k = experts_nk.shape
     if token_mask_n is not None:
-        experts_nk = jnp.where(jnp.asarray(token_mask_n)[:, None], experts_nk, -1)
+        experts_nk = np.where(np.asarray(token_mask_n)[:, None], experts_nk, -1)
     flat = experts_nk.reshape(-1)
-    sizes = jnp.bincount(jnp.where(flat >= 0, flat, num_experts), length=num_experts + 1)
-    useful = int(jnp.sum(sizes[:num_experts]))
-    largest = int(jnp.max(sizes[:num_experts]))
+    sizes = np.bincount(flat[flat >= 0], minlength=num_experts)[:num_experts]
+    useful = max(int(sizes.sum()), 1)
     rows = tile_rows(n, k, num_experts)
-    cap = rows * math.ceil(largest / rows)
+    tiles = int(np.sum(-(-sizes // rows)))
     return dict(
-        capacity=float(cap),
-        largest_over_balanced=largest * num_experts / max(useful, 1),
-        executed_over_useful=num_experts * cap / max(useful, 1),
+        rows=float(rows),
+        tiles=float(tiles),
+        largest_over_balanced=float(sizes.max()) * num_experts / useful,
+        executed_over_useful=tiles * rows / useful,
     )
