@@ -219,3 +219,85 @@ def state_summary(cfg, optim, state) -> str:
         f"{mib(total + b['critic AdamW, attention frozen'])}; frozen attention saves "
         f"{mib(saved)} MiB; live TrainState matches the plan: {'yes' if live_ok else 'NO'}"
     )
+
+
+def shape_programs(cfg, b: int, t: int) -> dict[str, tuple[object, int, int]]:
+    """The matmul shapes of one policy forward of this model: name -> (callable running
+    every call of that shape in a forward, as ONE jitted `fori_loop` (no per-call dispatch;
+    each call's input shifted by the loop index so nothing is hoisted), FLOPs of those
+    calls, calls). Plus the attention's masked softmax over [B, N, T, T] (no matmul FLOPs:
+    its time only). Timed beside the n x n peak, they bound the MFU this CPU reaches at
+    these widths: a forward of these shapes takes at least the sum of their times."""
+    dt = cfg.compute_dtype
+    d, n, kv, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    bt, keys = b * t, iter(jax.random.split(jax.random.key(2), 16))
+    normal = lambda *shape: jax.random.normal(next(keys), shape, dt)
+    moe = len(cfg.moe_layers)
+    dense, layers = cfg.num_hidden_layers - moe, cfg.num_hidden_layers
+    progs: dict[str, tuple[object, int, int]] = {}
+
+    def add(name, op, args, flops_per_call, calls):
+        out = jax.eval_shape(op, *args)
+
+        def run(x, *rest):
+            shifted = lambda i: x + i.astype(x.dtype)
+            body = lambda i, _: op(shifted(i), *rest)
+            return jax.lax.fori_loop(0, calls, body, jnp.zeros(out.shape, out.dtype))
+
+        jitted = jax.jit(run)
+        jax.block_until_ready(jitted(*args))
+        progs[name] = (lambda: jax.block_until_ready(jitted(*args)), flops_per_call * calls, calls)
+
+    mm = lambda x, w: x @ w
+    add("q, o projections [BT, D] x [D, N H]", mm, (normal(bt, d), normal(d, n * h)),
+        2 * bt * d * n * h, 2 * layers)  # fmt: skip
+    add("k, v projections [BT, D] x [D, K H]", mm, (normal(bt, d), normal(d, kv * h)),
+        2 * bt * d * kv * h, 2 * layers)  # fmt: skip
+    if dense:
+        f = cfg.intermediate_size
+        add("dense MLP [BT, D] x [D, F]", mm, (normal(bt, d), normal(d, f)),
+            2 * bt * d * f, 3 * dense)  # fmt: skip
+    if moe:
+        f, k, e = cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_experts
+        rows = grouped.tile_rows(bt, k, e)
+        add(f"expert tile [R={rows}, D] x [D, F_e]", mm, (normal(rows, d), normal(d, f)),
+            2 * rows * d * f, 3 * moe * -(-bt * k // rows))  # fmt: skip
+    add("LM head [BT, D] x [D, V]", mm, (normal(bt, d), normal(d, cfg.vocab_size)),
+        2 * bt * d * cfg.vocab_size, 1)  # fmt: skip
+    g = n // kv
+    q, kk = normal(b, t, kv, g, h), normal(b, t, kv, h)
+    scores = lambda q, k: jnp.einsum("btkgh,bskh->bkgts", q, k)
+    add("attention q k^T (contraction H)", scores, (q, kk), 2 * b * n * t * t * h, layers)
+    probs = normal(b, kv, g, t, t)
+    add("attention probs v", lambda p, v: jnp.einsum("bkgts,bskh->btkgh", p, v), (probs, kk),
+        2 * b * n * t * t * h, layers)  # fmt: skip
+    mask = jnp.tril(jnp.ones((t, t), bool))[None].repeat(b, 0)
+    soft = lambda s, m: jax.nn.softmax(jnp.where(m[:, None, None], s, -1e30), axis=-1)
+    add("attention masked softmax [B, N, T, T]", soft, (probs, mask), 0, layers)
+    return progs
+
+
+def shape_table(progs, times: dict[str, list[float]], peaks: list[float]) -> str:
+    """Rate of each shape over the same round's peak, and the forward's ceiling."""
+    lines = [
+        "  | program | calls per forward | GFLOP/s (median) | of peak (per-round median) "
+        "| share of the forward's time at these rates |",
+        "  |---|---|---|---|---|",
+    ]
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    total_s = sum(med.values())
+    flops = sum(fl for _, fl, _ in progs.values())
+    for name, (_, fl, calls) in progs.items():
+        rate = [fl / s / p for s, p in zip(times[name], peaks)]
+        lines.append(
+            f"  | {name} | {calls} | {fl / med[name] / 1e9:.1f} | "
+            f"{statistics.median(rate):.0%} | {med[name] / total_s:.0%} |"
+        )
+    ceiling = [flops / sum(ts[i] for ts in times.values()) / p for i, p in enumerate(peaks)]
+    lines.append(
+        f"  one forward at these rates: {flops / total_s / 1e9:.1f} GFLOP/s, "
+        f"{statistics.median(ceiling):.0%} of the peak (per-round range "
+        f"{min(ceiling):.0%}-{max(ceiling):.0%}): the useful-FLOP MFU ceiling of this model's "
+        "shapes on this machine (norms, RoPE, routing, gathers, optimizer excluded)"
+    )
+    return "\n".join(lines)

@@ -14,10 +14,12 @@ DIS loss, frozen critic attention) on a synthetic multi-turn batch, in two forms
           from the first critic step's own forward.
 
 The machine may be shared, so everything is timed in INTERLEAVED rounds: each round
-runs the fp32 (or --dtype) matmul peak (a chained n x n @ n x n `jnp.dot`), the
-before step, the after step and, unless --no-passes, each pass of both forms jitted on
-its own. Every MFU is computed per round against that round's peak, then the median and
-range over rounds are printed, with the load average before and after.
+runs the fp32 (or --dtype) matmul peak (a chained n x n @ n x n `jnp.dot`), each matmul
+shape of the model's forward jitted alone (the MFU ceiling at these widths:
+update_parts.shape_programs), the before step, the after step and, unless --no-passes,
+each pass of both forms jitted on its own. Every MFU is computed per round against that
+round's peak, then the median and range over rounds are printed, with the load average
+before and after.
 
 FLOPs (sao_jax/flops.py): USEFUL = the analytic matmul work of every pass (2 x active
 params x tokens forward, 3x that forward + backward, attention scores over the full
@@ -164,23 +166,27 @@ def bench_model(name, overrides, b, t, args, peak_fn):
         build_form(k, spec, overrides, b, t, args, host_batch, routing) for k, spec in FORMS.items()
     ]
     moe = parts.moe_kernel_times(cfg, b * t, args.rounds) if cfg.num_experts else {}
+    shapes = parts.shape_programs(cfg, b, t)
+    shape_times = {name: [] for name in shapes}
     load0 = os.getloadavg()[0]
     peaks = []
     for _ in range(args.rounds):
         peaks.append(peak_fn[1] / seconds(peak_fn[0]))
+        for name, (fn, _, _) in shapes.items():
+            shape_times[name].append(seconds(fn))
         for f in forms:
             f.times.append(seconds(f.step))
             for k, fn in f.pass_fns.items():
                 f.pass_times.setdefault(k, []).append(seconds(fn))
     load1 = os.getloadavg()[0]
-    return cfg, forms, peaks, (load0, load1), routing, moe
+    return cfg, forms, peaks, (load0, load1), routing, moe, (shapes, shape_times)
 
 
 def _med_range(xs, fmt="{:.1%}") -> str:
     return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
 
 
-def print_model(name, b, t, cfg, forms, peaks, load, routing, moe, args) -> None:
+def print_model(name, b, t, cfg, forms, peaks, load, routing, moe, shapes, args) -> None:
     print(
         f"\n## {name}: D={cfg.hidden_size} L={cfg.num_hidden_layers} "
         f"N/K/H={cfg.num_attention_heads}/{cfg.num_key_value_heads}/{cfg.head_dim} "
@@ -198,6 +204,8 @@ def print_model(name, b, t, cfg, forms, peaks, load, routing, moe, args) -> None
         print(parts.moe_kernel_summary(moe))
     peak_s = _med_range([p / 1e9 for p in peaks], "{:.1f}")
     print(f"{args.dtype} matmul peak per round: {peak_s} GFLOP/s over {len(peaks)} rounds")
+    print("this model's shapes, each jitted alone, timed in the same rounds:")
+    print(parts.shape_table(*shapes, peaks))
     scores = flops.attention_score_flops(cfg, b, t)
     for f in forms:
         useful = sum(f.passes_useful.values())
