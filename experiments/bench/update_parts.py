@@ -137,7 +137,8 @@ def pass_programs(learner, holder, batch) -> dict[str, object]:
     policy_fwd = jax.jit(
         lambda p, b: P.policy_pass(learner.policy_def.bind(p), b, replay=False)["logp"]
     )
-    policy_step = jax.jit(lambda s, b: learner._policy_step(s, b, b["rewards"], n_tok)[:2])
+    key = jax.random.key(0)  # the PPO minibatch shuffle (unused by SAO's single step)
+    policy_step = jax.jit(lambda s, b: learner._policy_step(s, b, b["rewards"], n_tok, key)[:2])
     run = lambda fn, args: lambda: jax.block_until_ready(fn(*args()))
     st = lambda: holder["state"]
     fns = {

@@ -44,11 +44,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from sao_jax.experiments.bench import update_parts as parts
 
-from configs import base
-from experiments.bench import update_parts as parts
 from sao_jax import config as config_lib
 from sao_jax import flops
+from sao_jax.configs import base
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.models.moe.dispatch import resolve_impl

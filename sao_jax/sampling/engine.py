@@ -21,201 +21,42 @@ place only, and a prompt or observation needs no logits from the prefill.
 Failures never kill the engine: an exception (or timeout) in env.reset/step, a tokenizer
 error, an empty or too long prompt drops that trajectory and reports a `Drop` with its
 reason. Model/jit errors propagate.
+
+Env calls run in a bounded pool of daemon threads (env_calls.py), concurrently across
+slots; `step` applies their results in slot order after waiting for all (deterministic),
+or, with `overlap_env` (the async sampler), parks a slot whose call still runs out of the
+decode batch while the others decode. Waits honour SIGTERM (env_calls.EnvCalls.check).
+The host records (settings, slots, drops) live in slots.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import threading
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from sao_jax.envs.base import Env, Prompt, StepResult
+from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel.partition import Params
+from sao_jax.sampling.env_calls import EnvCall, EnvCalls, EnvTimeoutError
 from sao_jax.sampling.generate import (
     GenerateFns,
-    SamplingParams,
     bucket_length,
-    default_buckets,
+    choose_spans,
     inert_rows,
 )
-from sao_jax.sampling.trajectory import Trajectory
-
-DROP_REASONS = (
-    "env_error",  # env.reset / env.step raised or returned something invalid
-    "env_timeout",  # env call exceeded env_timeout_s
-    "env_dropped",  # the env asked to drop the episode (info["dropped"], e.g. judge failure)
-    "tokenizer_error",  # encode/decode raised
-    "empty_prompt",  # the rendered prompt has no tokens
-    "prompt_too_long",  # prompt leaves no room for one generated token in max_len
+from sao_jax.sampling.slots import (  # noqa: F401  (EngineConfig, Drop: the engine's API)
+    DROP_REASONS,
+    TURN_ENDED,
+    Drop,
+    DropError,
+    EngineConfig,
+    Slot,
+    StepOutput,
+    after_turn,
+    checked_step,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Rollout engine settings (one engine per sampler worker)."""
-
-    num_slots: int = 4  # S: trajectories decoded together
-    max_len: int = 128  # L: cache length = longest trajectory in tokens
-    max_turn_tokens: int = 64  # a model turn ends after this many tokens
-    prefill_buckets: tuple[int, ...] = ()  # chunk widths; () = powers of two 8..L
-    steps_per_sync: int = 1  # decode steps per host check (overshoot is discarded)
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    record_routing: bool = False  # keep each token's chosen experts (routing replay)
-    add_bos: bool = True  # prepend tokenizer.bos_id (when it has one) to each prompt
-    env_timeout_s: float | None = None  # per env call; None = call inline, no timeout
-
-    def __post_init__(self):
-        for name in ("num_slots", "max_len", "max_turn_tokens", "steps_per_sync"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v > 0):
-                raise ValueError(f"EngineConfig.{name}: must be a positive int, got {v!r}")
-        if self.max_len < 2:
-            raise ValueError(f"EngineConfig.max_len: must be >= 2, got {self.max_len}")
-        b = tuple(self.prefill_buckets)
-        if b and (any(x <= 0 for x in b) or list(b) != sorted(set(b))):
-            raise ValueError(
-                f"EngineConfig.prefill_buckets: must be increasing positive ints, got {b}"
-            )
-        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
-            raise ValueError(f"EngineConfig.env_timeout_s: must be > 0, got {self.env_timeout_s}")
-        SamplingParams(self.temperature, self.top_k, self.top_p)  # validates them
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
-
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        return tuple(self.prefill_buckets) or default_buckets(self.max_len)
-
-
-class Drop(NamedTuple):
-    reason: str  # one of DROP_REASONS
-    prompt_uid: str
-    error: BaseException | None
-
-
-class StepOutput(NamedTuple):
-    finished: list[Trajectory]
-    dropped: list[Drop]
-    active: int  # busy slots after this step
-    generated: int  # action tokens kept this step
-
-
-class EnvTimeoutError(TimeoutError):
-    """An environment call did not return within env_timeout_s."""
-
-
-class _DropError(Exception):
-    def __init__(self, reason: str, error: BaseException | None):
-        super().__init__(reason)
-        self.reason, self.error = reason, error
-
-
-class _Slot:
-    """Host record of one in-flight trajectory (arrays preallocated to max_len)."""
-
-    def __init__(self, prompt: Prompt, max_len: int, routing_lk: tuple[int, int] | None):
-        self.prompt = prompt
-        self.tokens = np.zeros(max_len, np.int32)
-        self.action = np.zeros(max_len, np.bool_)
-        self.rollout_logp = np.zeros(max_len, np.float32)
-        self.sampled_logp = np.zeros(max_len, np.float32)
-        self.versions = np.zeros(max_len, np.int32)
-        self.turn_ids = np.full(max_len, -1, np.int32)
-        self.experts = None if routing_lk is None else np.full((max_len, *routing_lk), -1)
-        self.n = 0  # tokens so far
-        self.written = 0  # tokens whose keys/values are in the cache
-        self.turn = 0  # current model turn
-        self.turn_start = 0  # index of its first token
-        self.turn_rewards: list[float] = []
-        self.infos: list[dict[str, Any]] = []
-
-    def append_context(self, ids: list[int], version: int) -> None:
-        self.tokens[self.n : self.n + len(ids)] = ids
-        self.versions[self.n : self.n + len(ids)] = version
-        self.n += len(ids)
-        self.turn_start = self.n
-
-    def append_action(self, token: int, sampled_logp: float, rollout_logp: float, version: int):
-        i = self.n
-        self.tokens[i], self.action[i], self.turn_ids[i] = token, True, self.turn
-        self.sampled_logp[i], self.rollout_logp[i], self.versions[i] = (
-            sampled_logp,
-            rollout_logp,
-            version,
-        )
-        self.n += 1
-
-    def finish(self, *, terminated: bool, outcome: float, truncation: str | None) -> Trajectory:
-        n = self.n
-        errors = [i.get("error") for i in self.infos if i.get("error")]
-        info = dict(
-            success=self.infos[-1].get("success") if self.infos else None,
-            errors=errors,
-            truncation=truncation,
-            turn_infos=self.infos,
-            meta=dict(self.prompt.meta),
-        )
-        return Trajectory(
-            tokens=self.tokens[:n].copy(),
-            action_mask=self.action[:n].copy(),
-            rollout_logp=self.rollout_logp[:n].copy(),
-            sampled_logp=self.sampled_logp[:n].copy(),
-            versions=self.versions[:n].copy(),
-            turn_ids=self.turn_ids[:n].copy(),
-            turn_rewards=np.asarray(self.turn_rewards, np.float32),
-            outcome=float(outcome),
-            terminated=terminated,
-            truncated=not terminated,
-            prompt_uid=self.prompt.uid,
-            info=info,
-            experts=None if self.experts is None else self.experts[:n].astype(np.int32),
-        )
-
-
-def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float | None) -> Any:
-    """fn(*args), or EnvTimeoutError after timeout_s (the call is left running in a daemon
-    thread; the caller must stop using whatever object it was working on)."""
-    if timeout_s is None:
-        return fn(*args)
-    box: dict[str, Any] = {}
-
-    def run():
-        try:
-            box["out"] = fn(*args)
-        except BaseException as e:
-            box["err"] = e
-
-    t = threading.Thread(target=run, daemon=True, name="env-call")
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise EnvTimeoutError(f"environment call {fn!r} exceeded {timeout_s}s")
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
-
-
-def _checked(result) -> StepResult:
-    """The env's StepResult, or a drop (env_error) when it is malformed."""
-    ok = (
-        isinstance(result, StepResult)
-        and isinstance(result.observation, str)
-        and isinstance(result.reward, (int, float, np.number))
-        and math.isfinite(float(result.reward))
-        and isinstance(result.info, dict)
-    )
-    if not ok:
-        raise _DropError("env_error", TypeError(f"env.step returned an invalid {result!r}"))
-    return result
+from sao_jax.sampling.trajectory import Trajectory
 
 
 class Engine:
@@ -251,7 +92,10 @@ class Engine:
         self._envs: list[Env] = [env_factory() for _ in range(cfg.num_slots)]
         self._stops = tuple(getattr(self._envs[0], "stop_strings", ()))
         self._stop_window = 4 * max((len(st) for st in self._stops), default=0) + 8
-        self._slots: list[_Slot | None] = [None] * cfg.num_slots
+        self._slots: list[Slot | None] = [None] * cfg.num_slots
+        self._parked: dict[int, tuple[Slot, EnvCall]] = {}  # slots waiting for env.step
+        self.env_calls = EnvCalls(cfg.env_workers, cfg.env_timeout_s)
+        self.overlap_env = False  # True: decode other slots while env calls run
         self._routing = fns.routing_shape if cfg.record_routing else None
         self._key = jax.random.key(seed) if isinstance(seed, int) else seed
         self._cache = None
@@ -272,7 +116,8 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return sum(s is not None for s in self._slots)
+        """Slots holding a trajectory: decoding, or parked while their env call runs."""
+        return sum(s is not None for s in self._slots) + len(self._parked)
 
     # ---- host helpers -------------------------------------------------------------------
 
@@ -280,7 +125,7 @@ class Engine:
         try:
             ids = [int(i) for i in self.tok.encode(text)]
         except Exception as e:
-            raise _DropError("tokenizer_error", e) from e
+            raise DropError("tokenizer_error", e) from e
         bad = [i for i in ids if not 0 <= i < self.fns.model_cfg.vocab_size]
         if bad:
             raise ValueError(f"tokenizer.encode returned id {bad[0]} outside the model vocab")
@@ -290,47 +135,54 @@ class Engine:
         try:
             return self.tok.decode([int(i) for i in ids])
         except Exception as e:
-            raise _DropError("tokenizer_error", e) from e
+            raise DropError("tokenizer_error", e) from e
 
     def _env_call(self, s: int, fn_name: str, arg):
-        env = self._envs[s]
-        try:
-            return call_with_timeout(getattr(env, fn_name), (arg,), self.cfg.env_timeout_s)
-        except EnvTimeoutError as e:
-            self._envs[s] = self._env_factory()  # the old one may still be busy
-            raise _DropError("env_timeout", e) from e
-        except Exception as e:
-            raise _DropError("env_error", e) from e
+        """env.<fn_name>(arg) of slot s through the pool, waited for."""
+        call = self.env_calls.submit(getattr(self._envs[s], fn_name), arg)
+        self.env_calls.wait([call])
+        return self._env_result(s, call)
 
-    def _start(self, s: int, prompt: Prompt, version: int) -> _Slot:
+    def _env_result(self, s: int, call: EnvCall):
+        """What a finished call returned; a timed-out or failed one is a drop."""
+        if isinstance(call.error, EnvTimeoutError):
+            self._envs[s] = self._env_factory()  # the old one may still be busy
+            raise DropError("env_timeout", call.error) from call.error
+        if isinstance(call.error, Exception):
+            raise DropError("env_error", call.error) from call.error
+        if call.error is not None:  # KeyboardInterrupt, SystemExit in the env thread
+            raise call.error
+        return call.result
+
+    def _start(self, s: int, prompt: Prompt, version: int) -> Slot:
         text = self._env_call(s, "reset", prompt)
         if not isinstance(text, str):
-            raise _DropError("env_error", TypeError(f"env.reset returned {type(text)}"))
+            raise DropError("env_error", TypeError(f"env.reset returned {type(text)}"))
         ids = self._encode(text)
         bos = getattr(self.tok, "bos_id", None)
         if self.cfg.add_bos and bos is not None:
             ids = [bos, *ids]
         if not ids:
-            raise _DropError("empty_prompt", None)
+            raise DropError("empty_prompt", None)
         if len(ids) >= self.cfg.max_len:
             err = ValueError(
                 f"prompt {prompt.uid!r} has {len(ids)} tokens; max_len={self.cfg.max_len} "
                 "leaves no room to generate"
             )
-            raise _DropError("prompt_too_long", err)
-        slot = _Slot(prompt, self.cfg.max_len, self._routing)
+            raise DropError("prompt_too_long", err)
+        slot = Slot(prompt, self.cfg.max_len, self._routing)
         slot.append_context(ids, version)
         return slot
 
     def _fill(self, next_prompt: Callable[[], Prompt | None], version: int, dropped: list):
         for s in range(self.cfg.num_slots):
-            while self._slots[s] is None:
+            while self._slots[s] is None and s not in self._parked:
                 prompt = next_prompt()
                 if prompt is None:
                     return
                 try:
                     self._slots[s] = self._start(s, prompt, version)
-                except _DropError as d:
+                except DropError as d:
                     dropped.append(Drop(d.reason, prompt.uid, d.error))
 
     # ---- device calls -------------------------------------------------------------------
@@ -346,12 +198,17 @@ class Engine:
             width = bucket_length(most, self.cfg.buckets)
             tokens_sc, positions_sc = inert_rows(S, width, L)
             counts = [min(p, width) for p in pending]
+            need_s = np.zeros(S, np.int64)  # cache slots each writing row reads
             for s, c in enumerate(counts):
                 if c > 0:
                     sl = self._slots[s]
                     tokens_sc[s, :c] = sl.tokens[sl.written : sl.written + c]
                     positions_sc[s, :c] = np.arange(sl.written, sl.written + c)
-            self._cache, experts = self.fns.prefill(params, self._cache, tokens_sc, positions_sc)
+                    need_s[s] = sl.written + c
+            spans = choose_spans(need_s, self.cfg.spans)  # inert rows' outputs are unused
+            self._cache, experts = self.fns.prefill(
+                params, self._cache, tokens_sc, positions_sc, spans
+            )
             self.calls["prefill"] += 1
             experts = None if (experts is None or self._routing is None) else np.asarray(experts)
             for s, c in enumerate(counts):
@@ -365,19 +222,22 @@ class Engine:
         S, L = self.cfg.num_slots, self.cfg.max_len
         tokens_s = np.zeros(S, np.int32)
         positions_s = np.full(S, L, np.int32)
+        need_s = np.zeros(S, np.int64)  # free slots' samples are unused
         for s, sl in enumerate(self._slots):
             if sl is not None:
                 tokens_s[s], positions_s[s] = sl.tokens[sl.n - 1], sl.n - 1
+                need_s[s] = min(sl.n - 1 + self.cfg.steps_per_sync, L)
+        spans = choose_spans(need_s, self.cfg.spans, self.cfg.lane_slots)
         self._key, step_key = jax.random.split(self._key)
         self._cache, out = self.fns.decode(
-            params, self._cache, tokens_s, positions_s, step_key, self._sampling
+            params, self._cache, tokens_s, positions_s, step_key, self._sampling, spans
         )
         self.calls["decode"] += 1
         return jax.tree.map(np.asarray, out)
 
     # ---- turn logic ---------------------------------------------------------------------
 
-    def _turn_ended(self, sl: _Slot, token: int) -> bool:
+    def _turn_ended(self, sl: Slot, token: int) -> bool:
         if token == getattr(self.tok, "eos_id", None):
             return True
         if sl.n - sl.turn_start >= self.cfg.max_turn_tokens:
@@ -388,15 +248,46 @@ class Engine:
             return any(st in tail for st in self._stops)
         return False
 
-    def _end_turn(self, s: int, version: int) -> Trajectory | None:
-        """Steps the env on the finished turn; returns the trajectory if it is over."""
+    def _end_turn(self, s: int) -> None:
+        """Submits env.step on slot s's finished turn and parks the slot until it returns."""
         sl = self._slots[s]
         ids = sl.tokens[sl.turn_start : sl.n]
-        if len(ids) and ids[-1] == getattr(self.tok, "eos_id", None):
+        ended_at_eos = bool(len(ids)) and ids[-1] == getattr(self.tok, "eos_id", None)
+        if ended_at_eos:
             ids = ids[:-1]
-        result = _checked(self._env_call(s, "step", self._decode_text(ids)))
+        sl.ended_at_eos = ended_at_eos  # the observation then drops the template's eos text
+        text = self._decode_text(ids)
+        self._parked[s] = (sl, self.env_calls.submit(self._envs[s].step, text))
+        self._slots[s] = None
+
+    def _collect_env_steps(self, version: int, *, block: bool, every: bool):
+        """[(slot, trajectory or None, drop or None)] of the parked slots whose env call is
+        done, in slot order (waiting for all of them, or for one, when `block`); a slot
+        whose episode goes on is back in the decode batch."""
+        calls = [call for _, call in self._parked.values()]
+        if block and calls:
+            self.env_calls.wait(calls, every=every)
+        out = []
+        for s in sorted(self._parked):
+            sl, call = self._parked[s]
+            if not call.done:
+                continue
+            del self._parked[s]
+            try:
+                traj = self._apply_step(s, sl, self._env_result(s, call), version)
+            except DropError as d:
+                out.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
+                continue
+            if traj is None:
+                self._slots[s] = sl
+            out.append((s, traj, None))
+        return out
+
+    def _apply_step(self, s: int, sl: Slot, result, version: int) -> Trajectory | None:
+        """Records env.step's result on slot s; returns the trajectory if it is over."""
+        result = checked_step(result)
         if result.info.get("dropped"):
-            raise _DropError("env_dropped", RuntimeError(str(result.info.get("error", ""))))
+            raise DropError("env_dropped", RuntimeError(str(result.info.get("error", ""))))
         sl.turn_rewards.append(float(result.reward))
         sl.infos.append(dict(result.info))
         sl.turn += 1
@@ -404,7 +295,7 @@ class Engine:
             return sl.finish(terminated=True, outcome=result.reward, truncation=None)
         if sl.turn >= self._envs[s].max_turns:
             return sl.finish(terminated=False, outcome=0.0, truncation="max_turns")
-        obs = self._encode(result.observation)
+        obs = self._encode(after_turn(result.observation, self.tok, sl.ended_at_eos))
         if sl.n + len(obs) + 1 > self.cfg.max_len:
             return sl.finish(terminated=False, outcome=0.0, truncation="max_len")
         sl.append_context(obs, version)
@@ -422,7 +313,7 @@ class Engine:
             sl.append_action(token, out.sampled_logp_ns[i, s], out.rollout_logp_ns[i, s], version)
             kept += 1
             if self._turn_ended(sl, token):
-                return self._end_turn(s, version), kept
+                return TURN_ENDED, kept
             if sl.n >= self.cfg.max_len:
                 return sl.finish(terminated=False, outcome=0.0, truncation="max_len"), kept
         return None, kept
@@ -440,26 +331,44 @@ class Engine:
         dropped: list[Drop] = []
         if self._cache is None:
             self._cache = self.fns.init_cache(params)
+        if self._parked:  # overlap mode: env calls of earlier steps that are done by now
+            self._split(
+                self._collect_env_steps(version, block=False, every=False), finished, dropped
+            )
         self._fill(next_prompt, version, dropped)
-        if self.active == 0:
-            return StepOutput(finished, dropped, 0, 0)
+        if all(sl is None for sl in self._slots):  # nothing to decode
+            if self._parked:  # wait for one env call, then report
+                done = self._collect_env_steps(version, block=True, every=False)
+                self._split(done, finished, dropped)
+            return StepOutput(finished, dropped, self.active, 0)
         self._prefill_pending(params)
         out = self._decode(params)
         generated = 0
+        ended: list[tuple[int, Trajectory | None, Drop | None]] = []  # (slot, traj, drop)
         for s, sl in enumerate(self._slots):
             if sl is None:
                 continue
             try:
                 traj, kept = self._advance(s, out, version)
-            except _DropError as d:
-                dropped.append(Drop(d.reason, sl.prompt.uid, d.error))
+                generated += kept
+                if traj is TURN_ENDED:
+                    self._end_turn(s)
+                elif traj is not None:
+                    ended.append((s, traj, None))
+                    self._slots[s] = None
+            except DropError as d:
+                ended.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
                 self._slots[s] = None
-                continue
-            generated += kept
-            if traj is not None:
-                finished.append(traj)
-                self._slots[s] = None
+        # The env steps of this decode call run concurrently; by default all are waited
+        # for, so the step's result does not depend on thread timing.
+        ended += self._collect_env_steps(version, block=not self.overlap_env, every=True)
+        self._split(sorted(ended, key=lambda e: e[0]), finished, dropped)
         return StepOutput(finished, dropped, self.active, generated)
+
+    @staticmethod
+    def _split(entries, finished: list, dropped: list) -> None:
+        finished += [traj for _, traj, _ in entries if traj is not None]
+        dropped += [drop for _, _, drop in entries if drop is not None]
 
     def run(
         self, params: Params, prompts: Iterable[Prompt], version: int = 0
