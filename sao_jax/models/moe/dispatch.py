@@ -34,9 +34,10 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     Measured (docs/benchmarks.md, "MoE expert compute"): XLA's CPU `ragged_dot` runs every
     row against every group (~15x a plain matmul of the useful work) and `dense` computes
     E_local / k times the useful FLOPs, while `grouped` computes the useful rows plus under
-    one tile of R = N k / (4 E) rows per expert (<= 1.25x) as plain matmuls. On GPU/TPU
-    `ragged_dot` lowers to a grouped GEMM that does only the useful work with no padding,
-    so accelerators keep it. All three are exact and dropless.
+    one tile of R = N k / (4 E) rows per expert (<= 1.25x) as plain matmuls. On TPU
+    `ragged_dot` is a grouped matmul over the routed rows only; on GPU it is one where
+    cuDNN/hipBLASLt grouped GEMMs cover the shapes, else XLA pads it to a batched dot (not
+    measured here: docs/benchmarks.md says how to check). All three are exact and dropless.
     """
     if impl == "auto":
         return "grouped" if (backend or jax.default_backend()) == "cpu" else "ragged"
