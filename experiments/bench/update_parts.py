@@ -187,7 +187,10 @@ def pass_table(passes_useful: dict[str, int], pass_times, step_s: float) -> str:
 
 
 def state_bytes(cfg, optim, state) -> tuple[dict[str, int], bool]:
-    """Global bytes from the memory plan (one device) and whether the live state agrees."""
+    """Global bytes from the memory plan (one device), the live critic AdamW bytes, and
+    whether the live state agrees with the plan where the plan models the configured
+    set: its frozen row is attention frozen exactly (`all_but_attention`); the default
+    `optim.critic.trainable = "moe"` also freezes embedding and norms (smaller still)."""
     plan = memory_plan(cfg, optim, parse_mesh("", 1))
     out = {
         "policy params": plan.policy_total.global_bytes,
@@ -195,14 +198,18 @@ def state_bytes(cfg, optim, state) -> tuple[dict[str, int], bool]:
         "policy AdamW": plan.policy_opt.global_bytes,
         "critic AdamW, attention frozen": plan.critic_opt_frozen.global_bytes,
         "critic AdamW, all trainable": plan.critic_opt_full.global_bytes,
+        "critic AdamW, live": tree_bytes(state.critic_opt),
     }
-    frozen = optim.critic.freeze_attention
+    critic = optim.critic
+    modelled = {"all": "critic AdamW, all trainable"}
+    if critic.freeze_attention:
+        modelled = {"all_but_attention": "critic AdamW, attention frozen"}
+    row = modelled.get(critic.get("trainable", "all_but_attention"))
     live_ok = (
         tree_bytes(state.policy) == out["policy params"]
         and tree_bytes(state.critic) == out["critic params"]
         and tree_bytes(state.policy_opt) == out["policy AdamW"]
-        and tree_bytes(state.critic_opt)
-        == out["critic AdamW, attention frozen" if frozen else "critic AdamW, all trainable"]
+        and (row is None or out["critic AdamW, live"] == out[row])
     )
     return out, live_ok
 
@@ -216,8 +223,10 @@ def state_summary(cfg, optim, state) -> str:
         f"state MiB: policy params {mib(b['policy params'])}, critic params "
         f"{mib(b['critic params'])}, policy AdamW {mib(b['policy AdamW'])}, critic AdamW "
         f"{mib(b['critic AdamW, attention frozen'])} (attention frozen) / "
-        f"{mib(b['critic AdamW, all trainable'])} (all trainable); total "
-        f"{mib(total + b['critic AdamW, attention frozen'])}; frozen attention saves "
+        f"{mib(b['critic AdamW, all trainable'])} (all trainable) / "
+        f"{mib(b['critic AdamW, live'])} (live: optim.critic.trainable = "
+        f"{optim.critic.get('trainable', '-')!r}); total "
+        f"{mib(total + b['critic AdamW, live'])}; frozen attention saves "
         f"{mib(saved)} MiB; live TrainState matches the plan: {'yes' if live_ok else 'NO'}"
     )
 
