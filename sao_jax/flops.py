@@ -16,6 +16,11 @@ which is what `grouped_attention` computes (a masked square, no causal skipping)
 `causal=True` halves them to the useful work of a causal mask. Softmaxes, norms, RoPE,
 the router's top-k and the MoE sort/gather are not counted. B x T counts every
 position of the padded batch, since the model computes on all of them.
+
+These are the USEFUL FLOPs. What a backend executes can be more: `expert_factor` = rows
+an MoE implementation multiplies per useful (token, slot) row (1: only the useful work;
+`dense`: E / k; `grouped`: its tiles' rows over the useful rows, under 1 + E R / (N k);
+XLA:CPU's `ragged_dot`: E) turns a count into the EXECUTED FLOPs of that implementation.
 """
 
 from __future__ import annotations
@@ -111,6 +116,13 @@ def attention_score_flops(cfg: ModelConfig, batch: int, length: int, *, causal: 
     return total // 2 if causal else total
 
 
+def expert_forward_flops(cfg: ModelConfig, batch: int, length: int) -> int:
+    """Useful FLOPs of the routed experts in one forward: L_moe x 2 x 3 k D F_e x B x T."""
+    _check_positive(batch=batch, length=length)
+    per_token = 2 * 3 * cfg.num_experts_per_tok * cfg.hidden_size * cfg.moe_intermediate_size
+    return len(cfg.moe_layers) * per_token * batch * length
+
+
 def model_pass_flops(
     cfg: ModelConfig,
     batch: int,
@@ -120,17 +132,20 @@ def model_pass_flops(
     head: str = "policy",
     frozen_attention: bool = False,
     causal: bool = False,
+    expert_factor: float = 1.0,
 ) -> int:
     """FLOPs of one pass of the policy (or critic) over a [batch, length] batch.
 
     forward = 2 P B T + S with P = matmul_params(cfg, head), S = attention scores;
     with `backward`, 3 x forward; a frozen attention (stop_gradient on its weights)
     skips the weight gradients of the q/k/v/o projections: - 2 L P_attn B T.
+    `expert_factor` != 1 adds (factor - 1) x the expert FLOPs (executed, not useful).
     """
     _check_positive(batch=batch, length=length)
     tokens = batch * length
     forward = 2 * matmul_params(cfg, head) * tokens
     forward += attention_score_flops(cfg, batch, length, causal=causal)
+    forward += round((expert_factor - 1) * expert_forward_flops(cfg, batch, length))
     if not backward:
         return forward
     total = 3 * forward
@@ -149,22 +164,28 @@ def update_step_passes(
     frozen_attention: bool = True,
     old_logp: bool = False,
     causal: bool = False,
+    separate_v0: bool = False,
+    expert_factor: float = 1.0,
 ) -> dict[str, int]:
     """FLOPs of each model pass of one `update_step` (sao_jax/rl/update.py), in order.
 
-    critic_first (SAO's default): critic forward for the targets, K critic forward +
-    backward steps, critic forward recompute, policy forward + backward.
-    policy_first: critic forward, policy forward + backward, K critic steps.
-    `old_logp`: one more policy forward for pi_old (losses that need it, e.g. ppo_clip).
+    critic_first (SAO's default): K critic forward + backward steps (V0 for the targets
+    comes from step 1's forward), critic forward recompute (V1), policy forward +
+    backward. policy_first: the policy step, then the K critic steps.
+    `separate_v0`: V0 by its own critic forward first (`Learner(separate_v0_pass=True)`,
+    the form before issue 16). `old_logp`: one more policy forward for pi_old (losses
+    that need it, e.g. ppo_clip). `expert_factor`: see the module docstring.
     """
     _check_positive(k_critic=k_critic)
     if order not in ORDERS:
         raise ConfigError(f"argument order: must be one of {ORDERS}, got {order!r}")
-    fwd = dict(batch=batch, length=length, causal=causal, backward=False)
+    fwd = dict(
+        batch=batch, length=length, causal=causal, backward=False, expert_factor=expert_factor
+    )
     bwd = dict(fwd, backward=True)
     critic_fwd = model_pass_flops(cfg, head="critic", **fwd)
     critic_step = model_pass_flops(cfg, head="critic", frozen_attention=frozen_attention, **bwd)
-    passes = {"critic forward (targets)": critic_fwd}
+    passes = {"critic forward (targets)": critic_fwd} if separate_v0 else {}
     critic_steps = {f"critic step {i + 1} (fwd+bwd)": critic_step for i in range(k_critic)}
     policy = {}
     if old_logp:

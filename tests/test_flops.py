@@ -127,11 +127,18 @@ def test_update_step_counts_every_pass():
     fwd_c = flops.model_pass_flops(TINY, b, t, backward=False, head="critic")
     step_c = flops.model_pass_flops(TINY, b, t, backward=True, head="critic", frozen_attention=True)
     step_p = flops.model_pass_flops(TINY, b, t, backward=True)
-    passes = flops.update_step_passes(TINY, b, t, 2)
-    assert list(passes.values()) == [fwd_c, step_c, step_c, fwd_c, step_p]
-    assert flops.update_step_flops(TINY, b, t, 2) == 2 * fwd_c + 2 * step_c + step_p
+    passes = flops.update_step_passes(TINY, b, t, 2)  # V0 from the first critic step
+    assert list(passes.values()) == [step_c, step_c, fwd_c, step_p]
+    assert flops.update_step_flops(TINY, b, t, 2) == fwd_c + 2 * step_c + step_p
+    separate = flops.update_step_passes(TINY, b, t, 2, separate_v0=True)
+    assert list(separate.values()) == [fwd_c, step_c, step_c, fwd_c, step_p]
     first = flops.update_step_passes(TINY, b, t, 3, order="policy_first", old_logp=True)
-    assert len(first) == 1 + 1 + 1 + 3 and "critic forward (recompute)" not in first
+    assert len(first) == 1 + 1 + 3 and "critic forward (recompute)" not in first
+    # Executed FLOPs of an MoE path that multiplies every expert (E / k = 4x the rows).
+    experts = flops.expert_forward_flops(TINY, b, t)
+    assert experts == len(TINY.moe_layers) * 6 * 2 * 64 * 64 * b * t
+    dense = flops.update_step_flops(TINY, b, t, 2, expert_factor=4.0)
+    assert dense - flops.update_step_flops(TINY, b, t, 2) == 3 * experts * (1 + 2 * 3 + 3)
     full = flops.update_step_flops(TINY, b, t, 2, frozen_attention=False)
     assert full - flops.update_step_flops(TINY, b, t, 2) == 2 * (
         2 * TINY.num_hidden_layers * flops.attention_proj_params(TINY) * b * t

@@ -27,7 +27,7 @@ def get_config(arg=None):
     c.tie_word_embeddings = False
     c.router_aux_loss_coef = 0.001
     c.initializer_range = 0.02
-    c.moe_impl = "auto"  # 'dense' on CPU (faster for 8 experts), 'ragged' on accelerators
+    c.moe_impl = "auto"  # 'grouped' on CPU (measured fastest), 'ragged' on accelerators
     c.dtype = "float32"
     c.param_dtype = "float32"
     return c

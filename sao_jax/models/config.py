@@ -41,7 +41,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss (0 disables)
     initializer_range: float = 0.02
-    moe_impl: str = "auto"  # expert compute: 'ragged' (grouped GEMM), 'dense', 'auto'
+    moe_impl: str = "auto"  # expert compute: 'ragged' (grouped GEMM), 'grouped', 'dense', 'auto'
     dtype: str = "float32"  # activation / matmul dtype
     param_dtype: str = "float32"  # parameter storage dtype
 
@@ -194,7 +194,7 @@ def _check(c: ModelConfig) -> None:
         "model.router_aux_loss_coef",
         f"must be >= 0, got {c.router_aux_loss_coef}",
     )
-    impls = ("auto", "ragged", "dense")
+    impls = ("auto", "ragged", "grouped", "dense")
     require(c.moe_impl in impls, "model.moe_impl", f"must be one of {impls}, got {c.moe_impl!r}")
     for name in ("dtype", "param_dtype"):
         v = getattr(c, name)

@@ -71,7 +71,9 @@ class DecoderLayer(nnx.Module):
         x_btd = x_btd + h
         routing = None
         if self.is_moe:
-            h, routing = self.mlp(self.post_attn_norm(x_btd), forced_experts_btk)
+            h, routing = self.mlp(
+                self.post_attn_norm(x_btd), forced_experts_btk, token_mask_bt=segment_ids_bt != 0
+            )
         else:
             h = self.mlp(self.post_attn_norm(x_btd))
         return x_btd + h, cache, routing

@@ -19,11 +19,13 @@ it is credited, undiscounted, to the last action token *before* it in time (so a
 written on a trailing observation still reaches the advantages in full); one before the
 row's first action token has nothing to credit and is dropped.
 
-Two implementations with equal results (up to float rounding): `impl="scan"`, a reverse
-`lax.scan` over T, and `impl="associative"`, the same first-order linear recurrence
+Three implementations with equal results (up to float rounding): `impl="scan"`, a reverse
+`lax.scan` over T; `impl="associative"`, the same first-order linear recurrence
 A_t = d_t + c_t * A_{t+1} (c_t = gamma*lam on actions, 1 on observations) evaluated with
-`lax.associative_scan`. `default_gae_impl(backend)` picks one per backend
-(docs/benchmarks.md, "GAE").
+`lax.associative_scan`; and `impl="chunked"`, a closed form of the whole recursion as ONE
+recurrence solved in blocks of tokens with two small matmuls and a scan over blocks
+(sao_jax/rl/gae_chunked.py; rows with gamma*lam < 0.01, e.g. lam = 0, take the scan).
+`default_gae_impl(backend)` picks one per backend (docs/benchmarks.md, "GAE").
 """
 
 from __future__ import annotations
@@ -35,14 +37,16 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax.rl import registry as rg
+from sao_jax.rl.gae_chunked import MIN_DISCOUNT, gae_chunked
 
-GAE_IMPLS = ("scan", "associative")
-# CPU: measured by experiments/bench/gae.py (docs/benchmarks.md, "GAE"): the reverse scan
-# beats the associative form 2.5-4x at every measured T. GPU/TPU: not measured yet; there a
+GAE_IMPLS = ("scan", "associative", "chunked")
+# CPU: measured by experiments/bench/gae.py (docs/benchmarks.md, "GAE"): the chunked form
+# beats the reverse scan (latency-bound: one loop step per token over B lanes) at every
+# measured T, and the scan beats the associative form. GPU/TPU: not measured yet; there a
 # scan step per token costs a loop iteration on the device, and the associative form's
 # O(log T) depth is the usual choice.
 _DEFAULT_IMPL = {
-    "cpu": "scan",
+    "cpu": "chunked",
     "gpu": "associative",
     "cuda": "associative",
     "rocm": "associative",
@@ -111,12 +115,33 @@ def _gae_scan(r_bt, v_bt, m_bt, gamma, lam_b, last_b, unroll: int = 8):
     return a_tb.T
 
 
+def _with_returns(fn):
+    def both(r_bt, v_bt, m_bt, gamma, lam_b, last_b):
+        a_bt = fn(r_bt, v_bt, m_bt, gamma, lam_b, last_b)
+        return a_bt, jnp.where(m_bt, a_bt + v_bt, 0.0)
+
+    return both
+
+
+def _gae_chunked_or_scan(r_bt, v_bt, m_bt, gamma, lam_b, last_b):
+    """The chunked form, or the scan when a row with actions has gamma*lam < MIN_DISCOUNT."""
+    tiny = jnp.any(jnp.where(gamma * lam_b < MIN_DISCOUNT, jnp.any(m_bt, axis=1), False))
+    return jax.lax.cond(
+        tiny, _with_returns(_gae_scan), gae_chunked, r_bt, v_bt, m_bt, gamma, lam_b, last_b
+    )
+
+
+_IMPL_FNS = {
+    "scan": _with_returns(_gae_scan),
+    "associative": _with_returns(_gae_associative),
+    "chunked": _gae_chunked_or_scan,
+}
+
+
 @functools.partial(jax.jit, static_argnames=("impl",))
 def _gae_jit(r_bt, v_bt, m_bt, gamma, lam_b, last_b, *, impl: str):
     """(advantages, returns) from already checked, float32-or-wider inputs."""
-    fn = _gae_scan if impl == "scan" else _gae_associative
-    a_bt = fn(r_bt, v_bt, m_bt, gamma, lam_b.astype(r_bt.dtype), last_b)
-    return a_bt, jnp.where(m_bt, a_bt + v_bt, 0.0)
+    return _IMPL_FNS[impl](r_bt, v_bt, m_bt, gamma, lam_b.astype(r_bt.dtype), last_b)
 
 
 class _Inputs(NamedTuple):
@@ -187,7 +212,7 @@ def skip_observation_gae(
       lam: GAE lambda in [0, 1], a scalar or per-row [B] (`length_adaptive_lambda`).
       last_value_b: [B] bootstrap after the row's last token: V(last) for rows truncated
         by a length limit, 0 for terminated rows. Default zeros.
-      impl: "scan" or "associative"; None: `default_gae_impl()`.
+      impl: "scan", "associative" or "chunked"; None: `default_gae_impl()`.
       checked: run value checks (None: the enclosing `checked_mode`).
 
     Returns:

@@ -3,6 +3,10 @@
 One call, with `rl.order == 'critic_first'` (the default):
   1. V0 = critic(batch); critic targets R = GAE returns at `lam_critic` from V0.
   2. K critic optimizer steps on the masked value MSE against R (TTUR; K = rl.k_critic).
+     V0 is the first critic step's own forward (same parameters, per microbatch: the
+     targets of a row need only that row's values), pulled back with `jax.vjp` once the
+     targets are known, so no separate critic forward is run for it. The result is
+     bit-identical to a separate V0 pass (`Learner(..., separate_v0_pass=True)`).
   3. V1 = the updated critic(batch); policy advantages from V1 with the length-adaptive
      lambda (or the configured estimator: GRPO, moving average, ... skip the critic).
   4. The policy's optimizer steps with the configured loss (DIS by default): one step on
@@ -120,7 +124,12 @@ class Learner:
         policy_def: ModelDef,
         critic_def: ModelDef | None,
         sharder: Sharder,
+        *,
+        separate_v0_pass: bool = False,
     ):
+        """`separate_v0_pass`: compute V0 with its own critic forward before the critic
+        steps (the earlier, slower form; same results bit for bit; for tests and benches)."""
+        self.separate_v0_pass = separate_v0_pass
         self.rl = rl = config.rl
         self.sharder = sharder
         self.policy_def = policy_def
@@ -249,52 +258,118 @@ class Learner:
             return gae.length_adaptive_lambda(batch["action_mask"], self.rl.lam_alpha)
         return self.rl.lam_fixed
 
-    def _critic_steps(self, critic, copt, batch, values0, n_tok):
-        """K optimizer steps on the value MSE against fixed targets from `values0`."""
+    def _critic_loss(self, out, mb, n_tok):
+        """Masked value loss of a critic pass `out` against mb's fixed targets, + MoE aux."""
         rl = self.rl
-        targets = self._advantages(batch, values0, rl.lam_critic, None).returns_bt
-        mb_batch = dict(batch, targets=targets, old_values=values0["values"])
-        frozen = self.critic_frozen
-        clip = rl.value_clip if rl.value_clip > 0 else None
+        loss, metrics = losses.value_loss(
+            out["values"],
+            mb["targets"],
+            mb["action_mask"],
+            old_values_bt=mb["old_values"],
+            clip_eps=rl.value_clip if rl.value_clip > 0 else None,
+            denominator=n_tok,
+        )
+        return loss + out["aux_loss"] / rl.microbatches, metrics
 
-        def loss_fn(params, mb):
-            if frozen is not None:  # no backward pass into frozen leaves
-                params = jax.tree.map(
-                    lambda lab, p: jax.lax.stop_gradient(p) if lab == "frozen" else p,
-                    frozen,
-                    params,
-                )
-            out = P.critic_pass(self.critic_def.bind(params), mb)
-            loss, metrics = losses.value_loss(
-                out["values"],
-                mb["targets"],
-                mb["action_mask"],
-                old_values_bt=mb["old_values"],
-                clip_eps=clip,
-                denominator=n_tok,
+    def _critic_forward(self, params, mb):
+        """critic_pass with no backward pass into frozen leaves."""
+        if self.critic_frozen is not None:
+            params = jax.tree.map(
+                lambda lab, p: jax.lax.stop_gradient(p) if lab == "frozen" else p,
+                self.critic_frozen,
+                params,
             )
-            aux = out["aux_loss"] / rl.microbatches
-            return loss + aux, metrics
+        return P.critic_pass(self.critic_def.bind(params), mb)
 
-        def one_step(carry, _):
+    def _critic_targets(self, mb, values0):
+        """mb with the critic targets R (GAE returns at lam_critic from V0) and V0."""
+        targets = self._advantages(mb, values0, self.rl.lam_critic, None).returns_bt
+        return dict(mb, targets=targets, old_values=values0["values"])
+
+    def _first_critic_grads(self, params, batch, n_tok):
+        """The first critic step's loss, gradients and metrics, and V0 and the targets from
+        that step's own forward: per microbatch, forward with `jax.vjp`, targets from its
+        values (rows are independent), then the loss's cotangent pulled back. Microbatch
+        sums in the order of `passes.accumulate_grads`."""
+
+        def one(mb):
+            def forward(p):
+                out = self._critic_forward(p, mb)
+                return dict(values=out["values"], aux_loss=out["aux_loss"]), out["bootstrap"]
+
+            out, pullback, bootstrap = jax.vjp(forward, params, has_aux=True)
+            values0 = jax.lax.stop_gradient(dict(values=out["values"], bootstrap=bootstrap))
+            mb = self._critic_targets(mb, values0)
+            (loss, metrics), d_out = jax.value_and_grad(
+                lambda o: self._critic_loss(o, mb, n_tok), has_aux=True
+            )(out)
+            return (loss, pullback(d_out)[0], metrics), (values0, mb["targets"])
+
+        num = self.rl.microbatches
+        if num == 1:
+            (loss, grads, metrics), (values0, targets) = one(batch)
+            return loss, grads, metrics, values0, targets
+
+        def body(acc, mb):
+            sums, per_mb = one(mb)
+            return jax.tree.map(jnp.add, acc, sums), per_mb
+
+        mbs = P.split_microbatches(batch, num, self.sharder)
+        shapes = jax.eval_shape(lambda: one(jax.tree.map(lambda x: x[0], mbs))[0])
+        (loss, grads, metrics), per_mb = jax.lax.scan(
+            body, jax.tree.map(jnp.zeros_like, shapes), mbs
+        )
+        values0, targets = P.merge_microbatches(per_mb, self.sharder)
+        return loss, grads, metrics, values0, targets
+
+    def _critic_update(self, params, opt, loss, grads, metrics):
+        updates, opt = self.critic_tx.update(grads, opt, params)
+        params = _apply(params, updates, self.critic_frozen)
+        ok = jnp.isfinite(loss) & _all_finite(grads)
+        metrics = dict(metrics, grad_norm=_one(optax.tree.norm(grads)), loss=_one(loss))
+        return params, opt, ok, metrics
+
+    def _critic_steps(self, critic, copt, batch, values0, n_tok):
+        """K optimizer steps on the value MSE against fixed targets from V0.
+
+        values0 None (the default): V0 comes from the first step's own forward, and the
+        other K - 1 steps follow in a scan. Given values0 (`separate_v0_pass`): the K
+        steps in one scan, as before. Returns (critic, copt, ok, metrics, targets, values0).
+        """
+        rl = self.rl
+
+        def one_step(carry, mb_batch):
             params, opt = carry
             loss, grads, metrics = P.accumulate_grads(
-                loss_fn, params, mb_batch, rl.microbatches, self.sharder
+                lambda p, mb: self._critic_loss(self._critic_forward(p, mb), mb, n_tok),
+                params,
+                mb_batch,
+                rl.microbatches,
+                self.sharder,
             )
-            updates, opt = self.critic_tx.update(grads, opt, params)
-            params = _apply(params, updates, frozen)
-            ok = jnp.isfinite(loss) & _all_finite(grads)
-            metrics = dict(metrics, grad_norm=_one(optax.tree.norm(grads)), loss=_one(loss))
+            params, opt, ok, metrics = self._critic_update(params, opt, loss, grads, metrics)
             return (params, opt), (ok, metrics)
 
-        (critic, copt), (oks, per_step) = jax.lax.scan(
-            one_step, (critic, copt), None, length=rl.k_critic
-        )
+        if values0 is None:
+            loss, grads, metrics, values0, targets = self._first_critic_grads(critic, batch, n_tok)
+            critic, copt, ok, metrics = self._critic_update(critic, copt, loss, grads, metrics)
+            mb_batch = dict(batch, targets=targets, old_values=values0["values"])
+            (critic, copt), rest = jax.lax.scan(
+                lambda c, _: one_step(c, mb_batch), (critic, copt), None, length=rl.k_critic - 1
+            )
+            stack = lambda a, b: jnp.concatenate([a[None], b])
+            oks, per_step = jax.tree.map(stack, (ok, metrics), rest)
+        else:
+            mb_batch = self._critic_targets(batch, values0)
+            targets = mb_batch["targets"]
+            (critic, copt), (oks, per_step) = jax.lax.scan(
+                lambda c, _: one_step(c, mb_batch), (critic, copt), None, length=rl.k_critic
+            )
         # Report the first and last of the K steps' metrics.
         first = jax.tree.map(lambda x: x[0], per_step)
         last = jax.tree.map(lambda x: x[-1], per_step)
         metrics = {**_prefix("critic_first", first), **_prefix("critic", last)}
-        return critic, copt, jnp.all(oks), metrics, targets
+        return critic, copt, jnp.all(oks), metrics, targets, values0
 
     def _policy_step(self, state: TrainState, batch, advantages_bt, n_tok, key):
         """The policy's optimizer steps on one batch; metrics pooled over them.
@@ -385,14 +460,17 @@ class Learner:
         rl = self.rl  # `key` shuffles the minibatches of the PPO loop (_policy_step)
         n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
         critic, copt, ok_c, metrics = state.critic, state.critic_opt, jnp.array(True), {}
-        values = self._critic_values(critic, batch) if self.uses_critic else None
+        values = critic_run = None
         lr_metrics = {"policy/lr": _one(self.policy_lr(update_count(state.policy_opt)))}
-        if self.uses_critic:
+        if self.uses_critic:  # K critic steps; V0 from the first one's forward
+            values = self._critic_values(critic, batch) if self.separate_v0_pass else None
+            critic_run = self._critic_steps(critic, copt, batch, values, n_tok)
+            values = critic_run[-1]
             lr_metrics["critic/lr"] = _one(self.critic_lr(update_count(state.critic_opt)))
             mc_bt = monte_carlo_returns(batch["rewards"], batch["action_mask"], rl.gamma)
             ev_pre = self._honest_ev(values, mc_bt, batch)
         if self.uses_critic and rl.order == "critic_first":
-            critic, copt, ok_c, metrics, _ = self._critic_steps(critic, copt, batch, values, n_tok)
+            critic, copt, ok_c, metrics, _, _ = critic_run
             values = self._critic_values(critic, batch)
             metrics["critic/ev_post_update"] = self._honest_ev(values, mc_bt, batch)
         adv = self._advantages(batch, values, self._policy_lambda(batch), state.baseline)
@@ -400,8 +478,8 @@ class Learner:
         if rl.whiten_advantages:
             advantages_bt = adv_lib.whiten_advantages(advantages_bt, batch["action_mask"])
         policy, popt, ok_p, pmetrics = self._policy_step(state, batch, advantages_bt, n_tok, key)
-        if self.uses_critic and rl.order == "policy_first":
-            critic, copt, ok_c, metrics, _ = self._critic_steps(critic, copt, batch, values, n_tok)
+        if self.uses_critic and rl.order == "policy_first":  # computed above, from V0
+            critic, copt, ok_c, metrics, _, _ = critic_run
         metrics = {**metrics, **pmetrics, **_prefix("adv", adv.metrics), **lr_metrics}
         if self.uses_critic:
             metrics["critic/ev_pre_update"] = ev_pre
@@ -427,10 +505,10 @@ class Learner:
         if not self.uses_critic:
             return state.replace(updates=state.updates + 1), {}
         n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
-        values = self._critic_values(state.critic, batch)
+        values = self._critic_values(state.critic, batch) if self.separate_v0_pass else None
         mc_bt = monte_carlo_returns(batch["rewards"], batch["action_mask"], self.rl.gamma)
         lr = _one(self.critic_lr(update_count(state.critic_opt)))
-        critic, copt, ok, metrics, _ = self._critic_steps(
+        critic, copt, ok, metrics, _, values = self._critic_steps(
             state.critic, state.critic_opt, batch, values, n_tok
         )
         metrics["critic/lr"] = lr

@@ -38,8 +38,14 @@ class MoEBlock(nnx.Module):
         )
 
     def __call__(
-        self, x_btd: jax.Array, forced_experts_btk: jax.Array | None = None
+        self,
+        x_btd: jax.Array,
+        forced_experts_btk: jax.Array | None = None,
+        *,
+        token_mask_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, Routing]:
+        """`token_mask_bt` (bool, e.g. segment_ids != 0): padding tokens are routed (the
+        routing is recorded as before) but computed by no expert; their output is 0."""
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(b * t, d)
         forced = None if forced_experts_btk is None else forced_experts_btk.reshape(b * t, -1)
@@ -53,5 +59,6 @@ class MoEBlock(nnx.Module):
             *self.experts.weights(),
             self.sharder,
             self.impl,
+            None if token_mask_bt is None else token_mask_bt.reshape(b * t),
         )
         return y_nd.reshape(b, t, d), routing

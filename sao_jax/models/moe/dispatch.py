@@ -3,33 +3,44 @@
 Unsharded, every expert is local. On a mesh the experts are split over the `expert`
 logical axis (expert parallelism) and their hidden width over `expert_mlp` (tensor
 parallelism) inside a `shard_map`: each device all-gathers the tokens of its expert
-group, computes the contributions of its own experts with `ragged_dot`, and the partial
-outputs are summed back with `psum_scatter` (tokens sharded there) or `psum`. Expert
-weights are never gathered and no token is ever dropped.
+group, computes the contributions of its own experts, and the partial outputs are summed
+back with `psum_scatter` (tokens sharded there) or `psum`. Expert weights are never
+gathered and no token is ever dropped.
+
+The local expert compute is one of three exact, dropless implementations (`moe_impl`):
+  ragged   `ragged_dot` grouped GEMMs over the rows sorted by expert (GPU/TPU);
+  grouped  plain matmuls over tiles of each expert's group (sao_jax/models/moe/grouped.py);
+  dense    every local expert on every token, combined with the routing weights.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sao_jax.models.moe.experts import grouped_swiglu
+from sao_jax.models.moe.grouped import grouped_local_moe
 from sao_jax.parallel.mesh import Sharder
 
-IMPLS = ("ragged", "dense")
+IMPLS = ("ragged", "grouped", "dense")
 
 
-def resolve_impl(impl: str) -> str:
-    """'auto' -> 'ragged' on accelerators, 'dense' on CPU.
+def resolve_impl(impl: str, backend: str | None = None) -> str:
+    """'auto' -> 'grouped' on CPU, 'ragged' on accelerators (GPU, TPU, ...).
 
-    XLA's CPU `ragged_dot` runs every row against every group (about 15x a plain matmul
-    of the useful work, docs/benchmarks.md), so for the few experts of CPU-sized models
-    computing all local experts densely (E_local / k times the useful FLOPs) is faster.
-    Both are exact and dropless.
+    Measured (docs/benchmarks.md, "MoE expert compute"): XLA's CPU `ragged_dot` runs every
+    row against every group (~15x a plain matmul of the useful work) and `dense` computes
+    E_local / k times the useful FLOPs, while `grouped` computes the useful rows plus under
+    one tile of R = N k / (4 E) rows per expert (<= 1.25x) as plain matmuls. On TPU
+    `ragged_dot` is a grouped matmul over the routed rows only; on GPU it is one where
+    cuDNN/hipBLASLt grouped GEMMs cover the shapes, else XLA pads it to a batched dot (not
+    measured here: docs/benchmarks.md says how to check). All three are exact and dropless.
     """
     if impl == "auto":
-        return "dense" if jax.default_backend() == "cpu" else "ragged"
+        return "grouped" if (backend or jax.default_backend()) == "cpu" else "ragged"
     if impl not in IMPLS:
         raise ValueError(f"moe impl: {impl!r} is not one of {('auto', *IMPLS)}")
     return impl
@@ -40,7 +51,8 @@ def dense_local_moe(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_e
     routing weights (zero for experts a token did not choose or that are not local)."""
     dt = x_nd.dtype
     e_local = w_gate_edf.shape[0]
-    onehot_nke = jax.nn.one_hot(experts_nk - offset, e_local, dtype=jnp.float32)  # 0 if not local
+    local_nk = jnp.where(experts_nk >= 0, experts_nk - offset, -1)  # -1: masked token
+    onehot_nke = jax.nn.one_hot(local_nk, e_local, dtype=jnp.float32)  # 0 if not local
     combine_ne = jnp.einsum("nke,nk->ne", onehot_nke, weights_nk.astype(jnp.float32))
     gate_nef = jnp.einsum("nd,edf->nef", x_nd, w_gate_edf.astype(dt))
     up_nef = jnp.einsum("nd,edf->nef", x_nd, w_up_edf.astype(dt))
@@ -54,7 +66,7 @@ def local_moe(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, ex
     k = experts_nk.shape[1]
     e_local = w_gate_edf.shape[0]
     expert_m = experts_nk.reshape(-1) - expert_offset  # [M = N * k]
-    is_local_m = (expert_m >= 0) & (expert_m < e_local)
+    is_local_m = (experts_nk.reshape(-1) >= 0) & (expert_m >= 0) & (expert_m < e_local)
     key_m = jnp.where(is_local_m, expert_m, e_local)  # non-local slots sort to the end
     order_m = jnp.argsort(key_m, stable=True)
     token_m = order_m // k
@@ -80,9 +92,21 @@ def moe_dispatch(
     w_down_efd,
     sharder: Sharder,
     impl: str = "auto",
+    token_mask_n: jax.Array | None = None,
 ) -> jax.Array:
-    """Expert-parallel dropless MoE forward; equals `local_moe` with offset 0."""
-    compute = local_moe if resolve_impl(impl) == "ragged" else dense_local_moe
+    """Expert-parallel dropless MoE forward; equals `local_moe` with offset 0.
+
+    `token_mask_n` (bool [N]): tokens that are False (padding) go to no expert and get a
+    zero output; the expert work is then only that of the real tokens.
+    """
+    if token_mask_n is not None:  # expert -1 is local nowhere: every impl skips it
+        experts_nk = jnp.where(token_mask_n[:, None], experts_nk, -1)
+        weights_nk = jnp.where(token_mask_n[:, None], weights_nk, 0)
+    compute = {
+        "ragged": local_moe,
+        "dense": dense_local_moe,
+        "grouped": functools.partial(grouped_local_moe, num_experts=w_gate_edf.shape[0]),
+    }[resolve_impl(impl)]
     if sharder.mesh is None:
         return compute(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, 0)
     batch_axes = _as_tuple(sharder.spec(("batch",), x_nd.shape[:1])[0])
