@@ -12,7 +12,7 @@ import os
 from sao_jax.rl.optim import optimizer_section
 from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
-ENV_NAMES = ("arithmetic", "python_tool", "style")
+ENV_NAMES = ("arithmetic", "arithmetic_levels", "python_tool", "style")
 INIT_KINDS = ("sft", "hf", "params", "random")
 ROLLOUT_MODES = ("async", "sync")
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sao_jax.envs import arithmetic, python_tool, style
+from sao_jax.envs import arithmetic, levels, python_tool, style
 from sao_jax.envs.base import Prompt
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
@@ -33,6 +33,8 @@ def demonstration(env_name: str, prompt: Prompt, rng: np.random.Generator, error
     """(text, is_model_turn) segments of one demonstration for `env_name`."""
     if env_name == "arithmetic":
         return arithmetic.demonstration(prompt, rng, error_rate=error_rate)
+    if env_name == "arithmetic_levels":
+        return levels.demonstration(prompt, rng, error_rate=error_rate)
     if env_name == "python_tool":
         return python_tool.demonstration(prompt)
     if env_name == "style":

@@ -24,7 +24,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from sao_jax.envs import arithmetic, style
+from sao_jax.envs import arithmetic, levels, style
 from sao_jax.envs.base import Prompt
 
 SPLITS = ("train", "eval")
@@ -58,6 +58,17 @@ def _style_sampler(params: dict[str, Any]):
     return functools.partial(style.sample_prompt, n_topics=n_topics)
 
 
+def _levels_sampler(params: dict[str, Any]):
+    unknown = set(params) - {"levels", "weights"}
+    if unknown:
+        raise ValueError(f"prompt_source: unknown arithmetic_levels parameters {sorted(unknown)}")
+    lv = tuple(params.get("levels", tuple(levels.LEVELS)))
+    weights = params.get("weights")
+    weights = None if weights is None else tuple(weights)
+    levels.check_levels(lv, weights)
+    return functools.partial(levels.sample_prompt, levels=lv, weights=weights)
+
+
 def prompt_sampler(env_name: str, **params: Any):
     """`sample(rng) -> Prompt` for an env; params set the difficulty."""
     if env_name == "arithmetic":
@@ -66,8 +77,11 @@ def prompt_sampler(env_name: str, **params: Any):
         return _arithmetic_sampler({"n_ops": (2, 3), "operand_range": (10, 999)}, params)
     if env_name == "style":
         return _style_sampler(params)
+    if env_name == "arithmetic_levels":
+        return _levels_sampler(params)
     raise ValueError(
-        f"prompt_source: unknown env {env_name!r}; known: arithmetic, python_tool, style"
+        f"prompt_source: unknown env {env_name!r}; known: arithmetic, arithmetic_levels, "
+        "python_tool, style"
     )
 
 

@@ -8,12 +8,14 @@ from typing import Any
 
 from sao_jax.envs.arithmetic import ArithmeticEnv
 from sao_jax.envs.base import Env
+from sao_jax.envs.levels import LevelsEnv
 from sao_jax.envs.llm_judge import judge_from_config
 from sao_jax.envs.python_tool import PythonToolEnv
 from sao_jax.envs.style import STYLES, LexiconJudge, StyleEnv, StyleSchedule
 
 _FACTORIES: dict[str, Callable[..., Env]] = {
     "arithmetic": ArithmeticEnv,
+    "arithmetic_levels": LevelsEnv,
     "python_tool": PythonToolEnv,
     "style": StyleEnv,
 }
