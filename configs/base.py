@@ -3,18 +3,19 @@
 Sections: model (sao_jax.models.config.ModelConfig fields), mesh (device mesh and the
 logical-axis rules table), optim (policy and critic AdamW), rl (the update step's
 algorithm: estimator, loss, TTUR, lambdas; sao_jax.rl.settings), sampling (rollout
-engine and async sampler), env / init / sft / value_pretrain / train (the run's stages;
+engine and async sampler), env / data / init / sft / value_pretrain / train (the run's stages;
 sao_jax.run_settings). Each section is validated
 by the module that consumes it (sao_jax.config.validate).
 """
 
 import ml_collections
+from sao_jax.configs.models import tiny
 
-from configs.models import tiny
 from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
 from sao_jax.rl.optim import ATTENTION_PATTERNS, optimizer_section
 from sao_jax.rl.settings import rl_section
 from sao_jax.run_settings import (
+    data_section,
     env_section,
     init_section,
     sft_section,
@@ -40,13 +41,16 @@ def get_config(arg=None):
     c.optim.policy = optimizer_section(1e-6)  # paper: policy lr 1e-6
     c.optim.critic = optimizer_section(5e-6)  # paper: critic lr 5e-6
     c.optim.critic.freeze_attention = True  # SAO's frozen-attention critic
+    c.optim.critic.trainable = "moe"  # what trains while attention is frozen: 'moe' (MoE /
+    # MLP blocks + router + value head, the seed's) | 'all_but_attention' (+ embedding, norms)
     c.optim.critic.frozen_patterns = ATTENTION_PATTERNS  # regexes on parameter paths
-    c.optim.critic.warmup_steps = 10  # the paper's 10-step critic warm-up, read as LR
-    # warm-up; rl.critic_only_steps gives the other reading (critic-only updates)
+    c.optim.critic.warmup_steps = 10  # the paper's 10-step critic warm-up, read as an LR
+    # warm-up over the first RL steps; rl.critic_only_steps gives the other reading
 
     c.rl = rl_section()
     c.sampling = sampling_section()  # generation engine + async sampler
     c.env = env_section()  # task, prompt difficulty, held-out split, group size
+    c.data = data_section()  # prompts: the task's generator or a dataset file (field mapping)
     c.init = init_section()  # warm start: SFT on demonstrations | HF checkpoint | random
     c.sft = sft_section()
     c.value_pretrain = value_pretrain_section()

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import numpy as np
 from absl import app
 
-from configs import ablations as ablations_cfg
-from experiments import ablations as abl
 from sao_jax import compare, sweep, tables
+from sao_jax.configs import ablations as ablations_cfg
+from sao_jax.experiments import ablations as abl
 
 ROWS = {"sao": "DIS", "vanilla_vapo": "no DIS"}
 

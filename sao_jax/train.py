@@ -1,18 +1,28 @@
 """The main job: warm start -> value pretraining -> asynchronous RL -> evaluation -> report.
 
+Value pretraining (sao_jax/value_pretrain.py) runs once, before checkpoint 0, on its own
+prompt stream; the pretrained critic is saved to <workdir>/warm_start_critic, which other
+runs can start from (init.critic_path; sweeps share it per seed). A SIGTERM during it
+leaves no checkpoint: the rerun starts the run again.
+
 `run(config, workdir)` is everything `python -m experiments.train` does. Before anything
 compiles or touches the workdir, the config is checked once: field names, types and ranges
 (`sao_jax.config.validate`), then paths and batch sizes against the mesh
 (`sao_jax.run_settings.check_run`). Resume order
 (docs/checkpointing.md): config check against the workdir -> models and learner ->
 restore the TrainState -> restore the prompt iterator and counters -> republish the
-policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0.
+policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0; every
+wait (rollouts, env calls) polls the stop flag (sao_jax/stop.py), so a run blocked on a
+hanging environment stops within seconds too. With several processes the stop decision
+is agreed once per step (`distributed.agree_stop`), so all save the same step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -23,9 +33,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sao_jax import checkpointing, metrics, report
+from sao_jax import checkpointing, metrics, report, stop, value_pretrain
 from sao_jax import config as config_lib
-from sao_jax.data.prompts import prompt_iterator, prompt_source
+from sao_jax.chat_template import run_chat_format
+from sao_jax.data.pipeline import run_prompts
+from sao_jax.data.prompts import prompt_iterator
 from sao_jax.envs.registry import env_factory
 from sao_jax.evaluation import Evaluator
 from sao_jax.models import hf
@@ -40,12 +52,13 @@ from sao_jax.rl.update import Learner
 from sao_jax.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.run_settings import check_run
 from sao_jax.sampling.sampler import configs_from_section
-from sao_jax.sampling.trajectory import Trajectory, pad_batch, round_up
+from sao_jax.sampling.trajectory import Trajectory, pack_batch, pad_batch, round_up
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.sft import SFTTrainer, demo_batches
 from sao_jax.tokenizer import load_tokenizer
 
 log = logging.getLogger("sao_jax")
+PRETRAIN_SEED_OFFSET = 3  # value pretraining's prompt stream and sampler: seed + 3
 
 
 def _models(config: ConfigDict, sharder, tokenizer) -> Models:
@@ -75,30 +88,85 @@ def _host_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What a run reads besides the model: tokenizer, chat template, envs, prompts."""
+
+    tokenizer: Any
+    chat: Any  # a ChatFormat, or None for raw text
+    env_factory: Any
+    set_env_step: Any  # the task's step hook, or None
+    train_prompts: Any  # grain.MapDataset, endless
+    eval_prompts: list
+
+
+def read_inputs(config: ConfigDict) -> Inputs:
+    """Every input file read and checked (tokenizer, chat template, dataset rows, env
+    parameters and reward), before the workdir is touched; ConfigError naming the field."""
+    try:
+        tokenizer = load_tokenizer(config.init.tokenizer)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"config field init.tokenizer: {e}") from None
+    chat = run_chat_format(config, tokenizer)
+    env = config.env
+    try:
+        factory, hook = env_factory(env.name, env.params.to_dict(), chat)
+    except ConfigError:
+        raise
+    except ValueError as e:  # unknown reward, bad env parameter, bad chat rendering
+        raise ConfigError(f"config field env.params: {e}") from None
+    train_prompts, eval_prompts = run_prompts(config)  # task generator or dataset
+    try:  # the chat template renders, the env takes the prompts
+        factory().reset(eval_prompts[0])
+    except ValueError as e:
+        raise ConfigError(
+            f"config field env.name: task {env.name!r} refuses the first held-out prompt "
+            f"{eval_prompts[0].uid!r}: {e}"
+        ) from None
+    return Inputs(tokenizer, chat, factory, hook, train_prompts, eval_prompts)
+
+
 class Run:
     """One training run's objects; `run()` below drives them."""
 
-    def __init__(self, config: ConfigDict, workdir: pathlib.Path, sharder: Sharder | None = None):
+    def __init__(
+        self,
+        config: ConfigDict,
+        workdir: pathlib.Path,
+        sharder: Sharder | None = None,
+        inputs: Inputs | None = None,
+    ):
+        inputs = inputs or read_inputs(config)
         self.config = config
         self.workdir = workdir
         self.sharder = sharder or sharder_from_config(config)
-        self.tokenizer = load_tokenizer(config.init.tokenizer)
+        self.tokenizer = inputs.tokenizer
         self.models = _models(config, self.sharder, self.tokenizer)
         self.learner = Learner(config, self.models.policy_def, self.models.critic_def, self.sharder)
         # Several processes (docs/scaling.md): each host's sampler makes B / P trajectories
         # with a host-local policy copy (a model without global-mesh constraints).
         self.local_batch = distributed.local_batch_size(config.rl.batch_size)
+        if config.train.pack and jax.process_count() > 1:
+            raise ConfigError(
+                "config field train.pack: packing is single-process for now (hosts would "
+                "bring different numbers of packed rows); set train.pack=False"
+            )
         self.batch_sharding = self.sharder.named(("batch",))
         self.sampler_def = self.models.policy_def
         if jax.process_count() > 1:
             self.sampler_def = ModelDef.of(lambda: Policy(self.models.cfg, rngs=nnx.Rngs(0)))
         self.engine_cfg, self.sampler_cfg = configs_from_section(config.sampling, config.seed)
-        env = config.env
-        self.env_factory, self.set_env_step = env_factory(env.name, env.params.to_dict())
-        prompt_kw = dict(seed=config.seed, eval_fraction=env.eval_fraction, **env.prompts)
-        train_prompts = prompt_source(env.name, "train", **prompt_kw)
-        self.prompts = iter(distributed.process_shard(train_prompts).to_iter_dataset())
-        eval_prompts = list(prompt_source(env.name, "eval", size=env.eval_size, **prompt_kw))
+        self.chat = inputs.chat  # None: raw text prompts
+        # The bounds of every rollouts take (RL loop and value pretraining): docs/checkpointing.md
+        self.take_bounds = dict(
+            take_timeout_s=config.train.take_timeout_s,
+            max_env_errors=self.sampler_cfg.max_env_errors,
+        )
+        self.env_factory, self.set_env_step = inputs.env_factory, inputs.set_env_step
+        eval_prompts = inputs.eval_prompts
+        self.prompts = iter(distributed.process_shard(inputs.train_prompts).to_iter_dataset())
         self.evaluator = Evaluator(
             self.sampler_def,
             self.tokenizer,
@@ -114,8 +182,7 @@ class Run:
         )
         self.writer = None  # created once the resume step is known
         self.key = jax.random.key(config.seed)
-        vp = config.value_pretrain.steps
-        self.pre_updates = vp if (self.learner.uses_critic and vp > 0) else 0
+        self.loaded_critic: dict | None = None  # meta of a critic from init.critic_path
 
     # ------------------------------------------------------------------------ stages
 
@@ -144,6 +211,7 @@ class Run:
                 add_bos=self.engine_cfg.add_bos,
             )
             batches = (distributed.global_from_replicated(x, self.batch_sharding) for x in batches)
+            batches = _stoppable(batches, "warm start (SFT)")
             trainer = SFTTrainer(models.policy_def, cfg.sft.optim, self.sharder)
             log.info("warm start: %d SFT steps on demonstrations", cfg.sft.steps)
             policy = trainer.run(
@@ -153,7 +221,12 @@ class Run:
                 on_log=lambda s, m: log.info("sft step %d: %s", s, _fmt(m)),
             )
             self.save_policy(self.workdir / "warm_start", policy)
-        critic = critic_params_from_policy(policy, models.critic)
+        if cfg.init.critic_path and self.learner.uses_critic:
+            critic, self.loaded_critic = value_pretrain.load_critic(
+                cfg.init.critic_path, cfg, models.critic_def, self.sharder
+            )
+        else:
+            critic = critic_params_from_policy(policy, models.critic)
         return self.learner.new_state(policy, critic, cfg.seed)
 
     def save_policy(self, path: pathlib.Path, policy) -> None:
@@ -172,48 +245,105 @@ class Run:
         log.info("warm start: policy params from %s", path)
         return policy
 
-    def value_pretrain(self, state):
-        """Stage (b): critic-only steps on Monte-Carlo returns of the fixed initial policy."""
-        vp, b = self.config.value_pretrain, self.local_batch
-        if not (self.learner.uses_critic and vp.steps > 0):
-            return state
-        source = SyncRollouts(
-            self.sampler_def,
-            self.tokenizer,
-            self.env_factory,
-            self.prompts,
-            self.engine_cfg,
-            seed=self.config.seed + 3,
-        )
-        source.publish(self.sampler_params(state.policy), int(state.step))
-        trajs = source.take(vp.rollouts)
-        log.info("value pretraining: %d steps on %d rollouts", vp.steps, len(trajs))
-        acc = metrics.MetricAccumulator()
-        for i in range(vp.steps):
-            chunk = [trajs[(i * b + j) % len(trajs)] for j in range(b)]
-            batch = self._batch(chunk)
-            state, m = self.learner.value_step(state, batch, self._key(state))
-            acc.add(m)
-        result = acc.result()
-        log.info("value pretraining done: %s", _fmt(result, "critic/"))
-        self.learner.raise_if_diverged(state)
-        return state
+    def value_pretrain(self, state, stopper) -> tuple[Any, dict]:
+        """Stage (b): value pretraining (sao_jax/value_pretrain.py); (state, summary).
 
-    def _batch(self, trajs: list[Trajectory]) -> dict[str, Any]:
+        A critic loaded from init.critic_path is not pretrained again: its pretraining
+        record is copied into this run's metrics. The RL critic optimizer is untouched (it
+        starts fresh, so optim.critic.warmup_steps warms up the first RL steps)."""
+        cfg, vp = self.config, self.config.value_pretrain
+        if not self.learner.uses_critic:
+            return state, {}
+        writer = metrics.StageWriter(self.workdir, "value_pretrain", value_pretrain.STEP_KEY)
+        try:
+            if self.loaded_critic is not None:
+                meta = self.loaded_critic
+                for record in meta.get("history", []):
+                    scalars = {k: _nan(v) for k, v in record.items()}
+                    writer.write(int(scalars.pop(value_pretrain.STEP_KEY)), scalars)
+                return state, {**meta["value_pretrain"], "source": cfg.init.critic_path}
+            if vp.steps == 0:
+                return state, {}
+            trainer = value_pretrain.ValuePretrainer(cfg, self.models.critic_def, self.sharder)
+            source = self.pretrain_rollouts(state.policy)
+            try:
+                result = value_pretrain.pretrain(
+                    trainer,
+                    state.critic,
+                    take=lambda n: source.take(n, cfg.train.take_timeout_s),
+                    batch_of=lambda trajs: self._batch(trajs, for_learner=False),
+                    write=writer.write,
+                    should_stop=lambda: stopper.requested,
+                    max_consecutive_skips=cfg.rl.max_consecutive_skips,
+                )
+            finally:
+                source.stop()
+        finally:
+            writer.close()
+        if result.summary["stop_reason"] != "interrupted":
+            path = self.workdir / value_pretrain.CRITIC_SUBDIR
+            value_pretrain.save_critic(path, result.critic, result, cfg)
+        return state.replace(critic=result.critic), result.summary
+
+    def pretrain_rollouts(self, policy):
+        """The sampler of value pretraining: the fixed warm-start policy, published once
+        and never again, on a prompt stream of its own (seed + 3), so the RL prompt stream
+        is the same whether the critic was pretrained here or loaded."""
+        cfg, vp = self.config, self.config.value_pretrain
+        seed = cfg.seed + PRETRAIN_SEED_OFFSET
+        prompts = distributed.process_shard(run_prompts(cfg, seed=seed)[0])
+        args = (self.sampler_def, self.tokenizer, self.env_factory, iter(prompts.to_iter_dataset()))
+        if self.set_env_step is not None:
+            self.set_env_step(0)
+        if vp.sampler == "sync":
+            source = SyncRollouts(*args, self.engine_cfg, seed=seed, **self.take_bounds)
+        else:
+            local = distributed.local_batch_size(vp.batch_size, "value_pretrain.batch_size")
+            sampler_cfg = dataclasses.replace(
+                self.sampler_cfg,
+                seed=seed,
+                max_staleness=None,
+                lockstep=None,
+                queue_size=max(self.sampler_cfg.queue_size, 2 * local),
+            )
+            source = AsyncRollouts(
+                *args,
+                self.engine_cfg,
+                sampler_cfg,
+                take_timeout_s=self.take_bounds["take_timeout_s"],
+            )
+        source.publish(self.sampler_params(policy), 0)
+        source.start()
+        return source
+
+    def _batch(self, trajs: list[Trajectory], for_learner: bool = True) -> dict[str, Any]:
+        """The padded global batch of this host's trajectories (checked against the
+        learner's batch rules unless `for_learner` is off: value pretraining)."""
         cfg = self.config
         length = None
         if jax.process_count() > 1:  # all hosts pad to the longest row of the global batch
             longest = distributed.agree_max(max(t.length for t in trajs))
             length = round_up(longest, cfg.train.length_bucket)
-        batch = pad_batch(
-            trajs,
+        kw = dict(
             length=length,
             length_bucket=cfg.train.length_bucket,
-            with_groups=self.learner.estimator.needs_groups,
+            with_groups=for_learner and self.learner.estimator.needs_groups,
             with_routing=cfg.rl.routing_replay,
         )
+        if cfg.train.pack:  # model passes on packed rows (sao_jax/rl/packing.py)
+            batch, _ = pack_batch(
+                trajs,
+                row_length=cfg.train.pack_length or None,
+                microbatches=cfg.rl.microbatches,
+                shards=self.sharder.axis_size("batch"),
+                rows_multiple=cfg.train.pack_rows_multiple,
+                **kw,
+            )
+        else:
+            batch = pad_batch(trajs, **kw)
         batch = distributed.global_batch(batch, self.batch_sharding)
-        self.learner.check_batch(batch)
+        if for_learner:
+            self.learner.check_batch(batch)
         return batch
 
     def sampler_params(self, policy):
@@ -230,8 +360,9 @@ class Run:
         kw = dict(group_size=cfg.env.group_size)
         args = (self.sampler_def, self.tokenizer, self.env_factory, self.prompts)
         if cfg.train.rollouts == "sync":
-            return SyncRollouts(*args, self.engine_cfg, seed=cfg.seed + 5, **kw)
-        return AsyncRollouts(*args, self.engine_cfg, self.sampler_cfg, **kw)
+            return SyncRollouts(*args, self.engine_cfg, seed=cfg.seed + 5, **kw, **self.take_bounds)
+        timeout = self.take_bounds["take_timeout_s"]
+        return AsyncRollouts(*args, self.engine_cfg, self.sampler_cfg, take_timeout_s=timeout, **kw)
 
     def evaluate(self, state, step: int) -> dict[str, float]:
         t0 = time.time()
@@ -246,9 +377,17 @@ class Run:
             prompts=source.prompt_state() if source is not None else self.prompts.get_state(),
             counters=counters,
             before=extra["before"],
+            value_pretrain=_finite(extra.get("value_pretrain", {})),
             wall_time=_wall(extra),
         )
         self.ckpt.save(step, state, meta)
+
+
+def _stoppable(items, what: str):
+    """`items`, raising StopRequested at the next item once a stop was requested."""
+    for item in items:
+        stop.raise_if_requested(what)
+        yield item
 
 
 def _fmt(m: dict[str, float], prefix: str = "") -> str:
@@ -261,20 +400,30 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     config = config_lib.validate(config)
     sharder = sharder_from_config(config)
     check_run(config, sharder)
+    inputs = read_inputs(config)  # a bad input file stops here, before the workdir exists
     workdir = pathlib.Path(workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"flag --workdir: {workdir} exists and is not a directory")
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=overwrite)
     t_start = time.time()
-    r = Run(config, workdir, sharder)
+    r = Run(config, workdir, sharder, inputs)
     t = config.train
-    with checkpointing.GracefulExit() as stop:
+    with checkpointing.GracefulExit() as stopper:
         latest = r.ckpt.latest_step()
         if latest is None:
             r.writer = metrics.create_writers(workdir, resume_step=-1)
-            state = r.warm_start()
-            before = r.evaluate(state, 0)
-            state = r.value_pretrain(state)
-            extra = dict(before=before, prior_wall_time=0.0, t_start=t_start)
+            try:
+                state = r.warm_start()
+                before = r.evaluate(state, 0)
+                state, pretrained = r.value_pretrain(state, stopper)
+                stop.raise_if_requested("value pretraining")
+            except stop.StopRequested as e:  # nothing resumable yet: the next run starts over
+                log.warning("%s, before the first checkpoint: exiting without one", e)
+                return _close(r, workdir, t, dict(steps=0, interrupted=True, before={}))
+            extra = dict(
+                before=before, value_pretrain=pretrained, prior_wall_time=0.0, t_start=t_start
+            )
             counters = _resume_counters({})
             r.save(0, state, None, _counters(counters, {}), extra)
         else:
@@ -284,14 +433,23 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
             state, meta = r.ckpt.restore(abstract)
             r.prompts.set_state(meta["prompts"])
             r.writer = metrics.create_writers(workdir, resume_step=int(state.step))
-            extra = dict(before=meta["before"], prior_wall_time=meta["wall_time"], t_start=t_start)
+            extra = dict(
+                before=meta["before"],
+                value_pretrain=meta.get("value_pretrain", {}),
+                prior_wall_time=meta["wall_time"],
+                t_start=t_start,
+            )
             counters = _resume_counters(meta.get("counters", {}))
             log.info("resumed from step %d (checkpoint %d)", int(state.step), latest)
-        summary = _rl(r, state, counters, extra, stop, t_start)
+        summary = _rl(r, state, counters, extra, stopper, t_start)
+    return _close(r, workdir, t, summary)
+
+
+def _close(r: Run, workdir: pathlib.Path, t, summary: dict) -> dict:
     r.ckpt.wait()
     r.ckpt.close()
     r.writer.close()
-    if t.report and distributed.is_primary():
+    if t.report and distributed.is_primary() and summary.get("steps"):
         report.write_report(workdir, summary=summary)
     text = json.dumps(_finite(summary), indent=2, sort_keys=True, allow_nan=False)
     if distributed.is_primary():
@@ -299,8 +457,13 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     return summary
 
 
-def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dict:
-    """Stage (c) + (d): the asynchronous RL loop with periodic evaluation and saves."""
+def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> dict:
+    """Stage (c) + (d): the asynchronous RL loop with periodic evaluation and saves.
+
+    The stop decision is taken at one point per step, after the take: this process wants
+    to stop (a signal, or a take interrupted by it), agreed across processes
+    (`agree_stop`); then every process leaves the loop before the next collective, and
+    saves the same step."""
     cfg, learner = r.config, r.learner
     t = cfg.train
     b = r.local_batch  # this host's share of the batch
@@ -315,14 +478,18 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
     progress = Progress(t.total_steps, initial=start, enabled=t.progress)
     tokens, t_log = 0, time.time()
     last = {}
+    stopped = False
     try:
-        while int(state.step) < t.total_steps and not stop.requested:
-            trajs = source.take(b, t.take_timeout_s)
+        while int(state.step) < t.total_steps:
+            trajs = take_or_stop(source, b, t.take_timeout_s, stopper)
+            if trajs is None:
+                stopped = True
+                break
             batch = r._batch(trajs)
             version = int(state.step)
             host.append(_host_stats(trajs, version))
             tokens += int(batch["action_mask"].sum())
-            if int(state.updates) < r.pre_updates + cfg.rl.critic_only_steps:
+            if int(state.updates) < cfg.rl.critic_only_steps:
                 state, m = learner.value_step(state, batch, r._key(state))  # critic warm-up
                 acc.add(m)
                 continue
@@ -344,26 +511,52 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
                 last = scalars
                 acc, host, tokens, t_log = metrics.MetricAccumulator(), [], 0, now
             if t.eval_every and step % t.eval_every == 0 and step < t.total_steps:
-                r.evaluate(state, step)
+                _unless_stopped(r.evaluate, state, step)
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
                 r.save(step, state, source, _counters(counters, source.stats()), extra)
     finally:
         source.stop()
         progress.close()
     step = int(state.step)
-    after = r.evaluate(state, step) if step >= t.total_steps else {}
+    after = {}
+    if step >= t.total_steps and not stopped:
+        after = _unless_stopped(r.evaluate, state, step) or {}
     r.save(step, state, source, _counters(counters, source.stats()), extra)
     return dict(
         steps=step,
         before=extra["before"],
         after=after,
+        value_pretrain=extra.get("value_pretrain", {}),
         last_train=last,
         counters=_counters(counters, source.stats()),
         staleness_hist=source.stats().get("staleness", {}),
         wall_time_s=_wall(extra),
         machine=_machine(),
-        interrupted=bool(stop.requested),
+        interrupted=bool(stopped or stopper.requested),
     )
+
+
+def take_or_stop(source, n: int, timeout: float, stopper) -> list[Trajectory] | None:
+    """This step's n trajectories, or None when any process stops: this one was signalled
+    (before or during the take), or another one was. Collective (`agree_stop`): every
+    process calls it once per step, before the step's first collective."""
+    trajs = None
+    if not stopper.requested:
+        try:
+            trajs = source.take(n, timeout)
+        except stop.StopRequested as e:
+            log.warning("%s", e)
+    return None if distributed.agree_stop(trajs is None) else trajs
+
+
+def _unless_stopped(fn, *args):
+    """fn(*args), or None when a stop request interrupted it (host-local work only: the
+    decision to stop is agreed at the top of the next step)."""
+    try:
+        return fn(*args)
+    except stop.StopRequested as e:
+        log.warning("%s: skipped", e)
+        return None
 
 
 def _wall(extra: dict) -> float:
@@ -394,6 +587,11 @@ def _sampler_scalars(stats: dict[str, Any], base: dict) -> dict[str, float]:
     out["sampler/taken"] = float(totals["trained"])
     out["sampler/dropped"] = float(totals["dropped_stale"] + totals["dropped_episodes"])
     return out
+
+
+def _nan(x: Any) -> Any:
+    """None (a non-finite value stored as null) back to NaN."""
+    return math.nan if x is None else x
 
 
 def _finite(x: Any) -> Any:
