@@ -1,17 +1,20 @@
-r"""SAO on the embedded calculator task: the README's main job.
+r"""SAO on the graded calculator task (sao_jax/envs/levels.py): the README's main job.
 
 A small Qwen3-MoE-style model (configs/models/tiny.py) is warm-started by SFT on
 deliberately imperfect tool-use demonstrations, its critic is value-pretrained on
 Monte-Carlo returns, then it trains with single rollouts, asynchronously: DIS policy
 loss, K=2 critic steps per policy step, frozen-attention critic, observation-skipping
 GAE with the length-adaptive lambda. Learning rates are scaled for a model trained from
-scratch on CPU (the paper's 1e-6 / 5e-6 are for a pretrained 30B model).
+scratch on CPU (the paper's 1e-6 / 5e-6 are for a pretrained 30B model). The task mixes
+four levels of difficulty in one prompt stream, checks every calculator call (`e:step`
+for a call that is no step of the problem) and gives each episode a turn budget, so
+the expected reward differs per prompt and changes mid-episode (docs/experiments.md).
 
   python -m experiments.train --config=configs/sao.py --workdir=workdirs/sao
   python -m experiments.train --config=configs/sao.py:smoke --workdir=/tmp/sao_smoke
 
 Variants (`:a,b=1`): smoke (a run of seconds for tests), sync (deterministic rollouts),
-seed=N.
+seed=N, calculator (the previous task: one problem format, sao_jax/envs/arithmetic.py).
 """
 
 from sao_jax.config import ConfigDict, parse_arg
