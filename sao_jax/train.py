@@ -22,27 +22,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
-import os
 import pathlib
-import platform
 import time
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from sao_jax import checkpointing, metrics, report, stop, value_pretrain
 from sao_jax import config as config_lib
-from sao_jax.chat_template import run_chat_format
+from sao_jax import run_accounting as acct
 from sao_jax.data.pipeline import run_prompts
 from sao_jax.data.prompts import prompt_iterator
-from sao_jax.envs.registry import env_factory
 from sao_jax.evaluation import Evaluator
-from sao_jax.models import hf
-from sao_jax.models.config import ModelConfig
-from sao_jax.models.factory import Models, init_models
 from sao_jax.models.transformer import Policy, critic_params_from_policy
 from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder, sharder_from_config
@@ -50,82 +42,15 @@ from sao_jax.parallel.partition import ModelDef
 from sao_jax.progress import Progress
 from sao_jax.rl.update import Learner
 from sao_jax.rollouts import AsyncRollouts, SyncRollouts
+from sao_jax.run_inputs import Inputs, build_models, read_inputs
 from sao_jax.run_settings import check_run
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.sampling.trajectory import Trajectory, pack_batch, pad_batch, round_up
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.sft import SFTTrainer, demo_batches
-from sao_jax.tokenizer import load_tokenizer
 
 log = logging.getLogger("sao_jax")
 PRETRAIN_SEED_OFFSET = 3  # value pretraining's prompt stream and sampler: seed + 3
-
-
-def _models(config: ConfigDict, sharder, tokenizer) -> Models:
-    if config.init.kind == "hf":
-        cfg, pdef, policy = hf.load_hf_policy(config.init.hf_path, sharder=sharder)
-        _, cdef, critic = hf.load_hf_critic(config.init.hf_path, sharder=sharder)
-        models = Models(cfg, pdef, policy, cdef, critic)
-    else:
-        models = init_models(ModelConfig.from_config(config.model), sharder, config.seed)
-    if tokenizer.vocab_size > models.cfg.vocab_size:
-        raise ConfigError(
-            f"config field model.vocab_size: {models.cfg.vocab_size} < the tokenizer's "
-            f"{tokenizer.vocab_size} tokens"
-        )
-    return models
-
-
-def _host_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
-    lags = np.concatenate([version - t.versions[t.action_mask] for t in trajs])
-    return {
-        "train/reward": float(np.mean([t.outcome for t in trajs])),
-        "train/success": float(np.mean([bool(t.info.get("success", False)) for t in trajs])),
-        "train/truncated": float(np.mean([t.truncated for t in trajs])),
-        "train/action_tokens": float(np.mean([t.num_actions for t in trajs])),
-        "train/staleness": float(np.mean(lags)),
-        "train/max_staleness": float(np.max(lags)),
-    }
-
-
-@dataclasses.dataclass(frozen=True)
-class Inputs:
-    """What a run reads besides the model: tokenizer, chat template, envs, prompts."""
-
-    tokenizer: Any
-    chat: Any  # a ChatFormat, or None for raw text
-    env_factory: Any
-    set_env_step: Any  # the task's step hook, or None
-    train_prompts: Any  # grain.MapDataset, endless
-    eval_prompts: list
-
-
-def read_inputs(config: ConfigDict) -> Inputs:
-    """Every input file read and checked (tokenizer, chat template, dataset rows, env
-    parameters and reward), before the workdir is touched; ConfigError naming the field."""
-    try:
-        tokenizer = load_tokenizer(config.init.tokenizer)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(f"config field init.tokenizer: {e}") from None
-    chat = run_chat_format(config, tokenizer)
-    env = config.env
-    try:
-        factory, hook = env_factory(env.name, env.params.to_dict(), chat)
-    except ConfigError:
-        raise
-    except ValueError as e:  # unknown reward, bad env parameter, bad chat rendering
-        raise ConfigError(f"config field env.params: {e}") from None
-    train_prompts, eval_prompts = run_prompts(config)  # task generator or dataset
-    try:  # the chat template renders, the env takes the prompts
-        factory().reset(eval_prompts[0])
-    except ValueError as e:
-        raise ConfigError(
-            f"config field env.name: task {env.name!r} refuses the first held-out prompt "
-            f"{eval_prompts[0].uid!r}: {e}"
-        ) from None
-    return Inputs(tokenizer, chat, factory, hook, train_prompts, eval_prompts)
 
 
 class Run:
@@ -143,7 +68,7 @@ class Run:
         self.workdir = workdir
         self.sharder = sharder or sharder_from_config(config)
         self.tokenizer = inputs.tokenizer
-        self.models = _models(config, self.sharder, self.tokenizer)
+        self.models = build_models(config, self.sharder, self.tokenizer)
         self.learner = Learner(config, self.models.policy_def, self.models.critic_def, self.sharder)
         # Several processes (docs/scaling.md): each host's sampler makes B / P trajectories
         # with a host-local policy copy (a model without global-mesh constraints).
@@ -259,7 +184,7 @@ class Run:
             if self.loaded_critic is not None:
                 meta = self.loaded_critic
                 for record in meta.get("history", []):
-                    scalars = {k: _nan(v) for k, v in record.items()}
+                    scalars = {k: acct.nan_from_json(v) for k, v in record.items()}
                     writer.write(int(scalars.pop(value_pretrain.STEP_KEY)), scalars)
                 return state, {**meta["value_pretrain"], "source": cfg.init.critic_path}
             if vp.steps == 0:
@@ -377,8 +302,8 @@ class Run:
             prompts=source.prompt_state() if source is not None else self.prompts.get_state(),
             counters=counters,
             before=extra["before"],
-            value_pretrain=_finite(extra.get("value_pretrain", {})),
-            wall_time=_wall(extra),
+            value_pretrain=acct.finite(extra.get("value_pretrain", {})),
+            wall_time=acct.wall_time(extra),
         )
         self.ckpt.save(step, state, meta)
 
@@ -424,8 +349,8 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
             extra = dict(
                 before=before, value_pretrain=pretrained, prior_wall_time=0.0, t_start=t_start
             )
-            counters = _resume_counters({})
-            r.save(0, state, None, _counters(counters, {}), extra)
+            counters = acct.resume_counters({})
+            r.save(0, state, None, acct.counters(counters, {}), extra)
         else:
             abstract = checkpointing.abstract_like(
                 r.learner.abstract_state, r.learner.state_shardings
@@ -439,7 +364,7 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
                 prior_wall_time=meta["wall_time"],
                 t_start=t_start,
             )
-            counters = _resume_counters(meta.get("counters", {}))
+            counters = acct.resume_counters(meta.get("counters", {}))
             log.info("resumed from step %d (checkpoint %d)", int(state.step), latest)
         summary = _rl(r, state, counters, extra, stopper, t_start)
     return _close(r, workdir, t, summary)
@@ -451,7 +376,7 @@ def _close(r: Run, workdir: pathlib.Path, t, summary: dict) -> dict:
     r.writer.close()
     if t.report and distributed.is_primary() and summary.get("steps"):
         report.write_report(workdir, summary=summary)
-    text = json.dumps(_finite(summary), indent=2, sort_keys=True, allow_nan=False)
+    text = json.dumps(acct.finite(summary), indent=2, sort_keys=True, allow_nan=False)
     if distributed.is_primary():
         (workdir / "summary.json").write_text(text)
     return summary
@@ -487,7 +412,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
                 break
             batch = r._batch(trajs)
             version = int(state.step)
-            host.append(_host_stats(trajs, version))
+            host.append(acct.host_stats(trajs, version))
             tokens += int(batch["action_mask"].sum())
             if int(state.updates) < cfg.rl.critic_only_steps:
                 state, m = learner.value_step(state, batch, r._key(state))  # critic warm-up
@@ -502,10 +427,10 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
             if step % t.log_every == 0 or step == t.total_steps:
                 learner.raise_if_diverged(state)
                 now = time.time()
-                scalars = {**acc.result(), **_mean(host)}
+                scalars = {**acc.result(), **acct.mean_rows(host)}
                 scalars["perf/action_tokens_per_s"] = tokens / max(now - t_log, 1e-9)
                 scalars["train/skipped_steps"] = float(state.skipped_steps)
-                scalars.update(_sampler_scalars(source.stats(), counters))
+                scalars.update(acct.sampler_scalars(source.stats(), counters))
                 r.writer.write_scalars(step, scalars)
                 progress.update(step, scalars)
                 last = scalars
@@ -513,7 +438,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
             if t.eval_every and step % t.eval_every == 0 and step < t.total_steps:
                 _unless_stopped(r.evaluate, state, step)
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
-                r.save(step, state, source, _counters(counters, source.stats()), extra)
+                r.save(step, state, source, acct.counters(counters, source.stats()), extra)
     finally:
         source.stop()
         progress.close()
@@ -521,17 +446,17 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
     after = {}
     if step >= t.total_steps and not stopped:
         after = _unless_stopped(r.evaluate, state, step) or {}
-    r.save(step, state, source, _counters(counters, source.stats()), extra)
+    r.save(step, state, source, acct.counters(counters, source.stats()), extra)
     return dict(
         steps=step,
         before=extra["before"],
         after=after,
         value_pretrain=extra.get("value_pretrain", {}),
         last_train=last,
-        counters=_counters(counters, source.stats()),
+        counters=acct.counters(counters, source.stats()),
         staleness_hist=source.stats().get("staleness", {}),
-        wall_time_s=_wall(extra),
-        machine=_machine(),
+        wall_time_s=acct.wall_time(extra),
+        machine=acct.machine(),
         interrupted=bool(stopped or stopper.requested),
     )
 
@@ -557,75 +482,3 @@ def _unless_stopped(fn, *args):
     except stop.StopRequested as e:
         log.warning("%s: skipped", e)
         return None
-
-
-def _wall(extra: dict) -> float:
-    """Wall time of the whole run: earlier segments (before a resume) + this one."""
-    return extra["prior_wall_time"] + time.time() - extra["t_start"]
-
-
-def _machine() -> str:
-    dev = jax.devices()[0]
-    return (
-        f"{platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"{jax.device_count()} x {dev.platform} ({dev.device_kind})"
-    )
-
-
-def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
-    if not rows:
-        return {}
-    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
-
-
-def _sampler_scalars(stats: dict[str, Any], base: dict) -> dict[str, float]:
-    """The sampler's gauges (queued, version, ...); generated / taken / dropped are run
-    totals (earlier segments included), so a resumed run continues the curves."""
-    out = {f"sampler/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float))}
-    totals = _counters(base, stats)
-    out["sampler/generated"] = float(totals["generated"])
-    out["sampler/taken"] = float(totals["trained"])
-    out["sampler/dropped"] = float(totals["dropped_stale"] + totals["dropped_episodes"])
-    return out
-
-
-def _nan(x: Any) -> Any:
-    """None (a non-finite value stored as null) back to NaN."""
-    return math.nan if x is None else x
-
-
-def _finite(x: Any) -> Any:
-    """`x` with non-finite floats replaced by None (strict JSON, as in metrics.jsonl)."""
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    if isinstance(x, float) and not np.isfinite(x):
-        return None
-    return x
-
-
-def _resume_counters(saved: dict) -> dict:
-    """Totals of earlier run segments; what was in flight at their save is discarded."""
-    keys = ("generated", "trained", "dropped_stale", "dropped_episodes", "discarded")
-    base = {k: int(saved.get(k, 0)) for k in keys}
-    base["discarded"] += int(saved.get("in_flight", 0))
-    return base
-
-
-def _counters(base: dict, stats: dict[str, Any]) -> dict:
-    """Trajectory counters since the run began (`base`: earlier segments, `stats`: the
-    source's). Balance, checked by the tests: generated == trained + dropped_stale +
-    discarded + in_flight (finished, not yet trained); dropped_episodes never finished
-    (env errors, prompts too long, ...)."""
-    dropped = dict(stats.get("dropped", {}))
-    stale = int(dropped.pop("stale", 0))
-    out = {
-        "generated": base["generated"] + int(stats.get("generated", 0)),
-        "trained": base["trained"] + int(stats.get("taken", 0)),
-        "dropped_stale": base["dropped_stale"] + stale,
-        "dropped_episodes": base["dropped_episodes"] + int(sum(dropped.values())),
-        "discarded": base["discarded"],
-        "in_flight": int(stats.get("queued", 0)) + int(stats.get("in_open_groups", 0)),
-    }
-    return out

@@ -20,7 +20,7 @@ import shutil
 import ml_collections
 import pytest
 
-from sao_jax import checkpointing, rollouts, train, value_pretrain
+from sao_jax import checkpointing, rollouts, run_accounting, train, value_pretrain
 from sao_jax.data.prompts import prompt_iterator
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import critic_def
@@ -421,9 +421,9 @@ class _FakeSampler:
 def test_async_group_counters_balance(monkeypatch):
     monkeypatch.setattr(rollouts, "AsyncSampler", _FakeSampler)
     source = rollouts.AsyncRollouts(None, None, None, _prompts(), None, None, group_size=2)
-    base = train._resume_counters({})
+    base = run_accounting.resume_counters({})
     got = [t.prompt_uid for t in source.take(4)]  # a, a then b, c open, then b
     assert got[:2] == ["a", "a"] and sorted(got[2:]) == ["b", "b"]
-    counters = train._counters(base, source.stats())
+    counters = run_accounting.counters(base, source.stats())
     assert counters["trained"] == 4 and counters["in_flight"] == 4  # c open; c, d, d queued
     assert ts.unbalanced(counters) is None
