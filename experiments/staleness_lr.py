@@ -59,6 +59,8 @@ def keep_rate(rs: Sequence[sweep.PointResult]) -> str:
 
 
 def cell(rs: Sequence[sweep.PointResult]) -> list[str]:
+    # runs that never ended (running, missing) are listed below the table, not counted here
+    rs = [r for r in rs if r.status in ("done", "failed")]
     if not rs:
         return ["-"] * 5
     collapses = [tables.detect_collapse(r.history, error=r.error) for r in rs]
