@@ -82,17 +82,27 @@ SMOKE_ROWS = {
 MODES = ("smoke", "quick", "full")
 
 # Per mode: seeds, RL steps, eval cadence (the fixed step budgets) and eval prompts.
+# Sized from measured per-step costs (docs/experiments.md, "Budgets"): on an idle 2-core
+# machine a critic row costs ~30 s of start-up + ~0.9 s per RL step, a critic-free row
+# ~30 s + ~0.5 s per step, an evaluation of 512 prompts (greedy + sampled) ~10 s, a warm
+# start (1000 SFT steps) ~4 min. Full: Table 4 = 5 seeds x 7 rows x 60 steps ~ 55 min
+# with the warm starts, Table 5 3 more rows x 5 seeds ~ 20 min. Held-out prompts are
+# cheap next to RL steps, so the full mode evaluates 512 (binomial SE of one run's score
+# ~2 points instead of ~4 at 128), and the differences are paired by seed.
 BUDGETS = {
     "smoke": dict(seeds=(0,), steps=2, eval_every=2, eval_size=8),
-    "quick": dict(seeds=(0,), steps=20, eval_every=10, eval_size=64),
-    "full": dict(seeds=(0, 1, 2), steps=60, eval_every=20, eval_size=128),
+    "quick": dict(seeds=(0,), steps=40, eval_every=20, eval_size=256),
+    "full": dict(seeds=(0, 1, 2, 3, 4), steps=60, eval_every=30, eval_size=512),
 }
 # staleness_lr grid: the sampler may run `s` versions ahead (queue of (s + 1) batches)
 # and trajectories more than `s` versions old are dropped (0 = synchronous rollouts);
-# policy lr x 1 (configs/sao.py) and x 20.
-STALENESS = {"smoke": (1,), "quick": (4,), "full": (0, 4)}
-POLICY_LRS = {"smoke": (1e-4,), "quick": (1e-4, 2e-3), "full": (1e-4, 2e-3)}
+# policy lr x 1 (configs/sao.py) and x 10. At the default async settings (staleness ~2)
+# and lr 1e-4 DIS keeps 99.8-100% of tokens: the grid goes to S = 8 and lr 1e-3 so that
+# the band binds (keep rate reported per cell).
+STALENESS = {"smoke": (1,), "quick": (8,), "full": (0, 8)}
+POLICY_LRS = {"smoke": (1e-4,), "quick": (1e-4, 1e-3), "full": (1e-4, 1e-3)}
 STALENESS_STEPS = {"smoke": 2, "quick": 30, "full": 40}
+STALENESS_SEEDS = {"smoke": (0,), "quick": (0,), "full": (0, 1, 2, 3, 4)}
 
 
 def get_config(arg=None):
@@ -147,7 +157,7 @@ def get_sweep(arg=None) -> SweepSpec:
         name="staleness_lr",
         config="configs/ablations.py",
         variants=TABLES["staleness_lr"],
-        seeds=(0,),
+        seeds=STALENESS_SEEDS[arg.mode],
         grid=(staleness, axis("optim.policy.lr", POLICY_LRS[arg.mode])),
         fixed=fixed,
         common_arg=common,

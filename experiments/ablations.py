@@ -20,9 +20,10 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 from absl import app, flags
 
-from sao_jax import sweep, tables
+from sao_jax import compare, sweep, tables
 from sao_jax.configs import ablations as ablations_cfg
 
 MODE = flags.DEFINE_enum("mode", "quick", ["smoke", "quick", "full"], "Experiment size.")
@@ -155,6 +156,26 @@ def eval_steps(spec: sweep.SweepSpec) -> list[int]:
     return steps if steps and steps[-1] == total else [*steps, total]
 
 
+def final_by_seed(rs: Sequence[sweep.PointResult], metric: str, step: int) -> dict[int, float]:
+    """{seed: `metric` at `step`} of the runs that logged it."""
+    out = {}
+    for r in rs:
+        v = tables.value_at(r.history, metric, step)
+        if v is not None:
+            out[r.point.seed] = v
+    return out
+
+
+def sft_by_seed(results: Sequence[sweep.PointResult]) -> dict[int, float]:
+    """{seed: held-out success of the seed's shared warm start} (each run's step-0 eval)."""
+    out = {}
+    for r in results:
+        v = tables.finite((r.summary or {}).get("before", {}).get(METRIC))
+        if v is not None:
+            out[r.point.seed] = v
+    return out
+
+
 def ablation_report(
     title: str,
     name: str,
@@ -165,50 +186,103 @@ def ablation_report(
     paper: Mapping[str, tuple[float, ...]],
     paper_columns: Sequence[str],
     paper_collapse: Mapping[str, str] | None = None,
+    paper_base: float | None = None,
 ) -> str:
-    """Markdown (and plots) of a rows x seeds sweep: success at each budget, collapse."""
+    """Markdown (and plots) of a rows x seeds sweep: held-out success at each budget
+    (mean ± SE), each row's paired difference from SAO at the last budget with its SE,
+    the minimum detectable difference, the paper-sized gap and the power to see it."""
     rows, steps = by_row(results), eval_steps(spec)
     done = {row: [r for r in rs if r.status == "done"] for row, rs in rows.items()}
     cols = [0, *steps]  # step 0: the shared SFT warm start, before RL
+    last = steps[-1]
+    sft = sft_by_seed(results)
+    finals = {rs[0].point.variant: final_by_seed(rs, METRIC, last) for rs in rows.values()}
+    ref = finals.get("sao", {})
+    gain = compare.paired_difference(ref, sft).diff if ref and sft else float("nan")
+    paper0 = {k: v[0] for k, v in paper.items()}
+    if paper_base is not None:
+        paper0.setdefault("sft", paper_base)
     headers = ["row", "runs", *(f"success % @{s}" for s in cols)]
-    headers += [f"greedy success % @{steps[-1]}", "collapse"]
-    headers += [f"paper {c}" for c in paper_columns]
+    headers += [f"greedy % @{last}", f"Δ vs SAO @{last} (paired)", "paper-sized Δ", "verdict"]
+    headers += ["collapse", *(f"paper {c}" for c in paper_columns)]
     if paper_collapse is not None:
         headers.append("paper collapse")
-    body, final = [], {}
-    sft = [tables.finite((r.summary or {}).get("before", {}).get(METRIC)) for r in results]
-    sft_by_seed = {r.point.seed: v for r, v in zip(results, sft) if v is not None}
-    if sft_by_seed:
-        cells = [tables.fmt_mean_std(list(sft_by_seed.values()))] + ["-"] * (len(steps) + 1)
-        body.append(["SFT warm start (step 0)", len(sft_by_seed), *cells, "-"])
-        body[-1] += [f"{x}" for x in paper.get("sft", ("-",) * len(paper_columns))]
-        body[-1] += ["-"] if paper_collapse is not None else []
-        final["sft"] = tables.mean_std(list(sft_by_seed.values()))[0]
+    body, means, diffs = [], {}, {}
+    if sft:
+        line = ["SFT warm start (step 0)", len(sft), compare.fmt_mean_se(list(sft.values()))]
+        d = compare.paired_difference(sft, ref)
+        line += ["-"] * len(steps) + ["-", compare.fmt_difference(d), "-", "-", "-"]
+        line += [f"{x}" for x in paper.get("sft", ("-",) * len(paper_columns))]
+        line += ["-"] if paper_collapse is not None else []
+        body.append(line)
+        means["sft"] = compare.mean_se(list(sft.values()))[0]
     for row, rs in rows.items():
         variant = rs[0].point.variant
         cells = [
-            tables.fmt_mean_std([tables.value_at(r.history, METRIC, s) for r in rs]) for s in cols
+            compare.fmt_mean_se([tables.value_at(r.history, METRIC, s) for r in rs]) for s in cols
         ]
-        cells.append(
-            tables.fmt_mean_std([tables.value_at(r.history, GREEDY, steps[-1]) for r in rs])
-        )
-        collapses = [tables.detect_collapse(r.history, error=r.error) for r in rs]
+        cells.append(compare.fmt_mean_se([tables.value_at(r.history, GREEDY, last) for r in rs]))
         line = [LABELS.get(variant, row), f"{len(done[row])}/{len(rs)}", *cells]
+        if variant == "sao":
+            line += ["(reference)", "-", "-"]
+        else:
+            d = compare.paired_difference(finals[variant], ref)
+            gap = -compare.paper_gap(paper0, variant, "sao", "sft", gain)
+            diffs[variant] = (d, gap)
+            line.append(compare.fmt_difference(d))
+            line.append("n/a" if gap != gap else f"{100 * gap:+.1f}")
+            line.append(compare.verdict(d, gap))
+        collapses = [tables.detect_collapse(r.history, error=r.error) for r in rs]
         line.append(tables.fmt_collapses(collapses))
         line += [f"{x}" for x in paper.get(variant, ("-",) * len(paper_columns))]
         if paper_collapse is not None:
             line.append(paper_collapse.get(variant, "-"))
         body.append(line)
-        last = [tables.value_at(r.history, METRIC, steps[-1]) for r in rs]
-        final[variant] = tables.mean_std(last)[0]
+        means[variant] = compare.mean_se(list(finals[variant].values()))[0]
     text = header(title, spec, results, wall_s) + "\n"
     text += tables.markdown_table(headers, body)
-    text += "\n" + ordering_text(final, {k: v[0] for k, v in paper.items()}, paper_columns[0])
+    text += "\n" + design_text(diffs, gain, len(ref), spec)
+    text += "\n" + ordering_text(means, paper0, paper_columns[0])
     text += "\n" + definitions_text(f"budgets: evaluations at steps {', '.join(map(str, cols))}.")
     text += _plots(name, rows, steps, paper)
     text += failures(results)
     text += "\n## Every run\n\n" + tables.points_table(results, METRIC)
     return text
+
+
+def design_text(
+    diffs: Mapping[str, tuple[compare.Difference, float]], gain: float, n_ref: int, spec
+) -> str:
+    """What differences this design can see: the minimum detectable difference per row."""
+    lines = ["## What this design can detect", ""]
+    mdds = [d.mdd for d, _ in diffs.values() if d.n > 1 and d.se == d.se]
+    eval_size = spec.fixed.get("env.eval_size", "?")
+    lines.append(
+        f"- {n_ref} seeds; each run is scored on {eval_size} held-out prompts (one sampled "
+        "rollout each). Rows of one seed share the SFT warm start, the prompt stream and the "
+        "held-out prompts, so each row's difference from SAO is paired by seed: "
+        "d_s = row_s - SAO_s, SE = std(d) / sqrt(n)."
+    )
+    if mdds:
+        lines.append(
+            f"- Smallest difference this table can detect at {compare.Z:g} SE: "
+            f"{100 * min(mdds):.1f} to {100 * max(mdds):.1f} points (median "
+            f"{100 * float(np.median(mdds)):.1f}), from the observed SEs of the paired "
+            "differences."
+        )
+    if gain == gain:
+        lines.append(
+            f"- SAO's gain over its warm start: {100 * gain:+.1f} points. The paper-sized Δ "
+            "of a row is the paper's gap to SAO as a share of the paper's SAO gain over its "
+            "SFT start, times ours (sao_jax/compare.py); 'powered' means it is at least the "
+            f"detectable difference, power = P(a true gap that size reaches {compare.Z:g} SE)."
+        )
+    lines.append(
+        "- A row with 'no difference' and 'underpowered' is not evidence of no effect: the "
+        "design could not have seen the paper's gap. 'no difference' and 'powered' is a "
+        "negative result at this scale."
+    )
+    return "\n".join(lines) + "\n"
 
 
 def ordering_text(ours: Mapping[str, float], paper: Mapping[str, float], column: str) -> str:
@@ -231,8 +305,8 @@ def ordering_text(ours: Mapping[str, float], paper: Mapping[str, float], column:
         pairs = "; ".join(f"{LABELS.get(a, a)} > {LABELS.get(b, b)}" for a, b in bad)
         lines.append(f"- **No**: the paper has {pairs}; ours does not (or ties).")
     lines.append(
-        "- Differences within one std over seeds are not evidence either way; see "
-        "docs/experiments.md for what a conclusive run would need (more seeds, more steps)."
+        "- An ordering is evidence only where the paired difference is at least 2 SE (the "
+        "table's verdict column); see 'What this design can detect'."
     )
     return "\n".join(lines) + "\n"
 
@@ -242,7 +316,7 @@ def definitions_text(budget: str) -> str:
     return (
         "## Definitions\n\n"
         f"- success % @N: held-out success ({METRIC}: pass@1 sampled at temperature 1) after "
-        "N RL steps, mean ± std (ddof=1) over seeds (a bare number: one run); greedy: the "
+        "N RL steps, mean ± standard error over seeds (a bare number: one run); greedy: the "
         f"same prompts decoded greedily ({GREEDY}). The paper's columns are its AIME-style "
         "accuracies (different task and scale: compare orderings, not values).\n"
         f"- collapse: train success below {rule.drop_fraction:g} x its running max (once "
@@ -272,11 +346,12 @@ def _plots(name, rows, steps, paper) -> str:
     tables.plot_curves(p2, "Training success (mean ± std over seeds)", "success", train)
     bars = {}
     for row, rs in rows.items():
-        m, s, _ = tables.mean_std([tables.value_at(r.history, METRIC, steps[-1]) for r in rs])
-        bars[LABELS.get(rs[0].point.variant, row)] = (m, s)
+        m, se, _ = compare.mean_se([tables.value_at(r.history, METRIC, steps[-1]) for r in rs])
+        bars[LABELS.get(rs[0].point.variant, row)] = (m, 0.0 if se != se else se)
     ref = {LABELS.get(k, k): v[0] / 100 for k, v in paper.items()}
     p3 = plot_path(f"{name}_final")
-    tables.plot_bars(p3, f"Held-out success at step {steps[-1]}", "success", bars, reference=ref)
+    title = f"Held-out success at step {steps[-1]} (mean ± SE)"
+    tables.plot_bars(p3, title, "success", bars, reference=ref)
     return "\n## Plots\n\n" + "".join(f"![{p.stem}](plots/{p.name})\n" for p in (p1, p2, p3))
 
 

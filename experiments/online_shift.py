@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from absl import app
 
-from sao_jax import sweep, tables
+from sao_jax import compare, sweep, tables
 from sao_jax.configs import online_shift as shift_cfg
 from sao_jax.envs.style import STYLES
 from sao_jax.experiments import ablations as abl
@@ -36,6 +36,24 @@ def phases(switches: tuple[int, ...], total: int) -> list[tuple[str, int, int]]:
     return [(STYLES[i], edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
 
 
+def phase_means(history, switches: tuple[int, ...], total: int) -> list[float | None]:
+    """Mean `METRIC` over each phase's logged steps (None where nothing was logged)."""
+    steps, v = tables.series(history, METRIC)
+    out = []
+    for _, a, b in phases(switches, total):
+        sel = v[(steps >= a) & (steps < b)]
+        out.append(float(np.mean(sel)) if sel.size else None)
+    return out
+
+
+def recovery_score(history, switches: tuple[int, ...], total: int) -> float | None:
+    """The per-seed score of the table: mean training reward over the phases after a
+    switch (every phase but the first), i.e. the area under the reward curve while the
+    policy chases a new target. Higher = recovers sooner and further."""
+    after = phase_means(history, switches, total)[1:]
+    return float(np.mean(after)) if after and all(x is not None for x in after) else None
+
+
 def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
     switches = tuple(spec.fixed["env.params.switch_steps"])
     total = spec.fixed["train.total_steps"]
@@ -45,23 +63,32 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
     headers += [
         f"mean reward % {style}, steps {a}-{b - 1}" for style, a, b in phases(switches, total)
     ]
+    headers += ["score: mean reward % after the switches", "Δ vs SAO (paired)", "verdict"]
     headers += [f"steps to recover after {s}" for s in switches]
     headers += ["lowest reward % after a switch (mean over switches)"]
-    body, scores = [], {}
+    scores = {
+        rs[0].point.variant: {r.point.seed: recovery_score(r.history, switches, total) for r in rs}
+        for rs in rows.values()
+    }
+    ref = scores.get("sao", {})
+    body, diffs = [], {}
     for row, rs in rows.items():
+        variant = rs[0].point.variant
         n_done = sum(r.status == "done" for r in rs)
-        line = [LABELS.get(rs[0].point.variant, row), f"{n_done}/{len(rs)}"]
-        for _, a, b in phases(switches, total):
-            per_run = []
-            for r in rs:
-                steps, v = tables.series(r.history, METRIC)
-                sel = v[(steps >= a) & (steps < b)]
-                per_run.append(float(np.mean(sel)) if sel.size else None)
-            line.append(tables.fmt_mean_std(per_run))
-        dips, censored = [], []
+        line = [LABELS.get(variant, row), f"{n_done}/{len(rs)}"]
+        per_phase = [phase_means(r.history, switches, total) for r in rs]
+        for i in range(len(switches) + 1):
+            line.append(compare.fmt_mean_se([p[i] for p in per_phase]))
+        line.append(compare.fmt_mean_se(list(scores[variant].values())))
+        if variant == "sao":
+            line += ["(reference)", "-"]
+        else:
+            d = compare.paired_difference(scores[variant], ref)
+            diffs[variant] = d
+            line += [compare.fmt_difference(d), compare.verdict(d)]
+        dips = []
         for i, s in enumerate(switches):
             until = switches[i + 1] if i + 1 < len(switches) else None
-            phase = (until or total + 1) - s
             recs = [
                 tables.time_to_recover(
                     *tables.series(r.history, METRIC),
@@ -74,18 +101,16 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
                 for r in rs
             ]
             got = [x.steps for x in recs if x is not None and x.steps is not None]
-            censored += [phase if x.steps is None else x.steps for x in recs if x is not None]
             dips += [x.dip for x in recs if x is not None]
             n_def = sum(x is not None for x in recs)
             if n_def == 0:
                 line.append(f"n/a (reward before the switch < {100 * MIN_LEVEL:g}%)")
             elif got:
-                steps_text = tables.fmt_mean_std(got, scale=1, digits=0)
+                steps_text = compare.fmt_mean_se(got, scale=1, digits=0)
                 line.append(f"{steps_text} ({len(got)}/{n_def} recovered)")
             else:
                 line.append(f"not within the phase (0/{n_def})")
-        line.append(tables.fmt_mean_std(dips))
-        scores[rs[0].point.variant] = float(np.mean(censored)) if censored else None
+        line.append(compare.fmt_mean_se(dips))
         body.append(line)
     curves = {
         LABELS.get(rs[0].point.variant, row): tables.mean_curve([r.history for r in rs], METRIC)
@@ -102,27 +127,45 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
     )
     text = abl.header("Online learning with a moving target (style shift)", spec, results, wall_s)
     text += "\n" + tables.markdown_table(headers, body)
+    n_seeds = len(ref)
     text += (
-        f"\n- steps to recover: from the switch to the first logged step where the training "
+        f"\n- score: per seed, the mean training reward over the phases after the "
+        f"switches (steps {switches[0]}-{total}): the area under the reward curve while the "
+        "policy chases a new target; mean ± standard error over seeds. Δ vs SAO: paired by "
+        f"seed (same seed = same warm start and prompt stream), d = row - SAO, SE = std(d) / "
+        f"sqrt(n), {n_seeds} seeds.\n"
+        f"- steps to recover: from the switch to the first logged step where the training "
         f"reward, after dropping below {RECOVER_FRACTION:g} x its mean over the {window} "
         "steps before the switch, is back above it, within the same phase (records before "
-        "the drop still hold rewards judged before the switch); mean ± std over the seeds "
-        "that recovered. Log resolution: 2 steps.\n"
+        "the drop still hold rewards judged before the switch); mean ± SE over the seeds "
+        "that recovered.\n"
+        "- reachability: consecutive styles share 3 of their 12 marker words "
+        "(sao_jax/envs/style.py), so lines of the old style that use two shared words are "
+        "already rewarded under the new one; the warm start imitates all three styles.\n"
         "- paper (docs/method.md section 6): SAO's critic re-aligns quickly after each switch; "
         "the moving-average baseline lags because its 128-reward window still reflects the "
-        "old style. GRPO cannot run here (one trajectory per prompt).\n"
+        "old style (here 128 rewards = 2 batches). The paper gives no number for the gap. "
+        "GRPO cannot run here (one trajectory per prompt).\n"
     )
-    sao, ma = scores.get("sao"), scores.get("moving_average")
-    if sao is None or ma is None:
-        verdict = "**Not decidable**: no switch with a reward level to recover (see the table)."
-    elif sao < ma:
-        verdict = f"**Yes**: SAO recovers faster ({sao:.0f} vs {ma:.0f} steps)."
+    d = diffs.get("moving_average")
+    if d is None or d.n < 2 or d.se != d.se:
+        verdict = "**Not decidable**: fewer than two paired seeds."
+    elif d.diff <= -compare.Z * d.se:
+        verdict = (
+            f"**Yes**: SAO's score is {100 * -d.diff:.1f} ± {100 * d.se:.1f} points above "
+            f"the moving average's ({-d.z:.1f} SE)."
+        )
+    elif d.diff >= compare.Z * d.se:
+        verdict = (
+            f"**No, the opposite**: the moving average scores {100 * d.diff:.1f} ± "
+            f"{100 * d.se:.1f} points above SAO ({d.z:.1f} SE)."
+        )
     else:
-        verdict = f"**No**: SAO does not recover faster here ({sao:.0f} vs {ma:.0f} steps)."
-    text += (
-        "- score: mean steps to recover over switches and seeds, a switch not recovered "
-        "within its phase counted as the phase length.\n"
-    )
+        verdict = (
+            f"**Not shown**: the difference ({100 * -d.diff:+.1f} ± {100 * d.se:.1f} points "
+            f"for SAO) is inside {compare.Z:g} SE; this design detects differences of "
+            f"{100 * d.mdd:.1f} points or more."
+        )
     text += f"- does laptop scale reproduce the paper's claim? {verdict}\n"
     text += f"\n## Plots\n\n![{path.stem}](plots/{path.name})\n"
     text += abl.failures(results)

@@ -15,9 +15,13 @@ Flags: see experiments/ablations.py.
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Sequence
+
+import numpy as np
 from absl import app
 
-from sao_jax import sweep, tables
+from sao_jax import compare, sweep, tables
 from sao_jax.configs import ablations as ablations_cfg
 from sao_jax.experiments import ablations as abl
 
@@ -37,37 +41,59 @@ def measured_staleness(r: sweep.PointResult) -> str:
     return f"{mean:.2f} / {max(hist)} (dropped {dropped})"
 
 
-def cell(r: sweep.PointResult | None) -> list[str]:
-    if r is None:
-        return ["-"] * 4
-    c = tables.detect_collapse(r.history, error=r.error)
-    _, train = tables.series(r.history, "train/success")
-    after = tables.finite((r.summary or {}).get("after", {}).get(abl.METRIC))
+KEEP = "policy/keep_rate"  # share of action tokens the policy loss keeps (DIS band, PPO clip)
+
+
+def keep_rate(rs: Sequence[sweep.PointResult]) -> str:
+    """Mean over the run of the logged keep rate (mean ± SE over seeds) and its lowest
+    logged value: below 100% means the loss masked (DIS) or clipped (PPO) some tokens."""
+    means, lows = [], []
+    for r in rs:
+        _, k = tables.series(r.history, KEEP)
+        if k.size:
+            means.append(float(np.mean(k)))
+            lows.append(float(np.min(k)))
+    if not means:
+        return "n/a"
+    return f"{compare.fmt_mean_se(means, digits=2)} (min {100 * min(lows):.2f})"
+
+
+def cell(rs: Sequence[sweep.PointResult]) -> list[str]:
+    # runs that never ended (running, missing) are listed below the table, not counted here
+    rs = [r for r in rs if r.status in ("done", "failed")]
+    if not rs:
+        return ["-"] * 5
+    collapses = [tables.detect_collapse(r.history, error=r.error) for r in rs]
+    train = [tables.series(r.history, "train/success")[1] for r in rs]
+    after = [tables.finite((r.summary or {}).get("after", {}).get(abl.METRIC)) for r in rs]
     return [
-        "none" if c is None else f"{c.step} ({c.reason})",
-        "n/a" if not train.size else f"{100 * train[-1]:.1f}",
-        "n/a" if after is None else f"{100 * after:.1f}",
-        measured_staleness(r) if r.status == "done" else r.status,
+        tables.fmt_collapses(collapses),
+        compare.fmt_mean_se([t[-1] if t.size else None for t in train]),
+        compare.fmt_mean_se(after),
+        keep_rate(rs),
+        "; ".join(measured_staleness(r) if r.status == "done" else r.status for r in rs[:1]),
     ]
 
 
 def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
-    index = {
-        (r.point.variant, ov.get("sampling.max_staleness"), ov.get("optim.policy.lr")): r
-        for r in results
-        for ov in [dict(r.point.overrides)]
-    }
+    index = collections.defaultdict(list)
+    for r in results:
+        ov = dict(r.point.overrides)
+        key = (r.point.variant, ov.get("sampling.max_staleness"), ov.get("optim.policy.lr"))
+        index[key].append(r)
     grid = sorted({(s, lr) for _, s, lr in index})
     headers = ["max staleness S", "policy lr"]
     for name in ROWS.values():
         headers += [
-            f"{name}: collapse step",
+            f"{name}: collapsed runs",
             f"{name}: final train success %",
             f"{name}: held-out success %",
-            f"{name}: staleness mean / max",
+            f"{name}: keep rate % (min)",
+            f"{name}: staleness mean / max (seed {spec.seeds[0]})",
         ]
     body = [
-        [s, f"{lr:g}", *[x for v in ROWS for x in cell(index.get((v, s, lr)))]] for s, lr in grid
+        [s, f"{lr:g}", *[x for v in ROWS for x in cell(index.get((v, s, lr), []))]]
+        for s, lr in grid
     ]
     total = spec.fixed["train.total_steps"]
     text = abl.header(
@@ -79,13 +105,18 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
         "the bias of a step grows like S x lr, collapse time like 1/lr; compare collapse "
         "steps only at equal learning rates. The paper reports vanilla GRPO collapsing near "
         "step 160 and VAPO without DIS near step 90, SAO stable for ~1000 steps.\n"
+        "- keep rate: the logged share of action tokens the policy loss keeps (DIS: ratio "
+        "to the rollout engine inside (0.7, 6.0); PPO: not clipped), averaged over the run, "
+        "mean ± SE over seeds, with the lowest logged value. 100% means the mechanism never "
+        "fired at that staleness and learning rate.\n"
+        "- cells are mean ± SE over seeds; collapse: runs collapsed / runs.\n"
     )
     text += "\n" + abl.definitions_text(f"budget: {total} RL steps; held-out success at the end.")
     text += "\n## Plots\n\n"
     for variant, name in ROWS.items():
         curves = {
             f"S={s}, lr={lr:g}": tables.mean_curve(
-                [index[(variant, s, lr)].history], "train/success"
+                [r.history for r in index[(variant, s, lr)]], "train/success"
             )
             for s, lr in grid
             if (variant, s, lr) in index

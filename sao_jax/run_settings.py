@@ -14,8 +14,9 @@ from typing import Any
 from sao_jax.rl.optim import TRAINABLE_SETS, optimizer_section
 from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
-ENV_NAMES = ("arithmetic", "python_tool", "style")  # built-in procedural tasks (any registered
-# task or import path is accepted: sao_jax/envs/tasks.py)
+# The built-in procedural tasks (any registered task or import path is accepted:
+# sao_jax/envs/tasks.py).
+ENV_NAMES = ("arithmetic", "arithmetic_levels", "python_tool", "style")
 DATA_FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
 INIT_KINDS = ("sft", "hf", "params", "random")
 ROLLOUT_MODES = ("async", "sync")

@@ -106,10 +106,14 @@ def test_every_sweep_point_and_warm_start_validates(module, arg):
         assert c.train.total_steps == 0
 
 
-def test_full_tables_have_three_seeds_and_share_sao_runs():
+def test_full_tables_have_five_seeds_and_share_sao_runs():
     t4 = ablations.get_sweep("table=table4,mode=full")
     gae = ablations.get_sweep("table=gae,mode=full")
-    assert len(t4.seeds) >= 3
+    grid = ablations.get_sweep("table=staleness_lr,mode=full")
+    shift = online_shift.get_sweep("mode=full")
+    for spec in (t4, gae, grid, shift):
+        assert len(spec.seeds) >= 5, spec.name
+    assert t4.seeds == gae.seeds == grid.seeds  # one warm start per seed serves all three
     sao4 = {p.name: p for p in sweep.expand(t4) if p.variant == "sao"}
     sao5 = {p.name: p for p in sweep.expand(gae) if p.variant == "sao"}
     assert sao4 == sao5  # one set of SAO runs serves both tables

@@ -213,12 +213,12 @@ def test_imperfect_demonstrations_leave_headroom():
 
 
 def test_registry():
-    assert ENV_NAMES == ("arithmetic", "python_tool", "style")
+    assert ENV_NAMES == ("arithmetic", "arithmetic_levels", "python_tool", "style")
     for name in ENV_NAMES:
         env = make_env(name)
         assert isinstance(env, Env) and env.max_turns >= 1 and env.stop_strings
     assert make_env("arithmetic", max_turns=6).max_turns == 6
-    with pytest.raises(ValueError, match="arithmetic, python_tool, style"):
+    with pytest.raises(ValueError, match="arithmetic, arithmetic_levels, python_tool, style"):
         make_env("chess")
     with pytest.raises(ValueError, match="bad parameters"):
         make_env("arithmetic", turns=3)

@@ -57,7 +57,8 @@ def test_ablations_gae_and_staleness_share_one_sweep(tmp_path):
 
     _experiment("staleness_lr", sweep_dir, out)
     text = _check_report(out, "staleness_lr", [])
-    assert "DIS: collapse step" in text and "no DIS: collapse step" in text
+    assert "DIS: collapsed runs" in text and "no DIS: collapsed runs" in text
+    assert "DIS: keep rate % (min)" in text
     assert text.count("| 1 | 0.0001 |") == 1  # one grid row: S=1, lr=1e-4
 
 

@@ -1,5 +1,6 @@
 """Style-shift writing env: schedule switches, the offline lexicon judge, dropped verdicts."""
 
+import re
 import threading
 
 import numpy as np
@@ -52,20 +53,39 @@ def test_schedule_is_shared_and_thread_safe():
         t.join()
 
 
-def test_demonstrations_score_only_in_their_style():
+def _shared_with(style, target):
+    return set(S.LEXICONS[style]) & set(S.LEXICONS[target])
+
+
+def test_demonstrations_score_in_their_style_and_next_only_through_shared_words():
     judge, tok = S.LexiconJudge(), CharTokenizer()
     rng = np.random.default_rng(0)
-    for _ in range(60):
+    reach = []
+    for _ in range(200):
         prompt = S.sample_prompt(rng)
         for style in S.STYLES:
             segments = S.demonstration(prompt, rng, style=style)
             assert [m for _, m in segments] == [False, True]
             text = segments[1][0]
             assert tok.unk_id not in tok.encode(prompt.text + text)
+            words = set(re.findall("[a-z]+", text))
             for target in S.STYLES:
                 q, s = judge.score(prompt, text.removesuffix("\n"), target)
                 assert q == 1.0, text
-                assert s == float(target == style), (text, target)
+                # 3 markers of `style`: another target needs >= 2 of them shared with it
+                expect = target == style or len(words & _shared_with(style, target)) >= 2
+                assert s == float(expect), (text, target)
+            if style == "cute":
+                reach.append(judge.style(text.removesuffix("\n"), "chuunibyou"))
+    # 3 of 12 cute words are shared with chuunibyou: P(>= 2 of 3 distinct) = 28/220
+    assert 0.05 < np.mean(reach) < 0.22
+
+
+def test_lexicons_share_words_only_between_consecutive_styles():
+    assert all(len(S.LEXICONS[s]) == 12 for s in S.STYLES)
+    assert len(_shared_with("cute", "chuunibyou")) == 3
+    assert len(_shared_with("chuunibyou", "classical")) == 3
+    assert not _shared_with("cute", "classical")
 
 
 def test_quality_rules():

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from sao_jax.envs import arithmetic, python_tool, style
+from sao_jax.envs import arithmetic, levels, python_tool, style
 from sao_jax.envs.answer import AnswerEnv
 from sao_jax.envs.base import Env
 from sao_jax.envs.llm_judge import judge_from_config
@@ -62,6 +62,22 @@ def _arithmetic_demo(prompt, rng, *, error_rate: float = 0.0):
     return arithmetic.demonstration(prompt, rng, error_rate=error_rate)
 
 
+def _levels_prompts(**params: Any):
+    """`sample(rng)` of graded problems; params: levels (subset of levels.LEVELS), weights."""
+    unknown = set(params) - {"levels", "weights"}
+    if unknown:
+        raise ValueError(f"prompt_source: unknown arithmetic_levels parameters {sorted(unknown)}")
+    lv = tuple(params.get("levels", tuple(levels.LEVELS)))
+    weights = params.get("weights")
+    weights = None if weights is None else tuple(weights)
+    levels.check_levels(lv, weights)
+    return functools.partial(levels.sample_prompt, levels=lv, weights=weights)
+
+
+def _levels_demo(prompt, rng, *, error_rate: float = 0.0):
+    return levels.demonstration(prompt, rng, error_rate=error_rate)
+
+
 def _python_tool_demo(prompt, rng, *, error_rate: float = 0.0):
     del rng, error_rate  # always correct (the sandbox output is real)
     return python_tool.demonstration(prompt)
@@ -81,6 +97,12 @@ register_task(
     demonstrations=_arithmetic_demo,
 )
 register_task(
+    "arithmetic_levels",
+    env=levels.LevelsEnv,
+    prompts=_levels_prompts,
+    demonstrations=_levels_demo,
+)
+register_task(
     "python_tool",
     env=python_tool.PythonToolEnv,
     prompts=_python_tool_prompts,
@@ -96,7 +118,7 @@ register_task(
 # Datasets: prompts come from data.train (JSONL / Parquet / HF datasets directory).
 register_task("answer", env=AnswerEnv, chat=True, rewards=True)
 
-ENV_NAMES = ("arithmetic", "python_tool", "style")  # the built-in procedural tasks
+ENV_NAMES = ("arithmetic", "arithmetic_levels", "python_tool", "style")  # built-in procedural
 
 
 def _build(task: Task, params: dict[str, Any]) -> Env:

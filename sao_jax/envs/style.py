@@ -30,14 +30,22 @@ from sao_jax.envs.base import Prompt, StepResult
 from sao_jax.envs.llm_judge import JudgeError
 
 STYLES = ("cute", "chuunibyou", "classical")
+# Consecutive styles share words, as real styles share features: a line of the current
+# style that happens to use >= 2 shared words is already the next style, so the next
+# target is reachable from a policy trained on the current one (docs/experiments.md).
+SHARED = {
+    ("cute", "chuunibyou"): ("magic", "sparkle", "wish"),
+    ("chuunibyou", "classical"): ("destiny", "eternal", "doom"),
+}
+_OWN = {
+    "cute": ("nya", "uwu", "kawaii", "fluffy", "bunny", "kitty", "sweet", "hugs", "puppy"),
+    "chuunibyou": ("darkness", "abyss", "sealed", "crimson", "flame", "cursed"),
+    "classical": ("thee", "thou", "hath", "doth", "yonder", "alas", "verily", "nay", "hither"),
+}
 LEXICONS = {
-    "cute": ("nya", "uwu", "kawaii", "fluffy", "bunny", "kitty", "sparkle", "sweet", "tiny",
-             "hugs", "puppy", "cuddle"),
-    "chuunibyou": ("darkness", "abyss", "sealed", "destiny", "crimson", "flame", "awaken",
-                   "chosen", "eternal", "shadow", "forbidden", "cursed"),
-    "classical": ("thee", "thou", "thy", "hath", "doth", "yonder", "alas", "verily", "ere",
-                  "nay", "hither", "wherefore"),
-}  # fmt: skip
+    style: own + sum((words for pair, words in SHARED.items() if style in pair), ())
+    for style, own in _OWN.items()
+}  # 12 words each
 TOPICS = (
     "moon", "rain", "tea", "cat", "river", "city", "winter", "garden", "train", "bread",
     "ocean", "lamp", "forest", "letter", "bell", "cloud", "snow", "apple", "road", "star",
@@ -106,7 +114,8 @@ class LexiconJudge:
       least `min_words` words, no word more than `max_repeat` times, and (when
       `require_topics`) every prompt topic appears as a word.
     style = 1 iff the text uses >= `min_markers` distinct words of the target lexicon and
-      more distinct target words than words of any other style's lexicon.
+      more of them than distinct off-style words (words of other lexicons, not the
+      target's: a word two styles share counts for both).
     """
 
     def __init__(
@@ -126,6 +135,7 @@ class LexiconJudge:
         self.min_words, self.max_repeat = min_words, max_repeat
         self.min_markers, self.require_topics = min_markers, require_topics
         self.lexicons = {k: frozenset(v) for k, v in (lexicons or LEXICONS).items()}
+        self._all_markers = frozenset().union(*self.lexicons.values())
 
     def quality(self, prompt: Prompt, text: str) -> float:
         words = _WORD_RE.findall(text)
@@ -144,9 +154,10 @@ class LexiconJudge:
         if style not in self.lexicons:
             raise JudgeError(f"style {style!r} has no lexicon; known: {sorted(self.lexicons)}")
         words = set(_WORD_RE.findall(text))
-        hits = {name: len(words & lex) for name, lex in self.lexicons.items()}
-        target = hits.pop(style)
-        return 1.0 if target >= self.min_markers and target > max(hits.values(), default=0) else 0.0
+        lex = self.lexicons[style]
+        target = len(words & lex)
+        off = len(words & (self._all_markers - lex))
+        return 1.0 if target >= self.min_markers and target > off else 0.0
 
     def score(self, prompt: Prompt, text: str, style: str) -> tuple[float, float]:
         return self.quality(prompt, text), self.style(text, style)
