@@ -185,14 +185,21 @@ class Policy(nnx.Module):
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, **kw) -> ModelOutput:
         hidden, experts, aux, cache = self.trunk(tokens_bt, positions_bt, segment_ids_bt, **kw)
+        return ModelOutput(self.head_logits(hidden), experts, aux, cache)
+
+    def hidden_states(self, tokens_bt, positions_bt=None, segment_ids_bt=None, **kw):
+        """As `__call__` with `out` = the final hidden states [B, T, D] (compute dtype), for
+        passes that apply the LM head in chunks (sao_jax/models/logprobs.py)."""
+        return ModelOutput(*self.trunk(tokens_bt, positions_bt, segment_ids_bt, **kw))
+
+    def head_logits(self, hidden_btd: jax.Array) -> jax.Array:
+        """LM head: hidden states [B, T, D] -> logits [B, T, V] float32."""
         if self.lm_head is None:
-            logits = self.trunk.embed.attend(hidden)
+            logits = self.trunk.embed.attend(hidden_btd)
         else:
-            logits = jnp.einsum("btd,dv->btv", hidden, self.lm_head[...].astype(hidden.dtype))
-        logits = self.sharder.constrain(
-            logits.astype(jnp.float32), ("batch", "length", "act_vocab")
-        )
-        return ModelOutput(logits, experts, aux, cache)
+            w_dv = self.lm_head[...].astype(hidden_btd.dtype)
+            logits = jnp.einsum("btd,dv->btv", hidden_btd, w_dv)
+        return self.sharder.constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
 
 class Critic(nnx.Module):
