@@ -109,6 +109,13 @@ def _forward(q, k, v, qpos, kpos, qseg, kseg, visible_ij):
     h = q.shape[-1]
     scale = h**-0.5
     dt = q.dtype
+    # Tie the masks' inputs to q: under an outer differentiated loop (the layer scan),
+    # JAX would otherwise hoist the mask computation, which depends on positions and
+    # segment ids alone, out of that loop and precompute every block pair's mask
+    # ([I, J, B, K, G, bq, bk]: the O(T^2) array this kernel exists to avoid).
+    q, qpos, kpos, qseg, kseg, visible_ij = jax.lax.optimization_barrier(
+        (q, qpos, kpos, qseg, kseg, visible_ij)
+    )
 
     def one_query_block(i):
         q_i = q[i]  # [B, bq, K, G, H]
@@ -147,6 +154,9 @@ def _backward(q, k, v, qpos, kpos, qseg, kseg, visible_ij, out, lse, dout):
     n_q, n_k = q.shape[0], k.shape[0]
     scale = q.shape[-1] ** -0.5
     dt = q.dtype
+    q, qpos, kpos, qseg, kseg, visible_ij = jax.lax.optimization_barrier(
+        (q, qpos, kpos, qseg, kseg, visible_ij)
+    )  # as in _forward: no loop-invariant mask hoisting
     # D_i = rowsum(dO * O): [I, B, K, G, bq]
     delta = jnp.einsum("ibqkgh,ibqkgh->ibkgq", dout.astype(jnp.float32), out.astype(jnp.float32))
     dq0 = jnp.zeros(q.shape, jnp.float32)
