@@ -6,7 +6,8 @@ remat off vs on, at several trajectory lengths; and compile time, 4 vs 48 layers
 
 The model is the `larger` one of experiments/bench/update_step.py (D = 256, 4 layers,
 16 experts, V = 1024), one row per update (B = 1), SAO's default step (configs/base.py:
-K = 2 critic steps, DIS, frozen critic attention). For each length and variant the
+K = 2 critic steps, DIS, frozen critic attention), layers under `lax.scan`
+(`model.scan_layers`, the long-context setting). For each length and variant the
 jitted `Learner.update_step` is compiled from shapes (sao_jax/parallel/step_memory.py)
 and XLA's memory analysis gives its temporaries per device; variants whose arguments +
 temporaries fit under --run-limit-gib are then run: the median wall time of --repeats
@@ -81,7 +82,8 @@ def memory_section(args) -> None:
     for length in args.lengths:
         rows = []
         for impl, remat in VARIANTS:
-            _, cfg, learner = learner_for(dict(attention_impl=impl, remat=remat), 1)
+            model = dict(attention_impl=impl, remat=remat, scan_layers=True)
+            _, cfg, learner = learner_for(model, 1)
             compiled, compile_s = compile_timed(learner, cfg, 1, length)
             mem = StepBytes.of(compiled)
             if (impl, remat) == ("blockwise", "full"):

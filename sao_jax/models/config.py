@@ -50,7 +50,7 @@ class ModelConfig:
     attention_impl: str = "auto"  # training attention: auto|naive|blockwise|cudnn|splash
     attention_block: int = 512  # query/key block of the blockwise and splash kernels
     remat: str = "none"  # per decoder layer: none|full|dots (jax.checkpoint policies)
-    scan_layers: bool = True  # lax.scan over each run of same-kind layers (compiles once)
+    scan_layers: bool = False  # lax.scan over each run of same-kind layers (compiles once)
     logits_chunk: int = 1024  # training log-probs: tokens per LM-head chunk (0 = all)
 
     def __post_init__(self):
