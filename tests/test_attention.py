@@ -172,7 +172,9 @@ def test_dispatch_picks_backend_kernels():
     assert r("auto", jnp.bfloat16, "gpu") == "cudnn"
     assert r("auto", jnp.float32, "gpu") == "blockwise"  # cuDNN has no fp32 flash kernel
     assert r("auto", jnp.bfloat16, "tpu") == "splash"
-    assert r("auto", jnp.float32, "cpu") == "blockwise"
+    assert r("auto", jnp.float32, "cpu", length=1024, block=512) == "blockwise"
+    assert r("auto", jnp.float32, "cpu", length=512, block=512) == "naive"  # one block
+    assert r("auto", jnp.bfloat16, "tpu", length=64, block=512) == "splash"
     assert r("naive", jnp.float32, "tpu") == "naive"
     with pytest.raises(ConfigError, match="model.attention_impl"):
         r("flash3", jnp.float32, "cpu")

@@ -7,7 +7,8 @@
              attention on NVIDIA GPUs (bfloat16 / float16)
   splash     Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`)
              on TPUs; elsewhere it runs in Pallas interpret mode (slow; for tests)
-  auto       cudnn on GPU with a 16-bit dtype, splash on TPU, blockwise otherwise
+  auto       cudnn on GPU with a 16-bit dtype, splash on TPU; on CPU naive while the
+             sequence fits in one block (T <= model.attention_block), blockwise beyond
 
 The fused kernels see a simpler mask than the reference rule (attention.py): cuDNN gets
 causal-by-index plus per-row lengths, splash causal-by-index plus segment ids. Each call
@@ -40,8 +41,10 @@ _SPLASH_MIN_BLOCK = 128  # TPU lane width: splash blocks are multiples of it
 Kernel = Callable[..., jax.Array]  # (q_btnh, k_bskh, v_bskh, pos_bt, seg_bt) -> [B, T, N, H]
 
 
-def resolve_impl(impl: str, dtype, backend: str | None = None) -> str:
-    """'auto' -> the backend's fused kernel, or 'blockwise'; unknown names are an error."""
+def resolve_impl(impl: str, dtype, backend: str | None = None, *, length=None, block=None):
+    """'auto' -> the backend's fused kernel; on CPU 'blockwise', or 'naive' when the whole
+    sequence fits in one block (`length <= block`: the blockwise kernel would then compute
+    the same [T, T] block, a little slower). Unknown names are an error."""
     if impl not in IMPLS:
         raise ConfigError(f"config field model.attention_impl: {impl!r} is not one of {IMPLS}")
     if impl != "auto":
@@ -51,6 +54,8 @@ def resolve_impl(impl: str, dtype, backend: str | None = None) -> str:
         return "cudnn"
     if backend == "tpu":
         return "splash"
+    if length is not None and block is not None and length <= block:
+        return "naive"
     return "blockwise"
 
 
