@@ -26,7 +26,7 @@ def _shapes(length: int, **model):
     cfg = ModelConfig.from_config(c.model)
     sharder = Sharder()
     learner = Learner(c, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
-    return buffer_shapes(compile_update_step(learner, cfg, 1, length))
+    return buffer_shapes(compile_update_step(learner, cfg, 1, length, fast=True))
 
 
 def _quadratic(shapes, t, *, by_size=False):
