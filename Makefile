@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 --durations=20
 WORKDIR ?= workdirs/demo
 
-.PHONY: demo test lint format install install-dev clean
+.PHONY: demo test lint format install install-dev sandbox-deps wheel clean
 
 $(VENV)/.runtime: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,20 @@ install-dev: $(VENV)/.dev
 demo: $(VENV)/.runtime
 	$(PY) -m experiments.train --config=configs/sao.py --workdir=$(WORKDIR)
 
+## bubblewrap, the python_tool sandbox's kernel isolation (docs/sandbox.md): installed with
+## apt-get when missing and this is root on a Debian-like box; otherwise a note (the sandbox
+## then refuses model code unless the weak mode is allowed, and its kernel tests skip).
+sandbox-deps:
+	@if command -v bwrap >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && \
+	    apt-get install -y -q --no-install-recommends bubblewrap >/dev/null; } || \
+	  echo "sandbox-deps: could not install bubblewrap with apt-get"; \
+	else echo "sandbox-deps: bwrap not found; install bubblewrap (docs/sandbox.md)"; fi
+
 ## Lint, format check and the whole test suite (8 fake CPU devices).
-test: $(VENV)/.dev
+test: $(VENV)/.dev sandbox-deps
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -35,5 +47,9 @@ format: $(VENV)/.dev
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
+## The wheel (dist/): library, shipped configs (sao_jax.configs), sao-* console scripts.
+wheel: $(VENV)/.dev
+	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache build dist *.egg-info

@@ -1,0 +1,1 @@
+"""Run configs (`get_config(arg)`), importable as `sao_jax.configs` (installed or not)."""

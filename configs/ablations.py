@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from configs import sao
 from sao_jax.config import ConfigError, parse_arg
+from sao_jax.configs import sao
 from sao_jax.sweep import SweepSpec, axis, set_field
 
 # Row name -> the dotted fields it changes relative to sao (nothing else may differ).

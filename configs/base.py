@@ -3,18 +3,19 @@
 Sections: model (sao_jax.models.config.ModelConfig fields), mesh (device mesh and the
 logical-axis rules table), optim (policy and critic AdamW), rl (the update step's
 algorithm: estimator, loss, TTUR, lambdas; sao_jax.rl.settings), sampling (rollout
-engine and async sampler), env / init / sft / value_pretrain / train (the run's stages;
+engine and async sampler), env / data / init / sft / value_pretrain / train (the run's stages;
 sao_jax.run_settings). Each section is validated
 by the module that consumes it (sao_jax.config.validate).
 """
 
 import ml_collections
+from sao_jax.configs.models import tiny
 
-from configs.models import tiny
 from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
 from sao_jax.rl.optim import ATTENTION_PATTERNS, optimizer_section
 from sao_jax.rl.settings import rl_section
 from sao_jax.run_settings import (
+    data_section,
     env_section,
     init_section,
     sft_section,
@@ -47,6 +48,7 @@ def get_config(arg=None):
     c.rl = rl_section()
     c.sampling = sampling_section()  # generation engine + async sampler
     c.env = env_section()  # task, prompt difficulty, held-out split, group size
+    c.data = data_section()  # prompts: the task's generator or a dataset file (field mapping)
     c.init = init_section()  # warm start: SFT on demonstrations | HF checkpoint | random
     c.sft = sft_section()
     c.value_pretrain = value_pretrain_section()

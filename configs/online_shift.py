@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from configs import sao
 from sao_jax.config import ConfigDict, ConfigError, parse_arg
+from sao_jax.configs import sao
 from sao_jax.sweep import SweepSpec, set_field
 
 VARIANTS: dict[str, dict[str, Any]] = {

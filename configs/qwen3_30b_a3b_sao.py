@@ -22,18 +22,25 @@ Meshes (docs/scaling.md has the memory plan of each):
 
 Variants (`:a,b=1`): gpus=N (an N-GPU fsdp mesh, N in 8..128; 0 = the TPU mesh),
 replay (MoE routing replay: the sampler records each token's experts, the update
-forces them), hf_path=DIR (config.json, *.safetensors, tokenizer.json), seed=N.
+forces them), hf_path=DIR (config.json, *.safetensors, tokenizer.json), seed=N,
+data=FILE (a GSM8K-format .jsonl / .parquet / save_to_disk folder: question, answer
+"... #### 72"; the policy answers through the chat template, may call Python, and is
+rewarded by math-verify on its last \boxed{}), eval_data=FILE (held-out; default: a
+seeded 10% split of data). Without data: the built-in multi-turn Python-tool task.
 """
 
-from configs import base
-from configs.models import qwen3_30b_a3b
+from sao_jax.configs.models import qwen3_30b_a3b
+
 from sao_jax.config import ConfigError, parse_arg
+from sao_jax.configs import base
 
 DEFAULT_HF_PATH = "/mnt/models/Qwen3-30B-A3B"  # a local or mounted copy of the Hub repo
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, gpus=0, replay=False, hf_path=DEFAULT_HF_PATH, seed=0)
+    arg = parse_arg(
+        arg, gpus=0, replay=False, hf_path=DEFAULT_HF_PATH, seed=0, data="", eval_data=""
+    )
     c = base.get_config()
     c.seed = arg.seed
 
@@ -82,6 +89,19 @@ def get_config(arg=None):
     c.env.name = "python_tool"  # multi-turn tool use: code runs in the sandbox
     c.env.params = {"max_turns": 4}
     c.env.prompts = {"n_ops": (2, 3), "operand_range": (10, 999)}
+    if arg.data:  # a dataset with reference answers (README: "Train on your own data")
+        c.env.name = "answer"  # answer turn(s), Python tool calls in between
+        c.env.params = {"reward": "math", "tools": ("python",), "max_turns": 4}
+        c.data.train = arg.data
+        c.data.eval = arg.eval_data
+        c.data.fields.prompt = "question"
+        c.data.fields.answer = "answer"
+        c.data.answer_regex = r"####\s*(.+)$"  # GSM8K: the number after '####'
+        c.data.prompt_format = (
+            "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+        )
+        c.data.template_kwargs = {"enable_thinking": False}  # short turns fit max_len
+        c.init.chat_template = "tokenizer"  # Qwen3's, from tokenizer_config.json
     c.value_pretrain.steps = 20  # critic-only steps before RL [open]
     c.value_pretrain.rollouts = 512  # per host [open]
 

@@ -14,8 +14,8 @@ Variants (`:a,b=1`): smoke (a run of seconds for tests), sync (deterministic rol
 seed=N.
 """
 
-from configs import base
 from sao_jax.config import parse_arg
+from sao_jax.configs import base
 
 
 def get_config(arg=None):

@@ -1,0 +1,1 @@
+"""Thin entry points (`python -m experiments.<name>`; installed: `sao_jax.experiments`)."""

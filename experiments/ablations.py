@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 
 from absl import app, flags
 
-from configs import ablations as ablations_cfg
 from sao_jax import sweep, tables
+from sao_jax.configs import ablations as ablations_cfg
 
 MODE = flags.DEFINE_enum("mode", "quick", ["smoke", "quick", "full"], "Experiment size.")
 SWEEP_DIR = flags.DEFINE_string(

@@ -12,8 +12,8 @@ dir are reused) and writes `<out_dir>/gae_granularity.md` and
 
 from absl import app
 
-from configs import ablations as ablations_cfg
-from experiments import ablations as abl
+from sao_jax.configs import ablations as ablations_cfg
+from sao_jax.experiments import ablations as abl
 
 # docs/method.md section 4 (AIME2025, 400 steps); the paper has no cross-observation row.
 PAPER = {"sao": (89.8,), "step_mean": (85.8,), "step_last": (87.3,)}

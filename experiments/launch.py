@@ -35,11 +35,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 from absl import app, flags
 
+from sao_jax.cli import entry_module
 from sao_jax.schema import ConfigError
 
 TARGETS = ("tpu", "gpu")
 GPU_LAUNCHERS = ("ssh", "srun")
-TRAIN_MODULE = "experiments.train"
+TRAIN_MODULE = entry_module("experiments.train")  # installed: sao_jax.experiments.train
 DEFAULT_PORT = 8476
 
 

@@ -22,7 +22,8 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from configs import base
+from sao_jax import cli
+from sao_jax.configs import base
 from sao_jax.models.config import ModelConfig
 from sao_jax.parallel.memory import abstract_mesh, format_plan, memory_plan, parse_mesh
 from sao_jax.parallel.mesh import DEFAULT_RULES, Sharder
@@ -138,6 +139,11 @@ def compiled_check(config, cfg, mesh, rules, rows) -> list[str]:
     ]
 
 
-if __name__ == "__main__":
+def cli_main() -> None:
+    """The `sao-memory-plan` console script (a missing config file: one line, exit 2)."""
     flags.mark_flag_as_required("config")
-    app.run(main)
+    app.run(main, flags_parser=lambda argv: app.parse_flags_with_usage(cli.config_argv(argv)))
+
+
+if __name__ == "__main__":
+    cli_main()

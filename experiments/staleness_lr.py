@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from absl import app
 
-from configs import ablations as ablations_cfg
-from experiments import ablations as abl
 from sao_jax import sweep, tables
+from sao_jax.configs import ablations as ablations_cfg
+from sao_jax.experiments import ablations as abl
 
 ROWS = {"sao": "DIS", "vanilla_vapo": "no DIS"}
 

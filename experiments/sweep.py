@@ -51,5 +51,10 @@ def main(argv):
         out.write_text(f"# Sweep {spec.name}\n\n{table}")
 
 
-if __name__ == "__main__":
+def cli_main() -> None:
+    """The `sao-sweep` console script."""
     app.run(main)
+
+
+if __name__ == "__main__":
+    cli_main()

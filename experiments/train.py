@@ -6,7 +6,9 @@ r"""Trains one run from a config: warm start, value pretraining, async SAO RL, e
       --workdir=workdirs/nfa --config.seed=1 --config.train.total_steps=200
 
 A workdir that holds a run resumes it (same config); a different config there is refused
-unless --overwrite. SIGTERM/SIGINT saves a checkpoint and exits 0.
+unless --overwrite. SIGTERM/SIGINT saves a checkpoint and exits 0. A bad config or input
+file exits 2 with one line naming the field or file; a missing sandbox or an environment
+that keeps failing (RUN_ERRORS) exits 1 with one FATAL line naming the cause.
 
 One process per host (TPU pod, GPU cluster; docs/scaling.md): every host runs the same
 command, and jax.distributed connects them before anything else runs. The coordinator
@@ -26,8 +28,14 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from sao_jax import train
+from sao_jax import cli, train
+from sao_jax.envs.sandbox import SandboxUnavailable
 from sao_jax.parallel import distributed
+from sao_jax.sampling.sampler import EnvErrorLimit, SamplerError
+
+# Run-time failures whose message says all (the sandbox, the env's last failure): one FATAL
+# line, exit 1. Input errors (a bad config field or file) are cli.guard's: one line, exit 2.
+RUN_ERRORS = (SandboxUnavailable, EnvErrorLimit, SamplerError)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file[:variant].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, report).")
@@ -43,6 +51,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0,
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+@cli.guard
 def main(argv):
     del argv
     spec = distributed.resolve(
@@ -59,20 +68,33 @@ def main(argv):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if distributed.is_primary() else logging.WARNING)
     logger.propagate = False
-    train.run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    try:
+        train.run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    except RUN_ERRORS as e:
+        sys.exit(f"FATAL {type(e).__name__}: {' '.join(str(e).split())}")
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing; an override of a field the config lacks (--config.rl.nonsense=1)
-    exits 1 naming the field (config_flags raises a bare KeyError("'nonsense'"))."""
+    """absl's flag parsing, after a pre-flight load of --config: a missing config file or a
+    bad variant exits 2 with one line, and so does an override of a field the config lacks
+    (--config.rl.nonsense=1; config_flags raises a bare KeyError("'nonsense'")).
+    `--config=configs/<name>.py` also finds the shipped config outside a checkout."""
+    argv = cli.config_argv(argv)
     try:
         return app.parse_flags_with_usage(argv)
     except (AttributeError, KeyError) as e:
         key = next(iter(re.findall(r"'([^'\s]+)'", str(e))), str(e))
         paths = [a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")]
         named = [p for p in paths if key in p.split(".")] or paths
-        sys.exit(f"FATAL Flags parsing error: config field {', '.join(named)}: unknown field")
+        cli.input_error_exit(
+            f"config field {', '.join(named)}: unknown field", "FATAL Flags parsing error"
+        )
+
+
+def cli_main() -> None:
+    """The `sao-train` console script."""
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    cli_main()

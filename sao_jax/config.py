@@ -15,6 +15,7 @@ Each section owns its checks: a validator is registered per top-level section wi
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import pathlib
 from typing import Any
@@ -78,10 +79,28 @@ def _convert(key: str, text: str, default: Any) -> Any:
     return value
 
 
+def configs_dir() -> pathlib.Path:
+    """The folder of the shipped configs (checkout: configs/, installed: sao_jax/configs/)."""
+    return pathlib.Path(importlib.import_module("sao_jax.configs").__path__[0])
+
+
+def resolve_config_path(spec: str) -> str:
+    """`file[:arg]` with `file` made to point at a shipped config when it does not exist
+    under the working directory and reads 'configs/<name>.py'; other specs unchanged."""
+    file, colon, arg = spec.partition(":")
+    p = pathlib.Path(file)
+    if p.is_file() or p.is_absolute() or not p.parts or p.parts[0] != "configs":
+        return spec
+    shipped = configs_dir().joinpath(*p.parts[1:])
+    return f"{shipped}{colon}{arg}" if shipped.is_file() else spec
+
+
 def config_module(path: str, function: str) -> tuple[Any, str | None]:
     """(module, arg) of a config file given as ``file[:arg]``; the module must define
-    `function` (get_config, get_sweep). ConfigError names a missing file or function."""
-    file, _, arg = path.partition(":")
+    `function` (get_config, get_sweep). ConfigError names a missing file or function.
+    'configs/<name>.py' that is not under the working directory is the shipped config
+    (resolve_config_path), in a checkout and an installed package alike."""
+    file, _, arg = resolve_config_path(path).partition(":")
     p = pathlib.Path(file)
     if not p.is_file():
         raise ConfigError(f"config file {file!r} does not exist")
@@ -128,11 +147,13 @@ def _import_validators() -> None:
 def _reference() -> dict[str, Any]:
     """Every field a run reads, with its default, from the sections' owners. None: a
     section whose owner rejects unknown fields itself (model: ModelConfig.from_config,
-    sampling: configs_from_section) or free-form keyword arguments (env.params/prompts)."""
+    sampling: configs_from_section) or free-form keyword arguments (env.params/prompts,
+    data.template_kwargs)."""
     from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
     from sao_jax.rl.optim import ATTENTION_PATTERNS, optimizer_section
     from sao_jax.rl.settings import rl_section
     from sao_jax.run_settings import (
+        data_section,
         env_section,
         init_section,
         sft_section,
@@ -149,6 +170,7 @@ def _reference() -> dict[str, Any]:
         "rl": rl_section().to_dict(),
         "sampling": None,
         "env": {**env_section().to_dict(), "params": None, "prompts": None},
+        "data": {**data_section().to_dict(), "template_kwargs": None},
         "init": init_section().to_dict(),
         "sft": sft_section().to_dict(),
         "value_pretrain": value_pretrain_section().to_dict(),

@@ -13,21 +13,40 @@ rollouts in flight at save time are discarded on resume anyway.
 
 With `group_size` G > 1 (GRPO-style estimators) every prompt is rolled out G times and
 the learner waits for complete groups: the synchronous group barrier that SAO removes.
+
+Every `take` is bounded, whoever calls it (the RL loop, value pretraining):
+* in time: `take(n, timeout)`, else the constructor's `take_timeout_s`
+  (`train.take_timeout_s`), then TimeoutError naming what was dropped and why;
+* in failures: `max_env_errors` (`sampling.max_env_errors`) environment failures in a
+  row (errors, timeouts, episodes the env dropped, e.g. a failed judge call) raise
+  EnvErrorLimit naming the last cause;
+* by a stop request: SIGTERM (`sao_jax.stop`) raises StopRequested within a poll
+  interval, also while an environment call hangs.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
+from sao_jax import stop
 from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel.partition import ModelDef, Params
-from sao_jax.sampling.engine import Engine, EngineConfig
-from sao_jax.sampling.sampler import AsyncSampler, SamplerConfig
+from sao_jax.sampling.engine import Engine, EngineConfig, StepOutput
+from sao_jax.sampling.sampler import (
+    ENV_FAILURES,
+    AsyncSampler,
+    EnvErrorLimit,
+    SamplerConfig,
+    describe_drop,
+)
 from sao_jax.sampling.trajectory import Trajectory
+
+TAKE_TIMEOUT_S = 600.0  # default bound of one take (configs: train.take_timeout_s)
 
 
 class RepeatPrompts:
@@ -95,9 +114,11 @@ class AsyncRollouts:
         sampler_cfg: SamplerConfig,
         *,
         group_size: int = 1,
+        take_timeout_s: float = TAKE_TIMEOUT_S,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
         self.group_size = group_size
+        self.take_timeout_s = take_timeout_s
         self.groups = GroupCollector(group_size)
         self.handed = 0  # trajectories returned by take (the sampler's `taken` - grouping)
         self.sampler = AsyncSampler(
@@ -107,18 +128,27 @@ class AsyncRollouts:
     def start(self) -> None:
         self.sampler.start()
 
-    def stop(self) -> bool:
-        return self.sampler.stop()
+    def stop(self, timeout: float = 30.0) -> bool:
+        return self.sampler.stop(timeout)
 
     def publish(self, params: Params, version: int) -> None:
         self.sampler.publish(params, version)
 
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:
+        """n trajectories (complete groups); bounded by `timeout` (default take_timeout_s)."""
+        timeout = self.take_timeout_s if timeout is None else timeout
         if self.group_size == 1:
             out = self.sampler.take(n, timeout)
         else:
+            deadline = time.monotonic() + timeout
             while (out := self.groups.pop(n // self.group_size)) is None:
-                for traj in self.sampler.take(1, timeout):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"take({n}): no {n // self.group_size} complete groups of "
+                        f"{self.group_size} within {timeout}s; {self.stats()}"
+                    )
+                for traj in self.sampler.take(1, left):
                     self.groups.add(traj)
         self.handed += len(out)
         return out
@@ -148,8 +178,12 @@ class SyncRollouts:
         *,
         group_size: int = 1,
         seed: int = 0,
+        take_timeout_s: float = TAKE_TIMEOUT_S,
+        max_env_errors: int = 8,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
+        self.take_timeout_s = take_timeout_s
+        self.max_env_errors = max_env_errors
         self.engine = Engine.create(policy_def, tokenizer, env_factory, engine_cfg, seed=seed)
         self._engine_args = (tokenizer, env_factory, engine_cfg)
         self._key = jax.random.key(seed)
@@ -163,7 +197,8 @@ class SyncRollouts:
     def start(self) -> None:
         pass
 
-    def stop(self) -> bool:
+    def stop(self, timeout: float = 30.0) -> bool:
+        del timeout
         return True
 
     def publish(self, params: Params, version: int) -> None:
@@ -179,15 +214,47 @@ class SyncRollouts:
 
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:
         """n trajectories from the next prompts; dropped episodes are replaced (whole
-        groups are regenerated so that every group stays complete)."""
-        del timeout
+        groups are regenerated so that every group stays complete).
+
+        Raises TimeoutError after `timeout` s (default take_timeout_s), EnvErrorLimit after
+        max_env_errors environment failures in a row, StopRequested on SIGTERM.
+        """
+        timeout = self.take_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        mark = self._mark()
+        try:
+            return self._take(n, timeout, deadline)
+        except stop.StopRequested:
+            self._rewind(mark)  # a checkpoint saved now resumes with exactly this take
+            raise
+
+    def _mark(self) -> tuple:
+        """What a take changes: prompt position, draw number, counters."""
+        return (self.prompts.get_state(), self._draws, self.counts.copy(), self.dropped.copy())
+
+    def _rewind(self, mark: tuple) -> None:
+        state, self._draws, self.counts, self.dropped = mark
+        self.prompts.set_state(state)
+
+    def _take(self, n: int, timeout: float, deadline: float) -> list[Trajectory]:
         engine = self._fresh_engine()
+        guard = _TakeGuard(n, timeout, deadline, self.max_env_errors, self.stats)
+        engine.env_calls.check = guard.check
         out: list[Trajectory] = []
         while len(out) < n:
             need = n - len(out)
-            prompts = [next(self.prompts) for _ in range(need)]
-            trajs, drops = engine.run(self._params, prompts, self._version)
-            self.dropped.update(d.reason for d in drops)
+            prompts = iter([next(self.prompts) for _ in range(need)])
+            next_prompt = lambda it=prompts: next(it, None)
+            trajs, drops = [], []
+            while True:  # Engine.run, with the bounds checked between steps
+                guard.check()
+                step = engine.step(self._params, self._version, next_prompt)
+                guard.count(step)
+                self.dropped.update(d.reason for d in step.dropped)
+                trajs += step.finished
+                drops += step.dropped
+                if step.active == 0 and not step.finished and not step.dropped:
+                    break
             if self.group_size > 1:
                 dropped_uids = {d.prompt_uid for d in drops}
                 kept = [t for t in trajs if t.prompt_uid not in dropped_uids]
@@ -209,3 +276,34 @@ class SyncRollouts:
             queued=self.counts["generated"] - self.counts["taken"],
             version=self._version,
         )
+
+
+class _TakeGuard:
+    """The bounds of one SyncRollouts.take: deadline, env failures in a row, SIGTERM."""
+
+    def __init__(self, n: int, timeout: float, deadline: float, max_errors: int, stats):
+        self.n, self.timeout, self.deadline = n, timeout, deadline
+        self.max_errors, self.stats = max_errors, stats
+        self.errors = 0  # environment failures since the last finished trajectory
+        self.last = ""  # the latest drop's cause
+
+    def check(self) -> None:
+        stop.raise_if_requested(f"generating {self.n} trajectories")
+        if time.monotonic() > self.deadline:
+            raise TimeoutError(
+                f"take({self.n}): timed out after {self.timeout}s; {self.stats()}"
+                + (f"; last drop: {self.last}" if self.last else "")
+            )
+
+    def count(self, step: StepOutput) -> None:
+        for d in step.dropped:
+            self.last = describe_drop(d)
+            if d.reason in ENV_FAILURES:
+                self.errors += 1
+                if self.errors >= self.max_errors:
+                    raise EnvErrorLimit(
+                        f"{self.errors} environment failures in a row "
+                        f"(sampling.max_env_errors); last: {self.last}"
+                    ) from d.error
+        if step.finished:
+            self.errors = 0

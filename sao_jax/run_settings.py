@@ -1,4 +1,4 @@
-"""Config sections of a training run (env, init, sft, value_pretrain, train), with checks.
+"""Config sections of a training run (env, data, init, sft, value_pretrain, train), with checks.
 
 The algorithm lives in `rl` (sao_jax/rl/settings.py), the rollout engine in `sampling`
 (sao_jax/sampling/sampler.py); these sections say what to train on and how the run is
@@ -12,19 +12,43 @@ import os
 from sao_jax.rl.optim import optimizer_section
 from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
-ENV_NAMES = ("arithmetic", "python_tool", "style")
+ENV_NAMES = ("arithmetic", "python_tool", "style")  # built-in procedural tasks (any registered
+# task or import path is accepted: sao_jax/envs/tasks.py)
+DATA_FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
 INIT_KINDS = ("sft", "hf", "params", "random")
 ROLLOUT_MODES = ("async", "sync")
 
 
 def env_section() -> ConfigDict:
     c = ConfigDict()
-    c.name = "arithmetic"  # sao_jax.envs.registry name
+    c.name = "arithmetic"  # a registered task (sao_jax/envs/tasks.py) or 'pkg.module:Task'
     c.params = ConfigDict(dict(max_turns=4))  # env constructor arguments
     c.prompts = ConfigDict(dict(n_ops=(2, 2), operand_range=(2, 99)))  # difficulty
     c.eval_fraction = 0.1  # share of the problem space held out (by uid hash)
     c.eval_size = 128  # held-out prompts per evaluation
     c.group_size = 1  # rollouts per prompt (1 = SAO; > 1 for GRPO-style baselines)
+    return c
+
+
+def data_section() -> ConfigDict:
+    """Where prompts come from (sao_jax/data/pipeline.py): the task's own generator, or a
+    dataset with reference answers mapped field by field."""
+    c = ConfigDict()
+    c.train = ""  # .jsonl / .parquet file, or a save_to_disk folder; "" = the task's prompts
+    c.eval = ""  # held-out prompts; "" = a seeded split of data.train (env.eval_fraction)
+    c.format = "auto"  # auto (from the path) | jsonl | parquet | hf_disk
+    c.fields = ConfigDict()
+    c.fields.prompt = "prompt"  # text field of the question
+    c.fields.messages = ""  # or a field of chat messages [{role, content}] (then prompt = "")
+    c.fields.answer = "answer"  # reference answer field (for the reward)
+    c.fields.id = ""  # stable row id field; "" = file name + row number
+    c.fields.meta = ()  # fields copied into the prompt's metadata
+    c.answer_regex = ""  # keep group 1 of its last match in the answer (GSM8K: r"####\s*(.+)")
+    c.prompt_format = "{prompt}"  # str.format of the prompt text; other fields by {name}
+    c.system_prompt = ""  # a system message first in every chat ("" = none)
+    c.template_kwargs = ConfigDict()  # extra chat-template variables, e.g. enable_thinking
+    c.shuffle = True  # shuffle training rows with the run seed (reshuffled every epoch)
+    c.split_seed = 0  # which rows the seeded train/eval split holds out
     return c
 
 
@@ -34,6 +58,9 @@ def init_section() -> ConfigDict:
     c.hf_path = ""  # Hugging Face checkpoint directory when kind == 'hf'
     c.params_path = ""  # a run's <workdir>/warm_start when kind == 'params' (shared SFT)
     c.tokenizer = "char"  # 'char' (built-in) or a directory with tokenizer.json
+    # 'auto': the tokenizer's chat template when it has one (else raw text) | 'tokenizer':
+    # required from the tokenizer | 'none': raw text | a path to a .jinja file
+    c.chat_template = "auto"
     return c
 
 
@@ -59,6 +86,9 @@ def train_section() -> ConfigDict:
     c.total_steps = 100  # policy updates of the RL stage
     c.rollouts = "async"  # 'async' (SAO) | 'sync' (deterministic, resumable bit-exactly)
     c.length_bucket = 32  # pad batches to a multiple of this (few update-step shapes)
+    c.pack = False  # model passes on packed rows, several trajectories each (rl/packing.py)
+    c.pack_length = 0  # packed row length; 0 = the padded length T of the batch
+    c.pack_rows_multiple = 4  # packed rows per (microbatch, shard) rounded up to this
     c.log_every = 5  # steps between metric writes (device -> host only then)
     c.eval_every = 25  # steps between held-out evaluations (0 = only before/after)
     c.eval_sampled = True  # also report sampled pass@1 (greedy always)
@@ -74,7 +104,25 @@ def train_section() -> ConfigDict:
 @register_validator("env")
 def _check_env(config: ConfigDict) -> None:
     e = config.env
-    require(e.name in ENV_NAMES, "env.name", f"unknown env {e.name!r}; known: {ENV_NAMES}")
+    from sao_jax.envs.tasks import RegistryError, get_task
+
+    try:
+        task = get_task(e.name)
+    except RegistryError as err:
+        raise ConfigError(f"config field env.name: {err}") from None
+    if "data" in config and not config.data.train:
+        require(
+            task.prompts is not None,
+            "data.train",
+            f"task {e.name!r} has no built-in prompts: give a dataset file",
+        )
+    if "init" in config and "sft" in config and config.init.kind == "sft":
+        require(
+            task.demonstrations is not None or config.sft.steps == 0,
+            "init.kind",
+            f"task {e.name!r} has no SFT demonstrations: start from a checkpoint "
+            "(init.kind='hf' or 'params') or set sft.steps=0",
+        )
     require(
         0 < e.eval_fraction < 1, "env.eval_fraction", f"must be in (0, 1), got {e.eval_fraction}"
     )
@@ -94,6 +142,21 @@ def _check_env(config: ConfigDict) -> None:
                 "env.group_size",
                 f"rl.advantage={config.rl.advantage!r} needs groups: set env.group_size > 1",
             )
+
+
+@register_validator("data")
+def _check_data(config: ConfigDict) -> None:
+    d = config.data
+    require(d.format in DATA_FORMATS, "data.format", f"one of {DATA_FORMATS}, got {d.format!r}")
+    f = d.fields
+    require(
+        bool(f.prompt) != bool(f.messages),
+        "data.fields",
+        f"set exactly one of prompt ({f.prompt!r}) and messages ({f.messages!r})",
+    )
+    require(bool(f.answer), "data.fields.answer", "the reference answer field is needed")
+    require(d.split_seed >= 0, "data.split_seed", f"must be >= 0, got {d.split_seed}")
+    require(bool(d.train) or not d.eval, "data.eval", "set only with data.train (a dataset)")
 
 
 @register_validator("init")
@@ -132,8 +195,17 @@ def _check_train(config: ConfigDict) -> None:
         "train.rollouts",
         f"must be one of {ROLLOUT_MODES}, got {t.rollouts!r}",
     )
-    for name in ("length_bucket", "log_every", "keep_checkpoints"):
+    for name in ("length_bucket", "log_every", "keep_checkpoints", "pack_rows_multiple"):
         require(t[name] >= 1, f"train.{name}", f"must be >= 1, got {t[name]}")
+    require(isinstance(t.pack, bool), "train.pack", f"must be True or False, got {t.pack!r}")
+    if t.pack_length and "sampling" in config:
+        require(
+            t.pack_length >= config.sampling.max_len,
+            "train.pack_length",
+            f"{t.pack_length} < sampling.max_len={config.sampling.max_len} (a trajectory "
+            "must fit in a row); 0 = the batch's padded length",
+        )
+    require(t.pack_length >= 0, "train.pack_length", f"must be >= 0, got {t.pack_length}")
     for name in ("eval_every", "checkpoint_every"):
         require(t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
     require(t.take_timeout_s > 0, "train.take_timeout_s", "must be > 0")
@@ -147,6 +219,11 @@ def check_run(config: ConfigDict, sharder) -> None:
             f"config field init.hf_path: {init.hf_path!r} is not a directory (a Hugging "
             "Face checkpoint: config.json + *.safetensors)"
         )
+    data = config.get("data")
+    for field in ("train", "eval"):
+        path = data[field] if data is not None else ""
+        if path and not os.path.exists(path):
+            raise ConfigError(f"config field data.{field}: {path!r} does not exist")
     if init.tokenizer != "char" and not os.path.isdir(init.tokenizer):
         raise ConfigError(
             f"config field init.tokenizer: {init.tokenizer!r} is neither 'char' nor a "

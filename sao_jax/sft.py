@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sao_jax.envs import arithmetic, python_tool, style
+from sao_jax.envs import registry  # noqa: F401 (registers the built-in tasks)
 from sao_jax.envs.base import Prompt
+from sao_jax.envs.tasks import get_task
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.rl import passes
@@ -30,14 +31,12 @@ Segments = list[tuple[str, bool]]
 
 
 def demonstration(env_name: str, prompt: Prompt, rng: np.random.Generator, error_rate: float):
-    """(text, is_model_turn) segments of one demonstration for `env_name`."""
-    if env_name == "arithmetic":
-        return arithmetic.demonstration(prompt, rng, error_rate=error_rate)
-    if env_name == "python_tool":
-        return python_tool.demonstration(prompt)
-    if env_name == "style":
-        return style.demonstration(prompt, rng)
-    raise ConfigError(f"config field env.name: no demonstrations for env {env_name!r}")
+    """(text, is_model_turn) segments of one demonstration of task `env_name` (its
+    registered builder, sao_jax/envs/tasks.py)."""
+    task = get_task(env_name)
+    if task.demonstrations is None:
+        raise ConfigError(f"config field env.name: no demonstrations for task {env_name!r}")
+    return task.demonstrations(prompt, rng, error_rate=error_rate)
 
 
 def encode_segments(

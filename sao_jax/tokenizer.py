@@ -41,6 +41,10 @@ class Tokenizer(Protocol):
         ...
 
 
+# Hugging Face tokenizers also carry `path` (their directory), `specials` (token strings:
+# eos_token, ...) and `eos_text`, which chat templates use (sao_jax/chat_template.py).
+
+
 class CharTokenizer:
     """One id per character of `CHAR_ALPHABET`; vocab_size = 4 + 60 = 64."""
 
@@ -50,6 +54,8 @@ class CharTokenizer:
         self.vocab_size = len(CHAR_SPECIALS) + len(CHAR_ALPHABET)
         self._ids = {c: i + len(CHAR_SPECIALS) for i, c in enumerate(CHAR_ALPHABET)}
         self._skip = frozenset((self.pad_id, self.bos_id, self.eos_id))
+        self.eos_text = None  # no chat template for the built-in tokenizer
+        self.specials: dict[str, str] = {}
 
     def encode(self, text: str) -> list[int]:
         return [self._ids.get(c, self.unk_id) for c in text]
@@ -102,12 +108,14 @@ class HFTokenizer:
                 raise ValueError(f"tokenizer: cannot read {cfg_file}: {e}") from e
             if not isinstance(config, dict):
                 raise ValueError(f"tokenizer: {cfg_file} is not a JSON object")
-        ids = {}
-        for field in ("eos_token", "pad_token", "bos_token"):
+        ids, self.specials = {}, {}
+        for field in ("eos_token", "pad_token", "bos_token", "unk_token"):
             token = _special_token(config, field, cfg_file)
             ids[field] = None if token is None else self._tok.token_to_id(token)
             if token is not None and ids[field] is None:
                 raise ValueError(f"tokenizer: {cfg_file} {field}={token!r} is not in {tok_file}")
+            if token is not None:
+                self.specials[field] = token  # chat templates see them (eos_token, ...)
         if ids["eos_token"] is None:
             raise ValueError(f"tokenizer: no eos token; set 'eos_token' in {cfg_file}")
         self.path = root
@@ -115,6 +123,7 @@ class HFTokenizer:
         self.eos_id = int(ids["eos_token"])
         self.pad_id = int(ids["pad_token"] if ids["pad_token"] is not None else self.eos_id)
         self.bos_id = None if ids["bos_token"] is None else int(ids["bos_token"])
+        self.eos_text = self.specials["eos_token"]  # ends the policy's turns in a chat
         self._skip = frozenset(i for i in (self.pad_id, self.eos_id, self.bos_id) if i is not None)
 
     def encode(self, text: str) -> list[int]:

@@ -6,11 +6,15 @@ compiles or touches the workdir, the config is checked once: field names, types 
 (`sao_jax.run_settings.check_run`). Resume order
 (docs/checkpointing.md): config check against the workdir -> models and learner ->
 restore the TrainState -> restore the prompt iterator and counters -> republish the
-policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0.
+policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0; every
+wait (rollouts, env calls) polls the stop flag (sao_jax/stop.py), so a run blocked on a
+hanging environment stops within seconds too. With several processes the stop decision
+is agreed once per step (`distributed.agree_stop`), so all save the same step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,9 +27,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sao_jax import checkpointing, metrics, report
+from sao_jax import checkpointing, metrics, report, stop
 from sao_jax import config as config_lib
-from sao_jax.data.prompts import prompt_iterator, prompt_source
+from sao_jax.chat_template import run_chat_format
+from sao_jax.data.pipeline import run_prompts
+from sao_jax.data.prompts import prompt_iterator
 from sao_jax.envs.registry import env_factory
 from sao_jax.evaluation import Evaluator
 from sao_jax.models import hf
@@ -40,7 +46,7 @@ from sao_jax.rl.update import Learner
 from sao_jax.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.run_settings import check_run
 from sao_jax.sampling.sampler import configs_from_section
-from sao_jax.sampling.trajectory import Trajectory, pad_batch, round_up
+from sao_jax.sampling.trajectory import Trajectory, pack_batch, pad_batch, round_up
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.sft import SFTTrainer, demo_batches
 from sao_jax.tokenizer import load_tokenizer
@@ -75,30 +81,85 @@ def _host_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What a run reads besides the model: tokenizer, chat template, envs, prompts."""
+
+    tokenizer: Any
+    chat: Any  # a ChatFormat, or None for raw text
+    env_factory: Any
+    set_env_step: Any  # the task's step hook, or None
+    train_prompts: Any  # grain.MapDataset, endless
+    eval_prompts: list
+
+
+def read_inputs(config: ConfigDict) -> Inputs:
+    """Every input file read and checked (tokenizer, chat template, dataset rows, env
+    parameters and reward), before the workdir is touched; ConfigError naming the field."""
+    try:
+        tokenizer = load_tokenizer(config.init.tokenizer)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"config field init.tokenizer: {e}") from None
+    chat = run_chat_format(config, tokenizer)
+    env = config.env
+    try:
+        factory, hook = env_factory(env.name, env.params.to_dict(), chat)
+    except ConfigError:
+        raise
+    except ValueError as e:  # unknown reward, bad env parameter, bad chat rendering
+        raise ConfigError(f"config field env.params: {e}") from None
+    train_prompts, eval_prompts = run_prompts(config)  # task generator or dataset
+    try:  # the chat template renders, the env takes the prompts
+        factory().reset(eval_prompts[0])
+    except ValueError as e:
+        raise ConfigError(
+            f"config field env.name: task {env.name!r} refuses the first held-out prompt "
+            f"{eval_prompts[0].uid!r}: {e}"
+        ) from None
+    return Inputs(tokenizer, chat, factory, hook, train_prompts, eval_prompts)
+
+
 class Run:
     """One training run's objects; `run()` below drives them."""
 
-    def __init__(self, config: ConfigDict, workdir: pathlib.Path, sharder: Sharder | None = None):
+    def __init__(
+        self,
+        config: ConfigDict,
+        workdir: pathlib.Path,
+        sharder: Sharder | None = None,
+        inputs: Inputs | None = None,
+    ):
+        inputs = inputs or read_inputs(config)
         self.config = config
         self.workdir = workdir
         self.sharder = sharder or sharder_from_config(config)
-        self.tokenizer = load_tokenizer(config.init.tokenizer)
+        self.tokenizer = inputs.tokenizer
         self.models = _models(config, self.sharder, self.tokenizer)
         self.learner = Learner(config, self.models.policy_def, self.models.critic_def, self.sharder)
         # Several processes (docs/scaling.md): each host's sampler makes B / P trajectories
         # with a host-local policy copy (a model without global-mesh constraints).
         self.local_batch = distributed.local_batch_size(config.rl.batch_size)
+        if config.train.pack and jax.process_count() > 1:
+            raise ConfigError(
+                "config field train.pack: packing is single-process for now (hosts would "
+                "bring different numbers of packed rows); set train.pack=False"
+            )
         self.batch_sharding = self.sharder.named(("batch",))
         self.sampler_def = self.models.policy_def
         if jax.process_count() > 1:
             self.sampler_def = ModelDef.of(lambda: Policy(self.models.cfg, rngs=nnx.Rngs(0)))
         self.engine_cfg, self.sampler_cfg = configs_from_section(config.sampling, config.seed)
-        env = config.env
-        self.env_factory, self.set_env_step = env_factory(env.name, env.params.to_dict())
-        prompt_kw = dict(seed=config.seed, eval_fraction=env.eval_fraction, **env.prompts)
-        train_prompts = prompt_source(env.name, "train", **prompt_kw)
-        self.prompts = iter(distributed.process_shard(train_prompts).to_iter_dataset())
-        eval_prompts = list(prompt_source(env.name, "eval", size=env.eval_size, **prompt_kw))
+        self.chat = inputs.chat  # None: raw text prompts
+        # The bounds of every rollouts take (RL loop and value pretraining): docs/checkpointing.md
+        self.take_bounds = dict(
+            take_timeout_s=config.train.take_timeout_s,
+            max_env_errors=self.sampler_cfg.max_env_errors,
+        )
+        self.env_factory, self.set_env_step = inputs.env_factory, inputs.set_env_step
+        eval_prompts = inputs.eval_prompts
+        self.prompts = iter(distributed.process_shard(inputs.train_prompts).to_iter_dataset())
         self.evaluator = Evaluator(
             self.sampler_def,
             self.tokenizer,
@@ -144,6 +205,7 @@ class Run:
                 add_bos=self.engine_cfg.add_bos,
             )
             batches = (distributed.global_from_replicated(x, self.batch_sharding) for x in batches)
+            batches = _stoppable(batches, "warm start (SFT)")
             trainer = SFTTrainer(models.policy_def, cfg.sft.optim, self.sharder)
             log.info("warm start: %d SFT steps on demonstrations", cfg.sft.steps)
             policy = trainer.run(
@@ -184,6 +246,7 @@ class Run:
             self.prompts,
             self.engine_cfg,
             seed=self.config.seed + 3,
+            **self.take_bounds,
         )
         source.publish(self.sampler_params(state.policy), int(state.step))
         trajs = source.take(vp.rollouts)
@@ -205,13 +268,23 @@ class Run:
         if jax.process_count() > 1:  # all hosts pad to the longest row of the global batch
             longest = distributed.agree_max(max(t.length for t in trajs))
             length = round_up(longest, cfg.train.length_bucket)
-        batch = pad_batch(
-            trajs,
+        kw = dict(
             length=length,
             length_bucket=cfg.train.length_bucket,
             with_groups=self.learner.estimator.needs_groups,
             with_routing=cfg.rl.routing_replay,
         )
+        if cfg.train.pack:  # model passes on packed rows (sao_jax/rl/packing.py)
+            batch, _ = pack_batch(
+                trajs,
+                row_length=cfg.train.pack_length or None,
+                microbatches=cfg.rl.microbatches,
+                shards=self.sharder.axis_size("batch"),
+                rows_multiple=cfg.train.pack_rows_multiple,
+                **kw,
+            )
+        else:
+            batch = pad_batch(trajs, **kw)
         batch = distributed.global_batch(batch, self.batch_sharding)
         self.learner.check_batch(batch)
         return batch
@@ -230,8 +303,9 @@ class Run:
         kw = dict(group_size=cfg.env.group_size)
         args = (self.sampler_def, self.tokenizer, self.env_factory, self.prompts)
         if cfg.train.rollouts == "sync":
-            return SyncRollouts(*args, self.engine_cfg, seed=cfg.seed + 5, **kw)
-        return AsyncRollouts(*args, self.engine_cfg, self.sampler_cfg, **kw)
+            return SyncRollouts(*args, self.engine_cfg, seed=cfg.seed + 5, **kw, **self.take_bounds)
+        timeout = self.take_bounds["take_timeout_s"]
+        return AsyncRollouts(*args, self.engine_cfg, self.sampler_cfg, take_timeout_s=timeout, **kw)
 
     def evaluate(self, state, step: int) -> dict[str, float]:
         t0 = time.time()
@@ -251,6 +325,13 @@ class Run:
         self.ckpt.save(step, state, meta)
 
 
+def _stoppable(items, what: str):
+    """`items`, raising StopRequested at the next item once a stop was requested."""
+    for item in items:
+        stop.raise_if_requested(what)
+        yield item
+
+
 def _fmt(m: dict[str, float], prefix: str = "") -> str:
     items = [(k.removeprefix(prefix), v) for k, v in m.items() if k.startswith(prefix)]
     return " ".join(f"{k}={v:.4g}" for k, v in sorted(items))
@@ -261,19 +342,26 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     config = config_lib.validate(config)
     sharder = sharder_from_config(config)
     check_run(config, sharder)
+    inputs = read_inputs(config)  # a bad input file stops here, before the workdir exists
     workdir = pathlib.Path(workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"flag --workdir: {workdir} exists and is not a directory")
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=overwrite)
     t_start = time.time()
-    r = Run(config, workdir, sharder)
+    r = Run(config, workdir, sharder, inputs)
     t = config.train
-    with checkpointing.GracefulExit() as stop:
+    with checkpointing.GracefulExit() as stopper:
         latest = r.ckpt.latest_step()
         if latest is None:
             r.writer = metrics.create_writers(workdir, resume_step=-1)
-            state = r.warm_start()
-            before = r.evaluate(state, 0)
-            state = r.value_pretrain(state)
+            try:
+                state = r.warm_start()
+                before = r.evaluate(state, 0)
+                state = r.value_pretrain(state)
+            except stop.StopRequested as e:  # nothing resumable yet: the next run starts over
+                log.warning("%s, before the first checkpoint: exiting without one", e)
+                return _close(r, workdir, t, dict(steps=0, interrupted=True, before={}))
             extra = dict(before=before, prior_wall_time=0.0, t_start=t_start)
             counters = _resume_counters({})
             r.save(0, state, None, _counters(counters, {}), extra)
@@ -287,11 +375,15 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
             extra = dict(before=meta["before"], prior_wall_time=meta["wall_time"], t_start=t_start)
             counters = _resume_counters(meta.get("counters", {}))
             log.info("resumed from step %d (checkpoint %d)", int(state.step), latest)
-        summary = _rl(r, state, counters, extra, stop, t_start)
+        summary = _rl(r, state, counters, extra, stopper, t_start)
+    return _close(r, workdir, t, summary)
+
+
+def _close(r: Run, workdir: pathlib.Path, t, summary: dict) -> dict:
     r.ckpt.wait()
     r.ckpt.close()
     r.writer.close()
-    if t.report and distributed.is_primary():
+    if t.report and distributed.is_primary() and summary.get("steps"):
         report.write_report(workdir, summary=summary)
     text = json.dumps(_finite(summary), indent=2, sort_keys=True, allow_nan=False)
     if distributed.is_primary():
@@ -299,8 +391,13 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     return summary
 
 
-def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dict:
-    """Stage (c) + (d): the asynchronous RL loop with periodic evaluation and saves."""
+def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> dict:
+    """Stage (c) + (d): the asynchronous RL loop with periodic evaluation and saves.
+
+    The stop decision is taken at one point per step, after the take: this process wants
+    to stop (a signal, or a take interrupted by it), agreed across processes
+    (`agree_stop`); then every process leaves the loop before the next collective, and
+    saves the same step."""
     cfg, learner = r.config, r.learner
     t = cfg.train
     b = r.local_batch  # this host's share of the batch
@@ -315,9 +412,13 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
     progress = Progress(t.total_steps, initial=start, enabled=t.progress)
     tokens, t_log = 0, time.time()
     last = {}
+    stopped = False
     try:
-        while int(state.step) < t.total_steps and not stop.requested:
-            trajs = source.take(b, t.take_timeout_s)
+        while int(state.step) < t.total_steps:
+            trajs = take_or_stop(source, b, t.take_timeout_s, stopper)
+            if trajs is None:
+                stopped = True
+                break
             batch = r._batch(trajs)
             version = int(state.step)
             host.append(_host_stats(trajs, version))
@@ -344,14 +445,16 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
                 last = scalars
                 acc, host, tokens, t_log = metrics.MetricAccumulator(), [], 0, now
             if t.eval_every and step % t.eval_every == 0 and step < t.total_steps:
-                r.evaluate(state, step)
+                _unless_stopped(r.evaluate, state, step)
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
                 r.save(step, state, source, _counters(counters, source.stats()), extra)
     finally:
         source.stop()
         progress.close()
     step = int(state.step)
-    after = r.evaluate(state, step) if step >= t.total_steps else {}
+    after = {}
+    if step >= t.total_steps and not stopped:
+        after = _unless_stopped(r.evaluate, state, step) or {}
     r.save(step, state, source, _counters(counters, source.stats()), extra)
     return dict(
         steps=step,
@@ -362,8 +465,31 @@ def _rl(r: Run, state, counters: dict, extra: dict, stop, t_start: float) -> dic
         staleness_hist=source.stats().get("staleness", {}),
         wall_time_s=_wall(extra),
         machine=_machine(),
-        interrupted=bool(stop.requested),
+        interrupted=bool(stopped or stopper.requested),
     )
+
+
+def take_or_stop(source, n: int, timeout: float, stopper) -> list[Trajectory] | None:
+    """This step's n trajectories, or None when any process stops: this one was signalled
+    (before or during the take), or another one was. Collective (`agree_stop`): every
+    process calls it once per step, before the step's first collective."""
+    trajs = None
+    if not stopper.requested:
+        try:
+            trajs = source.take(n, timeout)
+        except stop.StopRequested as e:
+            log.warning("%s", e)
+    return None if distributed.agree_stop(trajs is None) else trajs
+
+
+def _unless_stopped(fn, *args):
+    """fn(*args), or None when a stop request interrupted it (host-local work only: the
+    decision to stop is agreed at the top of the next step)."""
+    try:
+        return fn(*args)
+    except stop.StopRequested as e:
+        log.warning("%s: skipped", e)
+        return None
 
 
 def _wall(extra: dict) -> float:

@@ -227,6 +227,15 @@ class Repo:
             if "__pycache__" not in p.parts
         )
         self.modules = {module_name(rel): rel for rel in self.sources}
+        # sao_jax.configs / sao_jax.experiments: in a checkout, pointers (their __init__.py)
+        # to the top-level configs/ and experiments/ folders, shipped under those names.
+        for alias, folder in (
+            ("sao_jax.configs", "configs"),
+            ("sao_jax.experiments", "experiments"),
+        ):
+            for name, rel in list(self.modules.items()):
+                if name.startswith(folder + "."):
+                    self.modules[alias + name[len(folder) :]] = rel
         self._trees, self._needs, self._reach = {}, {}, {}
         self.owners = collections.defaultdict(list)  # file -> names of targets with it in srcs
         for t in self.targets.values():

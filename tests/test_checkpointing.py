@@ -1,5 +1,9 @@
-"""Checkpointer (round trip, keep-last-N, corruption, failed saves, other meshes), the
-workdir config guard and GracefulExit."""
+"""Checkpointer (round trip, keep-last-N, corruption, failed saves, other meshes) and the
+tensor fingerprints (the workdir guard and GracefulExit: tests/test_workdir_guard.py).
+
+Damage goes where the arrays live: the largest file of a step's `state` item (today
+`state/ocdbt.process_0/d/<hash>`, found by size, not by name), truncated or overwritten
+in place."""
 
 import errno
 import json
@@ -7,10 +11,8 @@ import logging
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +78,7 @@ def _small(seed):
         "opt": (optax.EmptyState(), {"count": jnp.int32(seed)}),
         "critic": {},
         "rng": jnp.asarray(rng.integers(0, 2**32, (2,)), jnp.uint32),
+        "big": w(64, 64),  # random floats: the largest file of the step holds them
     }
 
 
@@ -93,11 +96,26 @@ def _restore(ck, **kw):
     return ck.restore(abstract_like(_small(0), None), **kw)
 
 
+def array_file(step_dir) -> pathlib.Path:
+    """The file holding the array bytes: the largest one of the state item."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def overwrite(path, offset, n=64):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes(n))
+
+
 def _damage(step_dir, how):
     if how == "truncate_data":
-        for p in (step_dir / "state" / "d").iterdir():
-            with open(p, "r+b") as f:
-                f.truncate(os.path.getsize(p) // 2)
+        path = array_file(step_dir)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    elif how == "overwrite_data":
+        path = array_file(step_dir)
+        overwrite(path, os.path.getsize(path) // 10)
     elif how == "delete_tree_metadata":
         (step_dir / "state" / "_METADATA").unlink()
     elif how == "delete_meta_item":
@@ -111,7 +129,13 @@ def _damage(step_dir, how):
 # A restore that fails on a truncated data file leaves tensorstore callbacks aimed at
 # orbax's closed event loop ("Exception ignored ... Event loop is closed"): harmless.
 _LOOP_CLOSED = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-DAMAGE = ["truncate_data", "delete_tree_metadata", "delete_meta_item", "truncate_meta_json"]
+DAMAGE = [
+    "truncate_data",
+    "overwrite_data",
+    "delete_tree_metadata",
+    "delete_meta_item",
+    "truncate_meta_json",
+]
 
 
 # ------------------------------------------------------------------- real TrainState
@@ -220,7 +244,10 @@ def test_corrupt_latest_falls_back_with_warning(tmp_path, caplog, how):
         state, meta = _restore(ck)
         _assert_same(state, _small(2))
         assert meta == {"step": 2} and ck.restored_step == 2
-        assert str(ck.step_dir(3)) in caplog.text
+        (line,) = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+        assert line.startswith("checkpoint step 3 is damaged (") and "restored step 2" in line
+        if how.endswith("_data"):  # the file is named
+            assert array_file(ck.directory / ckpt.CORRUPT_DIR / "3").name in line
         assert (ck.directory / ckpt.CORRUPT_DIR / "3").is_dir()  # kept for inspection
         assert ck.all_steps() == [1, 2]
         assert ck.save(3, _small(33), {"step": 3})  # the step number is free again
@@ -370,65 +397,74 @@ def test_meta_codec():
         ckpt.encode_meta({"x": {"__bytes__": "AA=="}})
 
 
-# ------------------------------------------------------------------ workdir config guard
+# ------------------------------------------------------------------- verification
 
 
-def test_workdir_config_guard(tmp_path):
-    cfg = base.get_config().to_dict()  # tuples, placeholders (None), nested sections
-    wd = tmp_path / "run"
-    ckpt.check_workdir_config(wd, cfg, overwrite=False)  # first run writes it
-    stored = json.loads((wd / ckpt.CONFIG_FILE).read_text())
-    assert stored["mesh"]["shape"] == list(cfg["mesh"]["shape"])
-    ckpt.check_workdir_config(wd, cfg, overwrite=False)  # same config: resume
-
-    longer = json.loads(json.dumps(stored))
-    longer["train"]["total_steps"] += 100
-    longer["mesh"]["shape"] = [1, 1, 8, 1]
-    ckpt.check_workdir_config(wd, longer, overwrite=False)  # resumable fields only
-    assert json.loads((wd / ckpt.CONFIG_FILE).read_text()) == longer
-
-    changed = json.loads(json.dumps(longer))
-    changed["rl"]["k_critic"] += 1
-    changed["optim"]["policy"]["lr"] *= 2
-    with pytest.raises(ConfigError, match=r"config field optim\.policy\.lr: .*\(2 non-resumable"):
-        ckpt.check_workdir_config(wd, changed, overwrite=False)
-    changed["new_section"] = {"x": 1}
-    with pytest.raises(ConfigError, match=r"new_section\.x: the run .* used '\(absent\)'"):
-        ckpt.check_workdir_config(wd, changed, overwrite=False)
-
-    (wd / "checkpoints" / "3").mkdir(parents=True)
-    ckpt.check_workdir_config(wd, changed, overwrite=True)  # old run moved aside
-    (old,) = [p for p in wd.iterdir() if p.name.startswith("previous-")]
-    assert (old / "checkpoints" / "3").is_dir() and (old / ckpt.CONFIG_FILE).exists()
-    assert not (wd / "checkpoints").exists()
-    assert json.loads((wd / ckpt.CONFIG_FILE).read_text()) == changed
+def test_array_file_is_where_the_arrays_live(tmp_path):
+    with _ckpt(tmp_path) as ck:
+        _save_steps(ck, [1])
+    path = array_file(ck.step_dir(1))
+    assert path.parent.name == "d" and path.parent.parent.name.startswith("ocdbt.process_")
 
 
-def test_workdir_with_files_but_no_config_is_refused(tmp_path):
-    (tmp_path / "checkpoints").mkdir()
-    with pytest.raises(ConfigError, match="no config.json"):
-        ckpt.check_workdir_config(tmp_path, {"a": 1}, overwrite=False)
-    with pytest.raises(TypeError, match=r"config\['a'\]: object"):
-        ckpt.check_workdir_config(tmp_path / "x", {"a": object()}, overwrite=False)
+@_LOOP_CLOSED
+def test_checksums_catch_an_overwrite_that_tensorstore_misses(tmp_path, caplog):
+    """Some in-place overwrites of the array file restore silently without our checks
+    (a changed tensor, issue 15); with them, every one is caught and named."""
+    with _ckpt(tmp_path) as ck:
+        _save_steps(ck, [1, 2])
+    good = tmp_path / "good2"
+    shutil.copytree(ck.step_dir(2), good)
+    size = array_file(good).stat().st_size
+
+    def damaged(offset, *strip):  # step 2 afresh, overwritten at offset, checks removed
+        shutil.rmtree(ck.step_dir(2), ignore_errors=True)
+        shutil.rmtree(ck.directory / ckpt.CORRUPT_DIR, ignore_errors=True)
+        shutil.copytree(good, ck.step_dir(2))
+        overwrite(array_file(ck.step_dir(2)), offset)
+        for name in strip:
+            for p in ck.step_dir(2).glob(name):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        caplog.clear()
+        with _ckpt(tmp_path) as again, caplog.at_level(logging.WARNING):
+            state, _ = _restore(again)
+            return again.restored_step, state
+
+    silent = None
+    for offset in range(0, size - 64, max(size // 16, 64)):  # find a silent one
+        step, state = damaged(offset, "integrity.*", "checksums")
+        if step == 2 and not np.array_equal(state["big"], _small(2)["big"]):
+            silent = offset
+            break
+    assert silent is not None, "no silent overwrite found: tensorstore now checks the data"
+    for strip, named in (("integrity.*", "tensor big does not match"), ("none", "CRC-32")):
+        step, state = damaged(silent, strip)  # file digests are checked first
+        assert step == 1, strip
+        _assert_same(state, _small(1))
+        assert named in caplog.text, caplog.text
 
 
-# ----------------------------------------------------------------------- GracefulExit
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint32, jnp.int8, jnp.bool_]
+)
+def test_fingerprint_matches_the_slow_reference(dtype):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 5, 7)) * 100).astype(dtype)
+    got = ckpt.integrity.fingerprint({"x": x})["x"]
+    assert got == list(ckpt.integrity.leaf_fingerprint_reference(np.asarray(x)))
 
 
-def _wait_for(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.01)
-
-
-def test_graceful_exit_on_sigterm_and_second_sigint():
-    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    with ckpt.GracefulExit() as stop:
-        assert not stop.requested
-        os.kill(os.getpid(), signal.SIGTERM)
-        _wait_for(lambda: stop.requested)
-        assert stop.requested and stop.signal == signal.SIGTERM  # and we are still alive
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            _wait_for(lambda: False, timeout=2.0)
-    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+def test_fingerprint_sharded_equals_unsharded_and_sees_one_word(sharded):
+    state = sharded[3]
+    on_mesh = ckpt.integrity.fingerprint(state.policy)
+    local = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), state.policy)
+    assert on_mesh == ckpt.integrity.fingerprint(local)
+    name, leaf = next(
+        (n, x) for n, x in jax.tree_util.tree_flatten_with_path(local)[0] if x.size > 1
+    )
+    flat = np.asarray(leaf).copy().reshape(-1)
+    flat[flat.size // 2] = np.nextafter(flat[flat.size // 2], np.float32(np.inf))  # one ulp
+    changed = jnp.asarray(flat.reshape(leaf.shape))
+    a = ckpt.integrity.fingerprint({"x": leaf})["x"]
+    b = ckpt.integrity.fingerprint({"x": changed})["x"]
+    assert a[0] != b[0] and a[1] != b[1], name

@@ -4,11 +4,16 @@ Each worker process has 4 fake CPU devices, joins a 2-process `jax.distributed` 
 (gloo collectives), builds the same tiny Learner on the global 8-device mesh and feeds
 its half of each synthetic batch (`global_batch`); the parameters after 3 update steps
 must equal those of the single-process 8-device run in this test process.
+
+Stop agreement: the two processes run the training loop's step skeleton (the loop's own
+`take_or_stop`, an update step, then the final save), and only process 1 gets SIGTERM;
+both must leave the loop at the same step, save that step together and exit 0.
 """
 
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -128,6 +133,62 @@ def _worker(process_id: int, num_processes: int, port: int, out: str) -> None:
         json.dump(dict(metrics=metrics, step=step, agree=dist.agree_max(10 + process_id)), f)
     if num_processes > 1:
         jax.distributed.shutdown()
+
+
+class _SlowSource:
+    """A rollouts source whose take waits (stoppably) 0.2 s and returns nothing."""
+
+    def take(self, n, timeout):
+        from sao_jax import stop
+
+        if stop.sleep(0.2):
+            stop.raise_if_requested("waiting for trajectories")
+        return []
+
+
+def _stop_worker(process_id: int, port: int, out: str) -> None:
+    """One process of the stop-agreement test: steps until the agreed stop, then saves."""
+    import pathlib
+
+    from sao_jax import checkpointing, train
+    from sao_jax.models.config import ModelConfig
+    from sao_jax.models.factory import init_models
+    from sao_jax.parallel.mesh import sharder_from_config
+    from sao_jax.rl.synthetic import synthetic_batch
+    from sao_jax.rl.update import Learner
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    spec = dist.resolve(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+        timeout_s=60, env={},
+    )  # fmt: skip
+    dist.initialize(spec)
+    config = _config()
+    sharder = sharder_from_config(config)
+    models = init_models(ModelConfig.from_config(config.model), sharder, seed=0)
+    learner = Learner(config, models.policy_def, models.critic_def, sharder)
+    state = learner.new_state(models.policy, models.critic, seed=0)
+    batch_sh = sharder.named(("batch",))
+    rows = dist.local_batch_size(B)
+    lo = process_id * rows
+    progress = pathlib.Path(out, f"step_{process_id}")
+    with checkpointing.GracefulExit() as stopper:
+        ckpt = checkpointing.Checkpointer(pathlib.Path(out, "checkpoints"), async_save=False)
+        while int(state.step) < 10_000:
+            if train.take_or_stop(_SlowSource(), rows, 60.0, stopper) is None:
+                break
+            full = synthetic_batch(B, T, 32, seed=int(state.step), version=0, max_lag=1)
+            batch = dist.global_batch({k: v[lo : lo + rows] for k, v in full.items()}, batch_sh)
+            state, _ = learner.update_step(state, batch, jax.random.key(0))
+            progress.write_text(str(int(state.step)))
+        step = int(state.step)
+        ckpt.save(step, state, {"step": step}, force=True)
+        ckpt.close()
+    signalled = stopper.signal is not None
+    pathlib.Path(out, f"stopped_{process_id}.json").write_text(
+        json.dumps(dict(step=step, signalled=signalled))
+    )
+    jax.distributed.shutdown()
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
@@ -266,3 +327,46 @@ def test_single_process_helpers_are_identities():
     assert mixed["w"].dtype == jax.numpy.bfloat16 and mixed["i"].dtype == jax.numpy.int32
     assert dist.global_from_replicated(tree, None) is tree
     assert dist.is_primary()
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+    port = _free_port()
+    procs = []
+    for pid in (0, 1):
+        env = dict(os.environ)
+        env.update(
+            XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
+            JAX_PLATFORMS="cpu",
+            PYTHONPATH=str(ROOT),
+        )
+        args = f"{pid}, {port}, {str(tmp_path)!r}"
+        code = f"from tests.test_distributed import _stop_worker; _stop_worker({args})"
+        log = open(tmp_path / f"log_stop_{pid}.txt", "w")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=log,
+                             stderr=subprocess.STDOUT)
+        )  # fmt: skip
+    progress = tmp_path / "step_1"
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    try:
+        while not (progress.exists() and int(progress.read_text() or 0) >= 2):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
+                "workers did not reach step 2"
+            )
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)  # process 1 only
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = "\n".join(f.read_text()[-2000:] for f in sorted(tmp_path.glob("log_stop_*")))
+    assert codes == [0, 0], logs
+    results = [json.loads((tmp_path / f"stopped_{pid}.json").read_text()) for pid in (0, 1)]
+    assert results[0]["step"] == results[1]["step"] >= 2, results
+    assert [r["signalled"] for r in results] == [False, True]
+    step_dir = tmp_path / "checkpoints" / str(results[0]["step"])
+    for pid in (0, 1):  # each process committed its part of the same step
+        assert (step_dir / f"integrity.process_{pid}.json").exists(), sorted(step_dir.iterdir())

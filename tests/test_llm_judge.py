@@ -117,6 +117,16 @@ def test_timeout_is_bounded_and_retried(server):
     assert server.hits["slow"] == 2
 
 
+def test_total_deadline_cuts_the_retries(server):
+    """Each attempt waits 1 s for the slow server; 10 retries would take 10 s+."""
+    judge = _judge(server, "slow", timeout_s=0.4, max_retries=10, deadline_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(J.JudgeError, match=r"deadline_s=1\): no complete answer within"):
+        judge.score(PROMPT, "x", "cute")
+    assert time.monotonic() - t0 < 1.0 + 1.0  # the deadline, plus thread wake-ups
+    assert 2 <= server.hits["slow"] <= 3
+
+
 def test_500s_then_success_is_retried(server):
     judge = _judge(server, "flaky", max_retries=3)
     assert judge.score(PROMPT, "x", "cute") == (1.0, 0.0)
@@ -130,9 +140,9 @@ def test_garbage_and_client_errors_fail_without_retry(server):
         assert server.hits[mode] == 1
 
 
-def test_connection_refused_is_a_judge_error():
+def test_connection_refused_is_a_judge_error_naming_it():
     judge = J.LLMJudge("http://127.0.0.1:9/v1", "judge", timeout_s=0.2, max_retries=1, backoff_s=0)
-    with pytest.raises(J.JudgeError, match="after 2 attempts"):
+    with pytest.raises(J.JudgeError, match="after 2 attempts.*ConnectionRefusedError"):
         judge.score(PROMPT, "x", "cute")
 
 
@@ -167,5 +177,7 @@ def test_constructor_checks():
         J.LLMJudge("ftp://x", "m")
     with pytest.raises(ValueError, match="max_concurrency"):
         J.LLMJudge("http://x", "m", max_concurrency=0)
+    with pytest.raises(ValueError, match="deadline_s"):
+        J.LLMJudge("http://x", "m", deadline_s=0)
     with pytest.raises(ValueError, match="llm judge config"):
         J.judge_from_config({"base_url": "http://x", "model": "m", "colour": 1})

@@ -74,7 +74,7 @@ def test_difficulty_params_and_answers():
 
 
 def test_argument_errors():
-    with pytest.raises(ValueError, match="unknown env 'chess'"):
+    with pytest.raises(ValueError, match="unknown task 'chess'"):
         P.prompt_source("chess", "train")
     with pytest.raises(ValueError, match="split='test'"):
         P.prompt_source("arithmetic", "test")

@@ -1,57 +1,52 @@
-"""Hostile programs in the sandbox: each ends with an error within its limits and leaves
-the host process and file system untouched. Runs every isolation mode this machine has;
-the `audit_hook=False` tests check the kernel layers alone."""
+"""The sandbox's limits, its minimal root, its seccomp filter and the python_tool env.
 
-import glob
+Every run goes through the kernel layers alone (`audit_hook=False`) unless a test is
+about the tripwire hook. Modes: "rlimits" always, "bwrap" where this machine allows it.
+Hermetic: each test has its own scratch root (the weak mode's private directories go
+there) and checks only what it made. The hostile corpus is tests/test_sandbox_corpus.py.
+"""
+
+import concurrent.futures
+import logging
 import os
+import pathlib
+import platform
+import shutil
 import signal
-import socket
 import tempfile
-import time
 
 import pytest
 
 from sao_jax.envs import sandbox as S
+from sao_jax.envs import sandbox_host
+from sao_jax.envs import sandbox_seccomp as F
 
 SETUP = S.probe_setup()
-MODES = [S.RLIMITS] + ([S.NAMESPACES] if SETUP.isolation == S.NAMESPACES else [])
-FAST = S.SandboxLimits(cpu_s=1, wall_s=3.0, memory_bytes=128 << 20, output_bytes=4096)
-# RLIMIT_NPROC binds only a non-root uid (the child runs as nobody when we are root).
-NPROC_BINDS = SETUP.uid is not None or os.geteuid() != 0
-needs_ns = pytest.mark.skipif(S.NAMESPACES not in MODES, reason=f"no namespaces: {SETUP.note}")
-
-
-def _leftovers():
-    """Live processes started by the sandbox (their command line names the private dir)."""
-    found = []
-    for path in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(path, "rb") as f:
-                if b"sao_sandbox_" in f.read():
-                    found.append(path)
-        except OSError:
-            pass
-    return found
-
-
-def _private_dirs():
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "sao_sandbox_*")))
+KERNEL = SETUP.isolation == S.BWRAP
+MODES = [S.RLIMITS] + ([S.BWRAP] if KERNEL else [])
+FAST = S.SandboxLimits(cpu_s=1, wall_s=10.0, memory_bytes=128 << 20, output_bytes=4096)
+needs_bwrap = pytest.mark.skipif(not KERNEL, reason=f"no kernel isolation here: {SETUP.note}")
 
 
 @pytest.fixture
-def run():
-    before = _private_dirs()
+def scratch():
+    """This test's own root for the weak mode's private directories (traversable by the
+    sandbox's uid), removed afterwards."""
+    root = tempfile.mkdtemp(prefix="sao_test_sandbox_")
+    os.chmod(root, 0o711)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
-    def go(code, mode, limits=FAST, **kw):
-        t0 = time.monotonic()
-        result = S.run_python(code, limits, isolation=mode, **kw)
-        assert time.monotonic() - t0 < limits.wall_s + 5.0
-        assert result.isolation == mode
-        assert not _leftovers()
-        return result
 
-    yield go
-    assert _private_dirs() == before  # every private directory removed
+@pytest.fixture
+def run(scratch):
+    def go(code, mode, limits=FAST, *, audit_hook=False):
+        r = S.run_python(code, limits, isolation=mode, audit_hook=audit_hook, scratch_dir=scratch)
+        assert r.isolation == mode and r.wall_s < limits.wall_s + 10.0
+        assert os.listdir(scratch) == []  # the private directory is gone
+        return r
+
+    return go
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -75,184 +70,194 @@ def test_ordinary_program(run, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fork_bomb(run, mode):
-    r = run("import os\nwhile True:\n    os.fork()\n", mode)
-    assert r.error == "exit status 1" and "os.fork is not allowed" in r.stderr
-
-
-@pytest.mark.skipif(not NPROC_BINDS, reason="RLIMIT_NPROC does not bind root")
-@pytest.mark.parametrize("mode", MODES)
-def test_fork_bomb_kernel_layers(run, mode):
-    code = (
-        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    )
-    r = run(code, mode, S.SandboxLimits(cpu_s=1, wall_s=2.0, max_procs=8), audit_hook=False)
+def test_process_and_thread_limits(run, mode):
+    r = run("import os\nos.system('echo spawned')\nprint(os.fork())\n", mode)
+    assert "spawned" not in r.stdout and "BlockingIOError" in r.stderr  # max_procs=1
+    r = run("import threading\nthreading.Thread(target=print).start()\n", mode)
+    assert r.error == "exit status 1" and "can't start new thread" in r.stderr
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    r = run(bomb, mode, S.SandboxLimits(cpu_s=1, wall_s=3.0, max_procs=8))
     assert r.error is not None
 
 
-@pytest.mark.skipif(not NPROC_BINDS, reason="RLIMIT_NPROC does not bind root")
 @pytest.mark.parametrize("mode", MODES)
-def test_no_new_processes_by_default_kernel_layers(run, mode):
-    code = "import os\nos.system('echo spawned')\nprint(os.fork())\n"
-    r = run(code, mode, audit_hook=False)  # default max_procs=1: no fork, no threads
-    assert "spawned" not in r.stdout and "BlockingIOError" in r.stderr
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_infinite_loop(run, mode):
+def test_cpu_wall_memory_output_and_file_limits(run, mode):
     r = run("while True:\n    pass\n", mode)
-    assert r.error in ("cpu time limit exceeded (1 s)", "wall-clock limit exceeded (3 s)")
+    assert r.error in ("cpu time limit exceeded (1 s)", "wall-clock limit exceeded (10 s)")
     r = run("import time\ntime.sleep(60)\n", mode, S.SandboxLimits(wall_s=1.0))
     assert r.timed_out and r.error == "wall-clock limit exceeded (1 s)"
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_memory_hog(run, mode):
     r = run("x = []\nwhile True:\n    x.append(bytearray(1 << 24))\n", mode)
     assert r.error is not None and "MemoryError" in r.stderr
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_gigabytes_of_output(run, mode):
     r = run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", mode)
     assert r.output_truncated and r.error == "output limit exceeded (4096 bytes)"
     assert r.stdout == "x" * 4096
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_big_file_hits_fsize(run, mode):
-    r = run(
-        "open('big', 'wb').write(b'x' * (2 << 20))\n", mode, S.SandboxLimits(file_bytes=1 << 20)
-    )
+    r = run("open('big', 'wb').write(b'x' * (2 << 20))\n", mode)
     assert r.error == "exit status 1" and "File too large" in r.stderr
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_reading_outside_is_blocked(run, mode, tmp_path):
-    secret = tmp_path / "secret.txt"
-    secret.write_text("top-secret-contents")
-    for path in (str(secret), "/etc/passwd", "/proc/1/environ", "../../../etc/hostname"):
-        r = run(f"print(open({path!r}).read())", mode)
-        assert r.error == "exit status 1" and "PermissionError" in r.stderr, path
-        assert "top-secret" not in r.stdout and "root:" not in r.stdout
-    r = run(f"import os\nprint(os.listdir({str(tmp_path)!r}))", mode)
-    assert r.error is not None and "secret" not in r.stdout
+def test_disk_cap(run, mode):
+    code = "n = 0\nwhile True:\n    open('f%d' % n, 'wb').write(b'x' * 500000)\n    n += 1\n"
+    r = run(code, mode, S.SandboxLimits(disk_bytes=4 << 20))
+    if mode == S.BWRAP:  # the tmpfs is full
+        assert r.error == "exit status 1" and "No space left on device" in r.stderr
+    else:  # the host measured the directory and killed the run
+        assert r.error == "disk limit exceeded (4194304 bytes)"
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_writing_outside_is_blocked(run, mode, tmp_path):
-    target = tmp_path / "escaped.txt"
-    keep = tmp_path / "keep.txt"
-    keep.write_text("unchanged")
-    in_tmp = os.path.join(tempfile.gettempdir(), f"sao_escape_{os.getpid()}.txt")
-    for code in (
-        f"open({str(target)!r}, 'w').write('x')",
-        f"open({in_tmp!r}, 'w').write('x')",
-        f"import os\nos.remove({str(keep)!r})",
-        f"import os\nos.rename('main.py', {str(target)!r})",
-        f"import os\nos.symlink({str(keep)!r}, 'link')",
-        "import os\nos.chdir('/')\nopen('x', 'w')",
-    ):
-        r = run(code, mode)
-        assert r.error == "exit status 1" and "PermissionError" in r.stderr, code
-    assert not target.exists() and not os.path.exists(in_tmp)
-    assert keep.read_text() == "unchanged"
-
-
-@pytest.fixture
-def listener():
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
-    srv.settimeout(0.3)
-    yield srv
-    srv.close()
-
-
-def _connected(srv):
-    try:
-        conn, _ = srv.accept()
-    except TimeoutError:
-        return False
-    conn.close()
-    return True
-
-
-def _connect_code(port):
-    return (
-        "import socket\n"
-        "s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
-        f"s.settimeout(1)\ns.connect(('127.0.0.1', {port}))\nprint('connected')\n"
-    )
+def test_own_sigkill_is_not_reported_as_the_cpu_limit(run, mode):
+    r = run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", mode)
+    assert r.signal == signal.SIGKILL and r.error == "killed by signal 9"
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_sockets_are_blocked(run, mode, listener):
-    r = run(_connect_code(listener.getsockname()[1]), mode)
-    assert r.error is not None and "connected" not in r.stdout
-    assert not _connected(listener)
-
-
-@needs_ns
-def test_network_namespace_alone_stops_connections(run, listener):
-    r = run(_connect_code(listener.getsockname()[1]), S.NAMESPACES, audit_hook=False)
-    assert r.error is not None and "connected" not in r.stdout
-    assert not _connected(listener)
-
-
-@needs_ns
-def test_mount_namespace_alone_hides_and_protects_files(run, tmp_path):
-    secret = tmp_path / "secret.txt"
-    secret.write_text("top-secret-contents")
-    in_tmp = os.path.join(tempfile.gettempdir(), f"sao_escape_ns_{os.getpid()}.txt")
-    r = run(f"print(open({str(secret)!r}).read())", S.NAMESPACES, audit_hook=False)
-    assert r.error is not None and "top-secret" not in r.stdout
-    r = run(f"open({in_tmp!r}, 'w').write('x')", S.NAMESPACES, audit_hook=False)
-    assert not os.path.exists(in_tmp)  # landed in the sandbox's own /tmp, if anywhere
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_process_spawning_is_blocked(run, mode, tmp_path):
-    marker = tmp_path / "ran.txt"
-    for code in (
-        f"import os\nos.system('touch {marker}')",
-        f"import subprocess\nsubprocess.run(['touch', '{marker}'])",
-        f"import os\nos.execv('/usr/bin/touch', ['touch', '{marker}'])",
-        f"import os\nos.posix_spawn('/usr/bin/touch', ['touch', '{marker}'], {{}})",
-        "import ctypes\nctypes.CDLL(None)",
-    ):
-        r = run(code, mode)
-        assert r.error == "exit status 1" and "not allowed" in r.stderr, code
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_host_process_is_untouched(run, mode):
-    code = f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)\n"
-    r = run(code, mode)
-    assert r.error == "exit status 1" and "os.kill is not allowed" in r.stderr
-    r = run("import os, signal\nos.killpg(0, signal.SIGKILL)\n", mode)
-    assert r.error == "exit status 1"
-    assert os.getpgid(0) > 0  # still here
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_environment_is_scrubbed(run, mode, monkeypatch):
+def test_environment_is_scrubbed_and_output_decoded(run, mode, monkeypatch):
     monkeypatch.setenv("SAO_SECRET_TOKEN", "hunter2-do-not-leak")
     r = run("import os\nprint(sorted(os.environ.items()))\n", mode)
     assert r.ok and "hunter2" not in r.stdout
-    keys = {"HOME", "LANG", "PATH", "TMPDIR"}
-    assert all(f"'{k}'" in r.stdout for k in keys) and "SAO_SECRET" not in r.stdout
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_non_utf8_output(run, mode):
+    assert all(f"'{k}'" in r.stdout for k in ("HOME", "LANG", "PATH", "TMPDIR"))
     r = run("import sys\nsys.stdout.buffer.write(b'ok \\xff\\xfe\\x00 end')\n", mode)
     assert r.ok and r.stdout.startswith("ok ") and r.stdout.endswith(" end")
     assert "\ufffd" in r.stdout
 
 
-def test_run_python_argument_checks():
+@needs_bwrap
+def test_bwrap_root_is_minimal_and_read_only(run):
+    code = (
+        "import os, sys\n"
+        "print(sorted(os.listdir('/')))\nprint(sorted(os.listdir('/dev')))\n"
+        "for p in ('/x', os.path.join(os.path.dirname(os.__file__), 'x.py'), '/dev/x'):\n"
+        "    try:\n        open(p, 'w')\n        print('WROTE', p)\n"
+        "    except OSError as e:\n        print(type(e).__name__)\n"
+        "open('/tmp/t', 'w').write('tmp ok')\nprint(open('/tmp/t').read(), os.getcwd())\n"
+    )
+    r = run(code, S.BWRAP)
+    assert r.ok, r.stderr
+    top, dev, *rest = r.stdout.splitlines()
+    assert set(eval(top)) <= {"dev", "lib", "lib64", "sandbox", "tmp", "usr", "root", "home"}
+    for hidden in ("etc", "proc", "sys", "work", "run", "var", "opt"):
+        assert hidden not in eval(top), hidden
+    assert set(eval(dev)) <= {"null", "zero", "full", "random", "urandom"}
+    assert not any(line.startswith("WROTE") for line in rest)
+    assert rest[-1] == "tmp ok /sandbox"
+
+
+def test_tripwire_hook_still_reports(run):
+    r = run("import socket\nsocket.socket()\n", S.RLIMITS, audit_hook=True)
+    assert r.error == "exit status 1" and "socket.__new__ is not allowed" in r.stderr
+
+
+def test_concurrent_runs_are_independent(scratch):
+    mode = MODES[-1]
+
+    def one(i):
+        code = f"open('mine', 'w').write('{i}')\nimport os\n"
+        code += "print(open('mine').read(), len(os.listdir('.')))"
+        return S.run_python(code, FAST, isolation=mode, audit_hook=False, scratch_dir=scratch)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(12)))
+    assert [r.stdout for r in results] == [f"{i} 2\n" for i in range(12)]
+    assert os.listdir(scratch) == []
+
+
+def test_remove_tree_any_depth_never_follows_symlinks(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    root = tmp_path / "private"
+    d = root
+    for _ in range(1500):  # deeper than PATH_MAX and Python's recursion limit
+        d = d / "d"
+        os.mkdir(d) if d.parent.exists() else os.makedirs(d)
+    os.symlink(outside, root / "link")
+    os.symlink(outside / "keep.txt", root / "file_link")
+    (root / "locked").mkdir()
+    (root / "locked" / "f").write_text("x")
+    os.chmod(root / "locked", 0)
+    sandbox_host.remove_tree(str(root))
+    assert not root.exists() and (outside / "keep.txt").read_text() == "keep"
+
+
+# --- the seccomp program ----------------------------------------------------------------
+
+
+def _arch():
+    return F.ARCHES[platform.machine()][0]
+
+
+@pytest.mark.skipif(platform.machine() not in F.ARCHES, reason="no syscall table here")
+def test_seccomp_program_rules_on_the_reference_interpreter():
+    table = F.ARCHES[platform.machine()][1]
+    prog = F.instructions()
+    eperm = F.RET_ERRNO | 1
+    for name in F.DENIED:
+        if name in table:
+            assert F.run_filter(prog, table[name]) == eperm, name
+    assert F.run_filter(prog, table["clone3"]) == F.RET_ERRNO | 38  # ENOSYS: use clone
+    assert F.run_filter(prog, table["clone"], (0x11 | 0x01000000,)) == F.RET_ALLOW  # fork
+    assert F.run_filter(prog, table["clone"], (0x10000000,)) == eperm  # CLONE_NEWUSER
+    assert F.run_filter(prog, 0) == F.RET_ALLOW  # read
+    assert F.run_filter(prog, table["kill"], (1234, 9)) == F.RET_ALLOW  # pid namespace
+    assert F.run_filter(prog, 0, arch=0x40000003) == F.RET_KILL_PROCESS  # i386
+    own = F.patch_pid(F.instructions(own_pid=F.PID_PLACEHOLDER), 4321)
+    assert F.run_filter(own, table["kill"], (4321, 9)) == F.RET_ALLOW
+    assert F.run_filter(own, table["kill"], (0, 9)) == F.RET_ALLOW  # own process group
+    assert F.run_filter(own, table["tgkill"], (4321, 4321, 9)) == F.RET_ALLOW
+    for target in (1, 4320, -1, -4321):
+        assert F.run_filter(own, table["kill"], (target, 9)) == eperm, target
+    assert F.run_filter(own, table["tgkill"], (0, 0, 9)) == eperm
+    assert len(F.encode(prog)) == 8 * len(prog)
+
+
+@pytest.mark.parametrize(
+    "header, table",
+    [
+        ("/usr/include/x86_64-linux-gnu/asm/unistd_64.h", F._X86_64),
+        ("/usr/include/asm-generic/unistd.h", F._GENERIC),
+    ],
+)
+def test_syscall_numbers_match_the_kernel_headers(header, table):
+    path = pathlib.Path(header)
+    if not path.exists():
+        pytest.skip(f"{header} not installed (linux-libc-dev)")
+    text = path.read_text()
+    for name, nr in table.items():
+        if name in ("iopl", "ioperm") and "generic" in header:
+            continue
+        import re
+
+        m = re.search(rf"#define __NR(?:3264)?_{name}\s+(\d+)", text)
+        assert m and int(m.group(1)) == nr, name
+
+
+def test_seccomp_unknown_architecture_is_named():
+    with pytest.raises(F.SeccompUnsupported, match="s390x"):
+        F.instructions("s390x")
+
+
+# --- choosing the isolation -------------------------------------------------------------
+
+
+def test_auto_refuses_weak_mode_unless_allowed(monkeypatch, caplog):
+    weak = S.SandboxSetup("/usr/bin/python3", None, S.RLIMITS, None, (), "bwrap is not installed")
+    monkeypatch.setattr(S, "probe_setup", lambda: weak)
+    monkeypatch.setattr(S, "_announced", set())
+    with pytest.raises(S.SandboxUnavailable) as e:
+        S.resolve_isolation("auto")
+    assert "\n" not in str(e.value) and "bwrap is not installed" in str(e.value)
+    assert "allow_weak_isolation=True" in str(e.value)
+    with pytest.raises(S.SandboxUnavailable):
+        S.run_python("print(1)", isolation="bwrap")
+    with caplog.at_level(logging.WARNING, logger="sao_jax.envs.sandbox"):
+        assert S.resolve_isolation("auto", allow_weak=True) == S.RLIMITS
+        assert S.resolve_isolation("auto", allow_weak=True) == S.RLIMITS
+    lines = [r.getMessage() for r in caplog.records if "WEAK" in r.getMessage()]
+    assert len(lines) == 1 and "bwrap is not installed" in lines[0]
+
+
+def test_argument_checks():
     with pytest.raises(ValueError, match="cpu_s"):
         S.SandboxLimits(cpu_s=0)
     with pytest.raises(ValueError, match="wall_s"):
@@ -261,8 +266,6 @@ def test_run_python_argument_checks():
         S.run_python("print(1)", isolation="docker")
     with pytest.raises(TypeError, match="code must be a str"):
         S.run_python(b"print(1)")
-    assert SETUP.isolation in (S.NAMESPACES, S.RLIMITS)
-    assert signal.SIGXCPU  # the platform has the signals the classifier names
 
 
 # --- the python_tool env on top of the sandbox -------------------------------------------
@@ -270,28 +273,30 @@ def test_run_python_argument_checks():
 from sao_jax.envs import python_tool as PT  # noqa: E402
 from sao_jax.envs.arithmetic import make_prompt, parse_tree  # noqa: E402
 
+TOOL = dict(limits=FAST, isolation=MODES[-1])
+
 
 def _tool_prompt(expr="(123*45)-67"):
     return make_prompt(parse_tree(expr))
 
 
 def test_python_tool_correct_episode_and_demo():
-    env = PT.PythonToolEnv(limits=FAST)
+    env = PT.PythonToolEnv(**TOOL)
     assert env.stop_strings == ("```\n",)
     prompt = _tool_prompt()
     assert env.reset(prompt) == "q:(123*45)-67\n"
     r = env.step("let me compute\n```python\nx = (123*45)-67\nprint(x)\n```\n")
     assert (r.observation, r.reward, r.done) == ("```output\n5468\n```\n", 0.0, False)
-    assert r.info["sandbox"]["error"] is None
+    assert r.info["sandbox"] == {"error": None, "isolation": MODES[-1]}
     r = env.step("a:5468\n")
     assert r.done and r.reward == 1.0 and r.info["success"] is True and r.info["code_runs"] == 1
-    segments = PT.demonstration(prompt, limits=FAST)
+    segments = PT.demonstration(prompt, **TOOL)
     assert [m for _, m in segments] == [False, True, False, True]
     assert segments[-1] == ("a:5468\n", True)
 
 
 def test_python_tool_errors_are_observations():
-    env = PT.PythonToolEnv(limits=FAST, max_turns=8)
+    env = PT.PythonToolEnv(max_turns=8, **TOOL)
     env.reset(_tool_prompt())
     r = env.step("```python\n1/0\n```\n")
     assert r.observation.startswith("```output\n") and r.observation.endswith("```\n")
@@ -304,15 +309,15 @@ def test_python_tool_errors_are_observations():
     assert r.observation == "\ne:bad\n" and r.info["error"] == "code block not closed"
     r = env.step("just chatting\n")
     assert r.observation == "e:bad\n"
-    r = env.step("```python\nimport sys\nsys.stdout.buffer.write(b'\\xff\\xfe')\n```\n")
-    assert "\ufffd" in r.observation
     r = env.step("a:1\n")
     assert r.done and r.reward == 0.0 and r.info["success"] is False
 
 
-def test_python_tool_truncates_at_max_turns():
-    env = PT.PythonToolEnv(limits=FAST, max_turns=2)
+def test_python_tool_truncates_at_max_turns_and_checks_isolation():
+    env = PT.PythonToolEnv(max_turns=2, **TOOL)
     env.reset(_tool_prompt())
     assert not env.step("hmm\n").done
     last = env.step("```python\nprint(2)\n```\n")
     assert last.done and last.reward == 0.0 and last.info["truncated"] is True
+    with pytest.raises(ValueError, match="isolation"):
+        PT.PythonToolEnv(isolation="namespaces")

@@ -86,6 +86,9 @@ def _from_dict(config, edit):
         ),
         ("train.report", lambda c: _from_dict(c, lambda d: d["train"].pop("report"))),
         ("rl.k_critic", lambda c: c.rl.__setattr__("k_critic", 0)),
+        ("rl.losses.ppo_clip.eps_low", lambda c: c.rl.losses.ppo_clip.update(eps_low=1.5)),
+        ("rl.losses.estr.tau", lambda c: c.rl.losses.estr.update(tau=0.0)),
+        ("rl.losses.icepop.band_high", lambda c: c.rl.losses.icepop.update(band_high=0.9)),
         ("train.rollouts", lambda c: c.train.__setattr__("rollouts", "later")),
         ("sft.batch_size", lambda c: c.sft.__setattr__("batch_size", 4)),  # 8 devices
         ("rl.batch_size", lambda c: c.rl.__setattr__("batch_size", 12)),
@@ -120,6 +123,14 @@ def test_bad_flags_fail_in_entry_point(tmp_path):
         assert rc != 0, out
         assert BAD_FLAGS[flag] in out, out
         assert not (tmp_path / f"w{i}").exists()
+
+
+def test_workdir_that_is_a_file_is_named(tmp_path, monkeypatch):
+    path = tmp_path / "a_file"
+    path.write_text("not a directory")
+    _forbid_start(monkeypatch)
+    with pytest.raises(ConfigError, match=r"flag --workdir: .*a_file exists and is not a dir"):
+        train.run(ts.small_config(), path)
 
 
 def test_missing_hf_checkpoint_is_named(tmp_path, monkeypatch):
@@ -262,9 +273,8 @@ def test_corrupt_latest_checkpoint_falls_back(async_run, target, tmp_path, caplo
             f.write_bytes(b"\0" * 16)
     with caplog.at_level(logging.WARNING):
         summary = train.run(config, workdir)
-    assert any(
-        "checkpoints/4 is incomplete or unreadable" in r.getMessage() for r in caplog.records
-    )
+    (line,) = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert line.startswith("checkpoint step 4 is damaged (state/") and "restored step 2" in line
     assert (workdir / "checkpoints" / checkpointing.CORRUPT_DIR / "4").is_dir()
     assert summary["steps"] == TOTAL and ts.saved_steps(workdir) == [0, 2, 4]
     # What was in flight at step 2 is discarded; the totals still balance.

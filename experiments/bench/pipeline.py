@@ -16,9 +16,14 @@ the sampler), then publishes the params as the next version. Side by side in one
     ready when the slowest finishes; then the learner updates; no overlap.
 
 Printed: trajectories/s and learner idle fraction (time waiting for data / wall time)
-of each, their ratio, the staleness histogram of (a), and the decode cost per step at
-position 64 vs 2048 in the same compiled program (cache length --cache-len), which the
-fixed-shape cache keeps nearly flat.
+of each, their ratio, the staleness histogram of (a), and the decode cost per step
+(cache length --cache-len, every slot at position 64, or at 2048, or all at 64 but one at
+2048), interleaved in one loop, for three read policies: the whole cache (what every step
+paid before span buckets), span buckets (the smallest power of two covering the longest
+slot), and span buckets with a one-row long lane (docs/sampling.md section 1). Last, the
+padding fraction of the learner's model inputs for (a)'s batches: padded rows [8, T] (T =
+the longest rounded up to 32) vs the same trajectories packed first-fit decreasing into
+rows of T (`pack_batch`, docs/sampling.md section 3).
 """
 
 from __future__ import annotations
@@ -32,16 +37,17 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+from sao_jax.configs.models import tiny
 
-from configs.models import tiny
 from sao_jax.envs.base import Prompt, StepResult
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
 from sao_jax.sampling.engine import Engine, EngineConfig
-from sao_jax.sampling.generate import GenerateFns, SamplingParams
+from sao_jax.sampling.generate import GenerateFns, SamplingParams, choose_spans, span_buckets
 from sao_jax.sampling.sampler import AsyncSampler, SamplerConfig
+from sao_jax.sampling.trajectory import pack_rows, round_up
 
 GROUP = 8  # batch size of both modes, and the group size of (b)
 
@@ -125,21 +131,44 @@ def run_sync(mdef, params, env_factory, ecfg, steps, update_s, fns):
 
 
 def decode_cost(mdef, params, cache_len, repeats):
-    """Median seconds of one decode step with every slot at position 64 vs 2048."""
+    """Median seconds of one decode step per (read policy, slot positions), interleaved."""
     fns = GenerateFns(mdef, num_slots=GROUP, max_len=cache_len)
     cache = fns.init_cache(params)
     tokens = np.full(GROUP, 5, np.int32)
     sampling = SamplingParams()
-    times = {64: [], 2048: []}
+    buckets = span_buckets(cache_len)
+    policies = {
+        "whole cache": lambda need: None,
+        "span buckets": lambda need: choose_spans(need, buckets),
+        "spans + long lane": lambda need: choose_spans(need, buckets, lane_slots=1),
+    }
+    layouts = {
+        "pos 64": np.full(GROUP, 64, np.int32),
+        "pos 2048": np.full(GROUP, 2048, np.int32),
+        "7 x 64 + 1 x 2048": np.array([2048] + [64] * (GROUP - 1), np.int32),
+    }
+    times = {(p, lay): [] for p in policies for lay in layouts}
     key = jax.random.key(0)
     for _ in range(repeats + 1):  # the first round compiles and warms up
-        for pos in times:
-            positions = np.full(GROUP, pos, np.int32)
+        for (pol, lay), ts in times.items():
+            positions = layouts[lay]
+            spans = policies[pol](positions + 1)
             t = time.perf_counter()
-            cache, out = fns.decode(params, cache, tokens, positions, key, sampling)
+            cache, out = fns.decode(params, cache, tokens, positions, key, sampling, spans)
             out.tokens_ns.block_until_ready()
-            times[pos].append(time.perf_counter() - t)
-    return {pos: statistics.median(ts[1:]) for pos, ts in times.items()}
+            ts.append(time.perf_counter() - t)
+    return {k: statistics.median(ts[1:]) for k, ts in times.items()}, list(layouts)
+
+
+def padding_fractions(lengths, batch=GROUP, bucket=32):
+    """Mean padding fraction of padded vs packed model rows over consecutive batches."""
+    padded, packed = [], []
+    for i in range(0, len(lengths) - batch + 1, batch):
+        ls = lengths[i : i + batch]
+        t = round_up(max(ls), bucket)
+        padded.append(1 - sum(ls) / (len(ls) * t))
+        packed.append(1 - sum(ls) / (len(pack_rows(ls, t)) * t))
+    return float(np.mean(padded)), float(np.mean(packed))
 
 
 def main(argv=None):
@@ -185,12 +214,16 @@ def main(argv=None):
     print(f"throughput ratio (a)/(b): {a['traj_s'] / b['traj_s']:.2f}x")
     print(f"staleness of taken trajectories (versions behind: count): {stats['staleness']}")
     print(f"dropped: {stats['dropped'] or 'none'}")
-    cost = decode_cost(mdef, params, args.cache_len, repeats=10 if args.quick else 30)
-    print(
-        f"decode step, {GROUP} slots, cache {args.cache_len}: pos 64 {cost[64] * 1e3:.2f} ms, "
-        f"pos 2048 {cost[2048] * 1e3:.2f} ms (ratio {cost[2048] / cost[64]:.2f}); "
-        f"{cost[64] / GROUP * 1e3:.3f} ms/token at pos 64"
-    )
+    pad, packed = padding_fractions(a["lengths"])
+    print(f"padding of (a)'s update batches: padded rows {pad:.1%}, packed rows {packed:.1%}")
+    cost, layouts = decode_cost(mdef, params, args.cache_len, repeats=10 if args.quick else 30)
+    print(f"decode step (ms), {GROUP} slots, cache {args.cache_len}, medians, interleaved:")
+    print("| read policy | " + " | ".join(layouts) + " | pos 64 / pos 2048 |")
+    print("|---|" + "---|" * (len(layouts) + 1))
+    for pol in dict.fromkeys(p for p, _ in cost):
+        ms = [cost[(pol, lay)] * 1e3 for lay in layouts]
+        ratio = cost[(pol, "pos 64")] / cost[(pol, "pos 2048")]
+        print(f"| {pol} | " + " | ".join(f"{m:.2f}" for m in ms) + f" | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

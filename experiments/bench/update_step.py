@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import base
 from sao_jax import config as config_lib
 from sao_jax import flops
+from sao_jax.configs import base
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.parallel.memory import memory_plan, parse_mesh

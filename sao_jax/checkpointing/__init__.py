@@ -1,11 +1,13 @@
 """Checkpoints and run guards for the training loop (docs/checkpointing.md).
 
 - `Checkpointer`: keep-last-N asynchronous orbax checkpoints of (TrainState, meta dict),
-  restored onto any mesh through `abstract_like`, falling back past unreadable steps.
+  restored onto any mesh through `abstract_like`, verified (`integrity`: tensor
+  fingerprints and file digests), falling back past damaged steps.
 - `check_workdir_config`: a resumed run must use the config it started with.
 - `GracefulExit`: SIGTERM / SIGINT -> `requested`, so the loop saves and exits 0.
 """
 
+from sao_jax.checkpointing import integrity
 from sao_jax.checkpointing.manager import (
     CORRUPT_DIR,
     REPLACED_DIR,
@@ -35,4 +37,5 @@ __all__ = [
     "config_differences",
     "decode_meta",
     "encode_meta",
+    "integrity",
 ]

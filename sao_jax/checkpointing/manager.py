@@ -1,11 +1,14 @@
 """Checkpointer: keep-last-N asynchronous orbax checkpoints of (TrainState, meta).
 
-One checkpoint = one step directory `<directory>/<step>/` holding two orbax items:
+One checkpoint = one step directory `<directory>/<step>/` holding three orbax items:
 `state` (the TrainState pytree: arrays only, written as OCDBT/zarr by
-`StandardCheckpointHandler`) and `meta` (a JSON dict: counters, the prompt iterator state,
-sampler stats, ...; bytes and integer dict keys are tagged, see checkpointing/meta.py). Orbax
-writes each step into `<step>.orbax-checkpoint-tmp` and renames it when every item is
-committed, so a crash or a failing write never touches an older step directory.
+`StandardCheckpointHandler`), `meta` (a JSON dict: counters, the prompt iterator state,
+sampler stats, ...; bytes and integer dict keys are tagged, see checkpointing/meta.py) and
+`checksums` (a fingerprint of every tensor, checkpointing/integrity.py), plus, once
+committed, `integrity/process_<p>.json` (size and CRC-32 of every file). Orbax writes each
+step into `<step>.orbax-checkpoint-tmp` and renames it when every item is committed, so a
+crash or a failing write never touches an older step directory. Restore checks the file
+digests before reading and the tensor fingerprints after: a damaged step is skipped.
 
 Restore goes into an abstract target (`abstract_like`: ShapeDtypeStructs whose
 `.sharding` says where each leaf goes), so the tree structure (integer layer keys,
@@ -27,13 +30,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from sao_jax.checkpointing import integrity
 from sao_jax.checkpointing.meta import decode_meta, encode_meta
+from sao_jax.parallel import distributed
 from sao_jax.parallel.partition import path_str
 from sao_jax.schema import ConfigError
 
 log = logging.getLogger(__name__)
 
-STATE, META = "state", "meta"  # the two items of a step directory
+STATE, META, SUMS = "state", "meta", integrity.CHECKSUMS  # the items of a step directory
 CORRUPT_DIR = "corrupt"  # unreadable steps skipped by a fallback restore are moved here
 REPLACED_DIR = "replaced"  # a step being re-saved with force=True waits here until committed
 # Errors that mean "this step directory is incomplete or unreadable" (tensorstore raises
@@ -49,7 +54,7 @@ class _Unreadable(Exception):
     """Internal: one step directory is incomplete or unreadable (cause chained)."""
 
     def why(self) -> str:
-        return _short(self.__cause__ or self)
+        return _short(self.__cause__) if self.__cause__ is not None else str(self)
 
 
 def _short(e: BaseException, limit: int = 300) -> str:
@@ -143,7 +148,11 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # tmp dirs of crashed saves
             create=True,
         )
-        handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+        handlers = {
+            STATE: ocp.StandardCheckpointHandler(),
+            META: ocp.JsonCheckpointHandler(),
+            SUMS: ocp.JsonCheckpointHandler(),
+        }
         self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def __enter__(self) -> Checkpointer:
@@ -187,8 +196,13 @@ class Checkpointer:
             if not force:
                 return False
             replaced = self._move_aside(step, REPLACED_DIR)
+        sums = integrity.checksums_payload(state)  # on device, before the buffers move on
         args = ocp.args.Composite(
-            **{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(payload)}
+            **{
+                STATE: ocp.args.StandardSave(state),
+                META: ocp.args.JsonSave(payload),
+                SUMS: ocp.args.JsonSave(sums),
+            }
         )
         try:
             self._mgr.save(step, args=args, force=True)
@@ -247,15 +261,10 @@ class Checkpointer:
             try:
                 out = self._restore_step(s, abstract_state)
             except _Unreadable as e:
-                log.warning(
-                    "checkpoint %s is incomplete or unreadable (%s); trying an older one",
-                    self.step_dir(s),
-                    e.why(),
-                )
                 bad.append((s, e))
                 continue
-            for b, _ in bad:
-                self._quarantine(b, restored=s)
+            for b, e in bad:
+                self._quarantine(b, e.why(), restored=s)
             self.restored_step = s
             return out
         detail = "; ".join(f"{self.step_dir(s)} ({e.why()})" for s, e in bad)
@@ -266,7 +275,13 @@ class Checkpointer:
     # ------------------------------------------------------------------------- helpers
 
     def _restore_step(self, step: int, abstract) -> tuple[Any, dict]:
+        """(state, meta) of one step, verified; _Unreadable naming the damaged file or
+        tensor. With several processes the verdict is agreed (all skip, or none)."""
         where = str(self.step_dir(step))
+        has_digests, problem = integrity.check_digests(  # first: it names the damaged file
+            self.step_dir(step), jax.process_index(), jax.process_count()
+        )
+        _agreed_ok(step, problem)
         try:
             stored = self._mgr.item_metadata(step)[STATE]
             if stored is None:
@@ -275,16 +290,29 @@ class Checkpointer:
         except _READ_ERRORS as e:
             raise _Unreadable(where) from e
         _check_compatible(stored, _leaf_table(abstract), where)
-        args = ocp.args.Composite(
-            **{STATE: ocp.args.StandardRestore(abstract), META: ocp.args.JsonRestore()}
-        )
+        has_sums = (self.step_dir(step) / SUMS).is_dir()
+        items = {STATE: ocp.args.StandardRestore(abstract), META: ocp.args.JsonRestore()}
+        if has_sums:
+            items[SUMS] = ocp.args.JsonRestore()
+        problem, out = None, None
         try:
-            out = self._mgr.restore(step, args=args)
+            out = self._mgr.restore(step, args=ocp.args.Composite(**items))
             if not isinstance(out[META], dict):
                 raise ValueError(f"{where}/{META}: not a JSON object")
-            return out[STATE], decode_meta(out[META])
-        except _READ_ERRORS as e:
-            raise _Unreadable(where) from e
+            meta = decode_meta(out[META])
+        except Exception as e:  # tensorstore raises bare Exceptions for damaged chunks
+            problem = _short(e)
+        _agreed_ok(step, problem)  # before the fingerprints: a collective program
+        if has_sums:
+            _agreed_ok(step, integrity.first_mismatch(out[SUMS], out[STATE]))
+        if not (has_digests and has_sums):
+            log.warning(
+                "checkpoint %s has no %s: restored without verifying it (written by an "
+                "older version)",
+                where,
+                "checksums" if not has_sums else "file digests",
+            )
+        return out[STATE], meta
 
     def _finish_pending(self) -> None:
         if self._pending is None:
@@ -298,6 +326,10 @@ class Checkpointer:
             raise self._save_error(step, e) from e
         if replaced is not None and jax.process_index() == 0:
             shutil.rmtree(replaced, ignore_errors=True)
+        try:  # the step is committed and intact without them (restore then warns)
+            integrity.write_digests(self.step_dir(step), jax.process_index())
+        except OSError as e:
+            log.warning("checkpoint %s: could not write its file digests (%s)", step, e)
 
     def _save_error(self, step: int, e: BaseException) -> CheckpointError:
         self._mgr.reload()
@@ -307,23 +339,22 @@ class Checkpointer:
             f"saving checkpoint step {step} to {self.step_dir(step)} failed ({_short(e)}); {kept}"
         )
 
-    def _quarantine(self, step: int, *, restored: int) -> None:
-        """Moves unreadable `step` to corrupt/ so that the resumed run can save it again."""
+    def _quarantine(self, step: int, why: str, *, restored: int) -> None:
+        """Moves damaged `step` to corrupt/ so that the resumed run can save it again; one
+        log line names the step, what is damaged (the file or tensor) and the fallback."""
         try:
             moved = self._move_aside(step, CORRUPT_DIR)
         except OSError as e:
             log.warning(
-                "restored step %d; could not move unreadable %s aside (%s): saving "
-                "step %d again will fail",
-                restored,
-                self.step_dir(step),
-                e,
-                step,
-            )
+                "checkpoint step %d in %s is damaged (%s); restored step %d; could not "
+                "move it aside (%s): saving step %d again will fail",
+                step, self.step_dir(step), why, restored, e, step,
+            )  # fmt: skip
             return
         log.warning(
-            "restored step %d; moved unreadable %s to %s", restored, self.step_dir(step), moved
-        )
+            "checkpoint step %d is damaged (%s); moved %s to %s; restored step %d",
+            step, why, self.step_dir(step), moved, restored,
+        )  # fmt: skip
 
     def _move_aside(self, step: int, folder: str) -> pathlib.Path:
         """Renames step directory `step` into `<directory>/<folder>/` (never deletes)."""
@@ -350,3 +381,13 @@ class Checkpointer:
         """Barrier after a primary-process rename (names must be unique), then re-list."""
         ocp.multihost.sync_global_processes(f"sao_jax_checkpoint_{what}_{next(self._barriers)}")
         self._mgr.reload()
+
+
+def _agreed_ok(step: int, problem: str | None) -> None:
+    """Raises _Unreadable when this process (or, agreed by an all-reduce, another one)
+    found `step` damaged, so that every process skips the same steps."""
+    anywhere = problem is not None
+    if jax.process_count() > 1:
+        anywhere = distributed.agree_max(int(anywhere)) > 0
+    if anywhere:
+        raise _Unreadable(problem or f"step {step} is damaged on another process")

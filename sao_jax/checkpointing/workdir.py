@@ -4,8 +4,10 @@ The first run writes `<workdir>/config.json`. A later run in the same workdir co
 its config with it, field by field (dotted names, lists compared whole), ignoring the
 fields matched by `RESUMABLE_FIELDS` (fnmatch patterns: loop length, logging, eval and
 checkpoint cadence, the mesh). The first other difference raises ConfigError naming the
-field. `overwrite=True` starts fresh: every entry of the workdir moves into
-`<workdir>/previous-<UTC time>/` (nothing is deleted, nothing is mixed).
+field, unless the run never committed a checkpoint (it failed or stopped before one:
+nothing to resume), which the corrected config replaces, with a log line. `overwrite=True`
+starts fresh: every entry of the workdir moves into `<workdir>/previous-<UTC time>/`
+(nothing is deleted, nothing is mixed); so does a replaced run without checkpoints.
 """
 
 from __future__ import annotations
@@ -108,7 +110,15 @@ def check_workdir_config(
         except (OSError, ValueError) as e:
             raise ConfigError(f"workdir config {path}: unreadable ({e})") from e
         blocking, allowed = config_differences(old, new, resumable)
-        if blocking:
+        if blocking and not _has_checkpoint(workdir):
+            moved = _move_previous_run(workdir, entries)
+            log.warning(
+                "the run in %s has no checkpoint (it stopped before its first one): starting "
+                "afresh with the changed config (%s); its files moved to %s",
+                workdir, ", ".join(blocking[:5]), moved,
+            )  # fmt: skip
+            _write_json(path, new)
+        elif blocking:
             name = blocking[0]
             before = flatten_config(old).get(name, "(absent)")
             after = flatten_config(new).get(name, "(absent)")
@@ -124,6 +134,12 @@ def check_workdir_config(
         _write_json(path, new)
     # Other processes continue once the primary one has moved / written the files.
     ocp.multihost.sync_global_processes(f"sao_jax_check_workdir_config_{next(_BARRIERS)}")
+
+
+def _has_checkpoint(workdir: pathlib.Path) -> bool:
+    """Whether the run committed a checkpoint (checkpoints/<step>/, the Checkpointer's layout)."""
+    ckpts = workdir / "checkpoints"
+    return ckpts.is_dir() and any(p.name.isdigit() and p.is_dir() for p in ckpts.iterdir())
 
 
 def _run_entries(workdir: pathlib.Path) -> list[pathlib.Path]:

@@ -24,8 +24,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from sao_jax.envs import arithmetic, style
+from sao_jax.envs import registry  # noqa: F401 (registers the built-in tasks)
 from sao_jax.envs.base import Prompt
+from sao_jax.envs.tasks import RegistryError, get_task
 
 SPLITS = ("train", "eval")
 DEFAULT_TRAIN_SIZE = 1 << 20  # distinct indices per epoch of a train source
@@ -39,36 +40,19 @@ def split_of(uid: str, eval_fraction: float = 0.1) -> str:
     return "eval" if h / 2.0**64 < eval_fraction else "train"
 
 
-def _arithmetic_sampler(defaults: dict[str, Any], params: dict[str, Any]):
-    try:
-        p = arithmetic.make_params(**{**defaults, **params})
-    except TypeError as e:
-        raise ValueError(
-            f"prompt_source: bad arithmetic parameters {sorted(params)}: {e}"
-        ) from None
-    return functools.partial(arithmetic.sample_prompt, params=p)
-
-
-def _style_sampler(params: dict[str, Any]):
-    unknown = set(params) - {"n_topics"}
-    if unknown:
-        raise ValueError(f"prompt_source: unknown style parameters {sorted(unknown)}")
-    n_topics = tuple(params.get("n_topics", (1, 2)))
-    style.sample_prompt(np.random.default_rng(0), n_topics)  # validates n_topics
-    return functools.partial(style.sample_prompt, n_topics=n_topics)
-
-
 def prompt_sampler(env_name: str, **params: Any):
-    """`sample(rng) -> Prompt` for an env; params set the difficulty."""
-    if env_name == "arithmetic":
-        return _arithmetic_sampler({}, params)
-    if env_name == "python_tool":
-        return _arithmetic_sampler({"n_ops": (2, 3), "operand_range": (10, 999)}, params)
-    if env_name == "style":
-        return _style_sampler(params)
-    raise ValueError(
-        f"prompt_source: unknown env {env_name!r}; known: arithmetic, python_tool, style"
-    )
+    """`sample(rng) -> Prompt` of a registered task's built-in prompts; params set the
+    difficulty (sao_jax/envs/registry.py lists each task's)."""
+    try:
+        task = get_task(env_name)
+    except RegistryError as e:
+        raise ValueError(f"prompt_source: {e}") from None
+    if task.prompts is None:
+        raise ValueError(
+            f"prompt_source: task {task.name!r} has no built-in prompts; give a dataset "
+            "(config data.train)"
+        )
+    return task.prompts(**params)
 
 
 def generate_prompt(
@@ -95,7 +79,7 @@ def prompt_source(
     eval_fraction: float = 0.1,
     **params: Any,
 ) -> grain.MapDataset:
-    """A grain MapDataset of Prompt for `env_name` ("arithmetic", "python_tool", "style").
+    """A grain MapDataset of Prompt from the built-in generator of task `env_name`.
 
     Args:
       split: "train" (shuffled with `seed`, repeated forever) or "eval" (`size` distinct

@@ -6,19 +6,27 @@ each 0.0 or 1.0. The judge must answer with exactly one JSON object
 `{"quality": 0|1, "style": 0|1}` (optionally inside one ```json fence). Every failure is a
 `JudgeError`: after bounded retries with exponential backoff for timeouts, connection
 errors, HTTP 429 and 5xx; at once for other HTTP errors and unparsable replies. A
-semaphore caps concurrent requests per judge; waiting for it is bounded too. The style
-env turns a JudgeError into a dropped trajectory.
+semaphore caps concurrent requests per judge. The style env turns a JudgeError into a
+dropped trajectory.
+
+Time bounds are totals, not per socket read: one attempt (connect, send, status line,
+headers, body) ends within `timeout_s`, and one `score` call (slot wait, every attempt,
+every backoff) within `deadline_s`: a watchdog timer shuts the socket down when an
+attempt's time is up, so a server that trickles one byte at a time cannot hold a call.
+The error names the last failure (e.g. `ConnectionRefusedError ... from <url>`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import random
 import re
+import socket
 import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -77,10 +85,10 @@ def parse_completion(body: bytes) -> str:
 
 
 class LLMJudge:
-    """Scores with a chat model; thread-safe; every call ends within a bounded time.
+    """Scores with a chat model; thread-safe; every call ends within `deadline_s`.
 
-    Worst case per call: `(max_retries + 1) * timeout_s` plus the backoff sleeps (each at
-    most `backoff_max_s`) plus the wait for a free slot (`queue_timeout_s`).
+    An attempt ends within `timeout_s` (its whole exchange); the slot wait within
+    `queue_timeout_s`; all of it, retries and backoff included, within `deadline_s`.
     """
 
     def __init__(
@@ -95,6 +103,7 @@ class LLMJudge:
         backoff_max_s: float = 8.0,
         max_concurrency: int = 8,
         queue_timeout_s: float = 300.0,
+        deadline_s: float = 60.0,
         max_response_bytes: int = 1 << 20,
         temperature: float = 0.0,
         max_tokens: int = 32,
@@ -103,13 +112,15 @@ class LLMJudge:
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"LLMJudge base_url={base_url!r}: must start with http(s)://")
-        if timeout_s <= 0 or backoff_s < 0 or backoff_max_s < 0 or queue_timeout_s <= 0:
+        if min(timeout_s, queue_timeout_s, deadline_s) <= 0 or min(backoff_s, backoff_max_s) < 0:
             raise ValueError(
-                "LLMJudge timeout_s, queue_timeout_s > 0; backoff_s, backoff_max_s >= 0"
+                "LLMJudge timeout_s, queue_timeout_s, deadline_s > 0; backoff_s, backoff_max_s >= 0"
             )
         if max_retries < 0 or max_concurrency < 1:
             raise ValueError("LLMJudge max_retries must be >= 0 and max_concurrency >= 1")
         self.url = base_url.rstrip("/") + "/chat/completions"
+        self._parts = urllib.parse.urlsplit(self.url)
+        self.deadline_s = deadline_s
         self.model = model
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -142,24 +153,39 @@ class LLMJudge:
             "max_tokens": self.max_tokens,
         }
         data = json.dumps(payload).encode("utf-8")
-        if not self._slots.acquire(timeout=self.queue_timeout_s):
-            raise JudgeError(f"judge busy: no free slot within {self.queue_timeout_s:g} s")
+        start = time.monotonic()
+        deadline = start + self.deadline_s
+        if not self._slots.acquire(timeout=min(self.queue_timeout_s, self.deadline_s)):
+            raise JudgeError(
+                f"judge busy: no free slot within {min(self.queue_timeout_s, self.deadline_s):g} s"
+            )
         try:
-            body = self._post_with_retries(data)
+            body = self._post_with_retries(data, start, deadline)
         finally:
             self._slots.release()
         return parse_judge_reply(parse_completion(body))
 
-    def _post_with_retries(self, data: bytes) -> bytes:
-        last = ""
+    def _post_with_retries(self, data: bytes, start: float, deadline: float) -> bytes:
+        last, attempts = "no attempt", 0
         for attempt in range(self.max_retries + 1):
             if attempt:
-                time.sleep(self._backoff(attempt - 1))
+                pause = self._backoff(attempt - 1)
+                if time.monotonic() + pause >= deadline:
+                    break
+                time.sleep(pause)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            attempts += 1
             try:
-                return self._post(data)
+                return self._post(data, min(self.timeout_s, left))
             except _Retryable as e:
                 last = str(e)
-        raise JudgeError(f"judge failed after {self.max_retries + 1} attempts: {last}")
+        spent = time.monotonic() - start
+        raise JudgeError(
+            f"judge failed after {attempts} attempt{'s' if attempts != 1 else ''} in "
+            f"{spent:.1f}s (timeout_s={self.timeout_s:g}, deadline_s={self.deadline_s:g}): {last}"
+        )
 
     def _backoff(self, attempt: int) -> float:
         """min(backoff_max, backoff * 2**attempt), scaled by a jitter factor in [0.5, 1]."""
@@ -167,19 +193,59 @@ class LLMJudge:
             jitter = 0.5 + 0.5 * self._rng.random()
         return min(self.backoff_max_s, self.backoff_s * 2**attempt) * jitter
 
-    def _post(self, data: bytes) -> bytes:
-        req = urllib.request.Request(self.url, data=data, headers=self._headers, method="POST")
+    def _connection(self, budget: float) -> tuple[http.client.HTTPConnection, str]:
+        """(connection, request target), through the environment's proxy if it has one."""
+        u = self._parts
+        https = u.scheme == "https"
+        cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
+        path = urllib.parse.urlunsplit(("", "", u.path or "/", u.query, ""))
+        proxy = urllib.request.getproxies().get(u.scheme)
+        if proxy and not urllib.request.proxy_bypass(u.hostname or ""):
+            p = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+            conn = cls(p.hostname, p.port, timeout=budget)
+            if https:
+                conn.set_tunnel(u.hostname, u.port)
+                return conn, path
+            return conn, self.url
+        return cls(u.hostname, u.port, timeout=budget), path
+
+    def _post(self, data: bytes, budget: float) -> bytes:
+        """One attempt, all of it within `budget` seconds."""
+        conn, target = self._connection(budget)
+        expired = threading.Event()
+
+        def cut():  # the attempt's time is up: wake any blocked read or write
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+        timer = threading.Timer(budget, cut)
+        timer.daemon = True
+        timer.start()
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                body = resp.read(self.max_response_bytes + 1)
-        except urllib.error.HTTPError as e:
-            if e.code == 429 or e.code >= 500:
-                raise _Retryable(f"HTTP {e.code} from {self.url}") from None
-            raise JudgeError(f"HTTP {e.code} from {self.url}: {e.reason}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            conn.request("POST", target, body=data, headers=self._headers)
+            resp = conn.getresponse()
+            status, reason = resp.status, resp.reason
+            body = resp.read(self.max_response_bytes + 1)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            # The socket's own timeout and the watchdog race at `budget`: either way the
+            # attempt ran out of time, and it is reported as such.
+            if expired.is_set() or isinstance(e, TimeoutError):
+                raise _Retryable(
+                    f"no complete answer within {budget:.3g} s from {self.url}"
+                ) from None
             raise _Retryable(f"{type(e).__name__} from {self.url}: {e}") from None
-        except http.client.HTTPException as e:
-            raise _Retryable(f"{type(e).__name__} from {self.url}: {e}") from None
+        finally:
+            timer.cancel()
+            conn.close()
+        if expired.is_set():
+            raise _Retryable(f"no complete answer within {budget:.3g} s from {self.url}")
+        if status == 429 or status >= 500:
+            raise _Retryable(f"HTTP {status} from {self.url}")
+        if status >= 400:
+            raise JudgeError(f"HTTP {status} from {self.url}: {reason}")
         if len(body) > self.max_response_bytes:
             raise JudgeError(f"judge response over {self.max_response_bytes} bytes")
         return body

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sao_jax.envs import arithmetic, sandbox
+from sao_jax.envs import arithmetic, sandbox, tool_calls
 from sao_jax.envs.base import Prompt, StepResult
 
 CODE_OPEN, FENCE_CLOSE, OUTPUT_OPEN = "```python\n", "```\n", "```output\n"
@@ -52,7 +52,18 @@ def render_output(
 
 def extract_code(text: str) -> tuple[str | None, str | None]:
     """(code, None) for the last closed ```python block, (None, error) when not closed,
-    (None, None) when the text has no code block."""
+    (None, None) when the text has no code block. A Qwen3-style tool call
+    `<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>` counts as a
+    block (the last call); a malformed one is an error (sao_jax/envs/tool_calls.py)."""
+    if tool_calls.has_tool_call(text):
+        calls, error = tool_calls.parse_tool_calls(text)
+        if error is not None:
+            return None, error
+        call = calls[-1]
+        code = call.arguments.get("code")
+        if call.name != "python" or not isinstance(code, str):
+            return None, f"tool call {call.name!r}: the tool is 'python' with a string 'code'"
+        return code, None
     start = text.rfind(CODE_OPEN)
     if start < 0:
         return None, None
@@ -76,18 +87,23 @@ class PythonToolEnv:
         max_obs_chars: int = 512,
         limits: sandbox.SandboxLimits | None = None,
         isolation: str = "auto",
+        allow_weak_isolation: bool = False,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"python_tool max_turns={max_turns}: must be >= 1")
         if max_turn_chars < 8 or max_obs_chars < 16:
             raise ValueError("python_tool max_turn_chars must be >= 8 and max_obs_chars >= 16")
-        if isolation not in ("auto", sandbox.NAMESPACES, sandbox.RLIMITS):
-            raise ValueError(f"python_tool isolation={isolation!r}: auto, namespaces or rlimits")
+        if isolation not in sandbox.ISOLATIONS:
+            raise ValueError(f"python_tool isolation={isolation!r}: one of {sandbox.ISOLATIONS}")
+        # Probes the machine once per process: without kernel isolation this raises
+        # SandboxUnavailable (one line) unless the weak mode is allowed (one warning line).
+        sandbox.resolve_isolation(isolation, allow_weak_isolation)
         self.max_turns = max_turns
         self.max_turn_chars = max_turn_chars
         self.max_obs_chars = max_obs_chars
         self.limits = limits or sandbox.SandboxLimits()
         self.isolation = isolation
+        self.allow_weak_isolation = allow_weak_isolation
         self._target: int | None = None
         self._turn = 0
         self._runs = 0
@@ -113,7 +129,9 @@ class PythonToolEnv:
             return self._continue(f"{lead}e:bad\n", {**info, "error": error})
         if code is not None:
             self._runs += 1
-            result = sandbox.run_python(code, self.limits, isolation=self.isolation)
+            result = sandbox.run_python(
+                code, self.limits, isolation=self.isolation, allow_weak=self.allow_weak_isolation
+            )
             info["sandbox"] = {"error": result.error, "isolation": result.isolation}
             body = render_output(result, max_chars=self.max_obs_chars)
             return self._continue(f"{lead}{OUTPUT_OPEN}{body}{FENCE_CLOSE}", info)
@@ -140,10 +158,11 @@ class PythonToolEnv:
 def demonstration(prompt: Prompt, **env_kwargs: Any) -> list[tuple[str, bool]]:
     """A correct trajectory as (text, is_model_turn) segments: print the expression, answer.
 
-    Runs the code through the sandbox, so the observation is the real one.
+    Runs the code through the sandbox, so the observation is the real one. The code is
+    ours (`print(<expr>)`), not the model's: the weak sandbox is allowed by default.
     """
     expr = prompt.meta.get("expr") or prompt.text.removeprefix(arithmetic.QUESTION).strip()
-    env = PythonToolEnv(**env_kwargs)
+    env = PythonToolEnv(**{"allow_weak_isolation": True, **env_kwargs})
     segments = [(env.reset(prompt), False)]
     code_turn = f"{CODE_OPEN}print({expr})\n{FENCE_CLOSE}"
     result = env.step(code_turn)

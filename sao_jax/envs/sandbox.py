@@ -1,55 +1,66 @@
-"""Run untrusted Python in a separate, limited process. See docs/sandbox.md for the layers.
+"""Run untrusted Python in a kernel-isolated process. Layers and figures: docs/sandbox.md.
 
-`run_python(code)` writes `code` to `main.py` in a fresh private directory and starts
-`<python> -I -S -B -c <bootstrap> <config>` with an environment built from scratch, no
-stdin, no inherited file descriptors (but one status pipe), in its own session. When
-this process is root the child runs as `nobody` (so RLIMIT_NPROC and file permissions
-apply). When user namespaces work here (probed once, `probe_setup`), the command is
-wrapped in `unshare --user --map-root-user --net --pid --fork --mount --mount-proc`: no
-network, its own pid space and /proc, the private directory a size-capped tmpfs, and the
-world-writable temp directories covered by empty tmpfs mounts. The bootstrap (a small
-supervisor) forks the worker, which sets its rlimits (CPU, address space, file size,
-processes, open files, no core), installs an audit hook (no sockets, no
-fork/exec/spawn/kill, no file access outside the private directory but for reading the
-standard library) and runs `main.py`. The supervisor reports the
-worker's exit status on the status pipe. The host reads at most `output_bytes` of each
-stream and kills the whole process group at the wall-clock limit or the output cap.
+Public API (stable; reward functions and the python_tool env call it):
+
+    run_python(code, limits=None, *, isolation="auto", allow_weak=False) -> SandboxResult
+    resolve_isolation(isolation="auto", allow_weak=False) -> "bwrap" | "rlimits"
+    SandboxLimits, SandboxResult, SandboxUnavailable, probe_setup()
+
+Two modes:
+* "bwrap" (kernel isolation): bubblewrap builds a minimal read-only root (the
+  interpreter, its standard library and the shared libraries they load; a private
+  size-capped tmpfs and an empty capped /tmp are the only writable places) in new user,
+  pid, network, mount, IPC, UTS and cgroup namespaces, under a seccomp filter
+  (sandbox_seccomp.py); the worker adds rlimits and a second filter that lets it signal
+  only itself. Files: sandbox_bwrap.py (command line, root), sandbox_child.py (the
+  program inside), sandbox_host.py (reading, killing, cleaning up).
+* "rlimits" (weak, opt-in): the same program, rlimits and seccomp filter without any
+  namespace; the host file system stays visible to the child's uid (nobody when the host
+  is root, else the host's own uid!). Used only when asked for (isolation="rlimits") or
+  allowed (allow_weak=True) and bwrap is unavailable.
+
+`isolation="auto"` is bwrap when the probe (one trial run, cached per process) succeeds;
+otherwise it raises SandboxUnavailable (one line naming the reason) unless
+`allow_weak=True`, which logs one warning line and uses "rlimits".
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import glob
 import json
+import logging
 import os
 import pathlib
-import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-NAMESPACES, RLIMITS = "namespaces", "rlimits"
+from sao_jax.envs import sandbox_bwrap, sandbox_host, sandbox_seccomp
+
+log = logging.getLogger(__name__)
+
+BWRAP, RLIMITS = "bwrap", "rlimits"
+ISOLATIONS = ("auto", BWRAP, RLIMITS)
 NOBODY = 65534  # uid/gid the child runs as when the host process is root
-_SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
-_UNSHARE_FLAGS = ("--user", "--map-root-user", "--net", "--pid", "--fork", "--mount")
-_UNSHARE_FLAGS += ("--mount-proc", "--kill-child")
-# World-writable directories covered by an empty tmpfs inside the mount namespace.
-_HIDE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+_BOOT = pathlib.Path(__file__).with_name("sandbox_child.py").read_text()
+
+
+class SandboxUnavailable(RuntimeError):
+    """The requested isolation cannot run here (one line: why, and what to do)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
     cpu_s: int = 2  # RLIMIT_CPU: SIGXCPU at cpu_s, SIGKILL at cpu_s + 1 CPU seconds
-    wall_s: float = 5.0  # wall clock, then SIGKILL to the process group
-    memory_bytes: int = 256 << 20  # RLIMIT_AS of the worker
+    wall_s: float = 5.0  # wall clock, then SIGKILL to everything in the sandbox
+    memory_bytes: int = 256 << 20  # RLIMIT_AS of the worker (and of each child of it)
     file_bytes: int = 1 << 20  # RLIMIT_FSIZE: largest file the worker may write
-    disk_bytes: int = 8 << 20  # tmpfs size of the private directory (namespaces only)
-    max_procs: int = 1  # RLIMIT_NPROC: processes+threads of the sandbox uid (1: none new)
+    disk_bytes: int = 8 << 20  # size of the private tmpfs and of /tmp (each)
+    max_procs: int = 1  # processes + threads the code may have, itself included (1: none new)
     open_files: int = 64  # RLIMIT_NOFILE
     output_bytes: int = 64 << 10  # per stream (stdout, stderr); more -> kill, truncated
 
@@ -71,7 +82,7 @@ class SandboxResult:
     signal: int | None  # signal that ended the worker, if any
     timed_out: bool  # killed at the wall-clock limit
     output_truncated: bool  # killed at the output cap
-    isolation: str  # "namespaces" | "rlimits"
+    isolation: str  # "bwrap" | "rlimits"
     error: str | None  # None when the program exited 0 within every limit
     wall_s: float
 
@@ -84,196 +95,25 @@ class SandboxResult:
 class SandboxSetup:
     """What this machine allows; probed once per process by `probe_setup`."""
 
-    python: str  # interpreter for the child (readable by the child's uid)
-    uid: int | None  # uid/gid the child runs as; None: the host's own
-    isolation: str  # best available: "namespaces" or "rlimits"
-    unshare: str | None
-    mount: str | None
-    note: str  # why namespaces are off, or ""
+    python: str  # interpreter for the child (runnable by the child's uid)
+    uid: int | None  # uid/gid bwrap (or the weak-mode child) runs as; None: the host's own
+    isolation: str  # best available: "bwrap" or "rlimits"
+    bwrap: str | None  # path of bwrap when it works here
+    binds: tuple[tuple[str, str], ...]  # the minimal root (bwrap mode)
+    note: str  # why bwrap is unavailable, or ""
 
 
-# The child program. argv[1] is the JSON config. Kept stdlib-only and closure-free: the
-# audit hook binds everything it uses as default arguments, so user code that patches
-# builtins or module attributes does not change what the hook checks.
-_BOOT = r"""
-import json, os, sys
-cfg = json.loads(sys.argv[1])
-root, status_fd = cfg["root"], cfg["status_fd"]
-
-
-def report(msg):
-    os.write(status_fd, msg.encode())
-    os._exit(0)
-
-
-def mount_tmpfs(path, options):
-    argv = [cfg["mount"], "-t", "tmpfs", "-o", options, "tmpfs", path]
-    pid = os.posix_spawn(cfg["mount"], argv, {})
-    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
-        report("setup: cannot mount tmpfs on %s" % path)
-
-
-def read_code():
-    with open(os.path.join(root, "main.py"), "rb") as f:
-        code = f.read()
-    if cfg["mount"]:
-        for d in cfg["hide"]:
-            if os.path.isdir(d) and not os.path.islink(d):
-                mount_tmpfs(d, "size=1m,mode=1777")
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        mount_tmpfs(root, "size=%d,mode=0700" % cfg["disk"])
-    return code
-
-
-def set_limits():
-    import resource
-    for name, soft, hard in cfg["limits"]:
-        r = getattr(resource, name)
-        cap = resource.getrlimit(r)[1]
-        if cap != resource.RLIM_INFINITY:
-            soft, hard = min(soft, cap), min(hard, cap)
-        resource.setrlimit(r, (soft, hard))
-
-
-def install_guard():
-    stdlib = os.path.realpath(os.path.dirname(os.__file__))
-    W = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    deny = frozenset((
-        "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-        "os.kill", "os.killpg", "signal.pthread_kill", "subprocess.Popen", "os.symlink",
-        "os.link", "resource.setrlimit", "resource.prlimit", "gc.get_objects",
-        "gc.get_referrers", "gc.get_referents", "webbrowser.open", "urllib.Request",
-    ))
-    deny_prefix = ("socket.", "ctypes.", "_ctypes.", "http.client.", "ftplib.", "smtplib.",
-                   "imaplib.", "poplib.", "nntplib.", "telnetlib.")
-    deny_import = frozenset(("ctypes", "_ctypes", "_posixsubprocess", "_xxsubinterpreters",
-                             "_testcapi", "_testinternalcapi"))
-    write_events = frozenset((  # first argument is a path the event writes to
-        "os.mkdir", "os.rmdir", "os.remove", "os.rename", "os.chmod", "os.chown", "os.utime",
-        "os.truncate", "os.mkfifo", "os.mknod", "os.setxattr", "os.removexattr",
-        "shutil.rmtree", "os.chdir",
-    ))
-    read_events = frozenset(("os.listdir", "os.scandir", "os.listxattr", "os.getxattr"))
-    func_attrs = frozenset(("__code__", "__defaults__", "__kwdefaults__"))
-
-    def hook(event, args, *, isinstance=isinstance, int=int, str=str, bytes=bytes,
-             PermissionError=PermissionError, fspath=os.fspath, getcwd=os.getcwd,
-             deny=deny, deny_prefix=deny_prefix, deny_import=deny_import,
-             write_events=write_events, read_events=read_events, func_attrs=func_attrs,
-             writable=(root,), readable=(root, stdlib, "/dev/null"), W=W):
-        if event in deny or event.startswith(deny_prefix):
-            raise PermissionError("sandbox: %s is not allowed" % event)
-        if event == "import":
-            name = str.__str__(args[0]) if isinstance(args[0], str) else ""
-            if str.partition(name, ".")[0] in deny_import:
-                raise PermissionError("sandbox: import of %s is not allowed" % args[0])
-            return
-        if event == "object.__setattr__":
-            if isinstance(args[1], str) and str.__str__(args[1]) in func_attrs:
-                raise PermissionError("sandbox: setting %s is not allowed" % args[1])
-            return
-        if event == "open":
-            mode, flags = args[1], args[2]
-            write = (isinstance(mode, str) and ("w" in mode or "a" in mode or "x" in mode
-                                                or "+" in mode)) or (
-                isinstance(flags, int) and flags & W)
-            paths, roots = args[:1], (writable if write else readable)
-        elif event in write_events:
-            paths, roots = (args[:2] if event == "os.rename" else args[:1]), writable
-        elif event in read_events:
-            paths, roots = args[:1], readable
-        else:
-            return
-        for p in paths:
-            if p is None:
-                p = "."
-            if isinstance(p, int):
-                if event == "os.chdir":
-                    raise PermissionError("sandbox: fchdir is not allowed")
-                continue
-            try:
-                s = fspath(p)
-                if isinstance(s, bytes):
-                    s = bytes.decode(s, "utf-8", "surrogateescape")
-            except Exception:
-                raise PermissionError("sandbox: bad path in %s" % event) from None
-            if not isinstance(s, str):
-                raise PermissionError("sandbox: bad path in %s" % event)
-            s = str.__str__(s)  # an exact str: a subclass cannot override the checks below
-            if not str.startswith(s, "/"):
-                s = getcwd() + "/" + s
-            parts = []
-            for part in str.split(s, "/"):
-                if part == "..":
-                    if parts:
-                        parts.pop()
-                elif part and part != ".":
-                    parts.append(part)
-            s = "/" + str.join("/", parts)
-            for r in roots:
-                if s == r or str.startswith(s, r + "/"):
-                    break
-            else:
-                raise PermissionError("sandbox: %s of %s is not allowed" % (event, s))
-
-    sys.addaudithook(hook)
-
-
-def worker(code):
-    os.close(status_fd)
-    import runpy, traceback
-    os.chdir(root)
-    with open("main.py", "wb") as f:
-        f.write(code)
-    set_limits()
-    if cfg["audit"]:
-        install_guard()
-    sys.argv = ["main.py"]
-    try:
-        runpy.run_path("main.py", run_name="__main__")
-    except SystemExit:
-        raise
-    except BaseException as e:  # print the traceback from the first frame of main.py on
-        tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != "main.py":
-            tb = tb.tb_next
-        traceback.print_exception(type(e), e, tb)
-        sys.exit(1)
-
-
-def supervise(pid):
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    while True:
-        try:
-            child, status = os.waitpid(-1, 0)
-        except ChildProcessError:
-            report("lost")
-        if child == pid:
-            break
-    if os.WIFSIGNALED(status):
-        report("signal %d" % os.WTERMSIG(status))
-    report("exit %d" % os.waitstatus_to_exitcode(status))
-
-
-code = read_code()
-pid = os.fork()
-if pid == 0:
-    worker(code)
-else:
-    supervise(pid)
-"""
-
-
-def _limits_table(limits: SandboxLimits) -> list[tuple[str, int, int]]:
-    """(resource name, soft, hard) the worker sets on itself before running user code."""
+def _limits_table(limits: SandboxLimits, setup_procs: int) -> list[tuple[str, int, int]]:
+    """(resource name, soft, hard) the worker sets on itself before running user code.
+    RLIMIT_NPROC counts every process of the uid (in bwrap mode: of the sandbox's user
+    namespace), so the `setup_procs` started before the worker are added."""
+    procs = limits.max_procs + setup_procs
     return [
         ("RLIMIT_CORE", 0, 0),
         ("RLIMIT_CPU", limits.cpu_s, limits.cpu_s + 1),
         ("RLIMIT_AS", limits.memory_bytes, limits.memory_bytes),
         ("RLIMIT_FSIZE", limits.file_bytes, limits.file_bytes),
-        ("RLIMIT_NPROC", limits.max_procs, limits.max_procs),
+        ("RLIMIT_NPROC", procs, procs),
         ("RLIMIT_NOFILE", limits.open_files, limits.open_files),
     ]
 
@@ -282,40 +122,96 @@ def _popen_user(uid: int | None) -> dict:
     return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
 
 
+def _system_env() -> dict[str, str]:
+    return {"PATH": sandbox_bwrap.SYSTEM_PATH, "LC_ALL": "C"}
+
+
 def _runs(cmd: list[str], uid: int | None) -> bool:
     try:
         done = subprocess.run(
-            cmd, capture_output=True, timeout=20, env={"PATH": _SYSTEM_PATH}, cwd="/",
-            **_popen_user(uid),
-        )  # fmt: skip
+            cmd, capture_output=True, timeout=30, env=_system_env(), cwd="/", **_popen_user(uid)
+        )
     except (OSError, subprocess.SubprocessError):
         return False
     return done.returncode == 0
 
 
-@functools.cache
+_probe_lock = threading.Lock()
+_probed: SandboxSetup | None = None
+
+
 def probe_setup() -> SandboxSetup:
-    """Picks the interpreter, the uid, and whether namespaces + tmpfs work; cached."""
+    """Picks the interpreter and uid, and tries one bwrap run; cached per process."""
+    global _probed
+    with _probe_lock:
+        if _probed is None:
+            _probed = _probe()
+        return _probed
+
+
+def _probe() -> SandboxSetup:
     uid = NOBODY if os.geteuid() == 0 else None
     candidates = [os.path.realpath(sys.executable)]
-    candidates += [p for p in (shutil.which("python3", path=_SYSTEM_PATH),) if p]
-    check = "import json, resource, runpy"
-    python = next((c for c in candidates if _runs([c, "-I", "-S", "-c", check], uid)), None)
+    system = shutil.which("python3", path=sandbox_bwrap.SYSTEM_PATH)
+    if system and os.path.realpath(system) not in candidates:
+        candidates.append(os.path.realpath(system))
+    check = "import json, resource, runpy, ctypes"
+    runnable = [c for c in candidates if _runs([c, "-I", "-S", "-c", check], uid)]
     note = ""
-    if python is None:  # no interpreter the unprivileged uid can run: stay as we are
-        uid, python = None, candidates[0]
-        note = "no interpreter runnable as nobody; child runs as the host uid. "
-    unshare = shutil.which("unshare", path=_SYSTEM_PATH)
-    mount = shutil.which("mount", path=_SYSTEM_PATH)
-    setup = SandboxSetup(python, uid, RLIMITS, unshare, mount, note)
-    if unshare is None or mount is None:
-        return dataclasses.replace(setup, note=note + "unshare or mount not found")
-    trial = dataclasses.replace(setup, isolation=NAMESPACES)
-    result = _run("print('ok')", SandboxLimits(wall_s=20.0), trial, audit_hook=True)
-    if result.ok and result.stdout == "ok\n":
-        return trial
-    why = (result.error or "unexpected output") + ": " + result.stderr.strip()[-200:]
-    return dataclasses.replace(setup, note=note + f"namespaces unavailable ({why})")
+    if not runnable:  # nothing the unprivileged uid can run: stay as we are
+        uid, runnable = None, candidates[:1]
+        note = "no interpreter runnable as nobody, the child runs as the host uid; "
+    weak = SandboxSetup(runnable[0], uid, RLIMITS, None, (), note)
+    bwrap = sandbox_bwrap.find_bwrap()
+    if bwrap is None:
+        return dataclasses.replace(weak, note=note + "bwrap (bubblewrap) is not installed")
+    why = ""
+    for python in runnable:
+        try:
+            stdlib = sandbox_bwrap.stdlib_dirs(python, _system_env(), _popen_user(uid))
+            binds = sandbox_bwrap.root_binds(python, stdlib)
+        except (OSError, subprocess.SubprocessError) as e:
+            why = f"{python}: {e}"
+            continue
+        trial = SandboxSetup(python, uid, BWRAP, bwrap, binds, "")
+        result = _run("print('ok')", SandboxLimits(wall_s=30.0), trial, audit_hook=True)
+        if result.ok and result.stdout == "ok\n":
+            return trial
+        why = (result.error or "unexpected output") + ": " + result.stderr.strip()[-200:]
+    why = " ".join(why.split())
+    return dataclasses.replace(weak, note=note + f"bwrap does not work here ({why})")
+
+
+_announced: set[tuple[str, str]] = set()
+
+
+def resolve_isolation(isolation: str = "auto", allow_weak: bool = False) -> str:
+    """The mode `run_python` will use; raises SandboxUnavailable (one line) when the
+    kernel isolation is needed but unavailable. Logs one line per process for the weak
+    mode."""
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"sandbox isolation={isolation!r}: must be one of {ISOLATIONS}")
+    setup = probe_setup()
+    if isolation == BWRAP or (isolation == "auto" and not allow_weak):
+        if setup.isolation != BWRAP:
+            raise SandboxUnavailable(
+                f"sandbox: kernel isolation (bwrap) is unavailable: {setup.note}; refusing to "
+                "run model code. Install bubblewrap (make sandbox-deps) on a kernel that "
+                "allows unprivileged user namespaces, or allow the weaker mode explicitly "
+                "(python_tool allow_weak_isolation=True / isolation='rlimits')"
+            )
+        return BWRAP
+    mode = RLIMITS if isolation == RLIMITS else setup.isolation
+    if mode == RLIMITS and (isolation, setup.note) not in _announced:
+        _announced.add((isolation, setup.note))
+        why = setup.note or "requested"
+        log.warning(
+            "sandbox: running model code in the WEAK 'rlimits' mode (no namespaces, host "
+            "files visible to uid %s): %s",
+            setup.uid if setup.uid is not None else os.geteuid(),
+            why,
+        )
+    return mode
 
 
 def run_python(
@@ -323,28 +219,31 @@ def run_python(
     limits: SandboxLimits | None = None,
     *,
     isolation: str = "auto",
+    allow_weak: bool = False,
     audit_hook: bool = True,
+    scratch_dir: str | os.PathLike | None = None,
 ) -> SandboxResult:
     """Runs `code` as a script in the sandbox; never raises for anything `code` does.
 
     Args:
       code: Python source (text; unencodable characters are replaced).
       limits: resource limits; SandboxLimits() by default.
-      isolation: "auto" (namespaces when available), "namespaces" (error when not
-        available) or "rlimits" (no namespaces).
-      audit_hook: install the in-child audit hook (turn off only to test the kernel layers).
+      isolation: "auto" (bwrap; see allow_weak), "bwrap" or "rlimits" (weak).
+      allow_weak: with "auto", fall back to "rlimits" when bwrap does not work here
+        (else SandboxUnavailable).
+      audit_hook: install the in-child audit-hook tripwire (off: test the kernel layers).
+      scratch_dir: where the weak mode makes its private directories (default: the
+        system temp dir; bwrap mode uses none on the host).
+
+    Raises:
+      SandboxUnavailable: the isolation asked for cannot run on this machine.
     """
     if not isinstance(code, str):
         raise TypeError(f"run_python: code must be a str, got {type(code).__name__}")
     limits = SandboxLimits() if limits is None else limits
-    setup = probe_setup()
-    if isolation == NAMESPACES and setup.isolation != NAMESPACES:
-        raise RuntimeError(f"sandbox isolation='namespaces' is not available: {setup.note}")
-    if isolation not in ("auto", NAMESPACES, RLIMITS):
-        raise ValueError(f"sandbox isolation={isolation!r}: 'auto', 'namespaces' or 'rlimits'")
-    if isolation == RLIMITS:
-        setup = dataclasses.replace(setup, isolation=RLIMITS)
-    return _run(code, limits, setup, audit_hook=audit_hook)
+    mode = resolve_isolation(isolation, allow_weak)
+    setup = dataclasses.replace(probe_setup(), isolation=mode)
+    return _run(code, limits, setup, audit_hook=audit_hook, scratch_dir=scratch_dir)
 
 
 def _env(root: str) -> dict[str, str]:
@@ -352,136 +251,96 @@ def _env(root: str) -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8"}
 
 
-def _run(code: str, limits: SandboxLimits, setup: SandboxSetup, *, audit_hook: bool):
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _run(code, limits, setup: SandboxSetup, *, audit_hook: bool, scratch_dir=None):
     start = time.monotonic()
-    root = os.path.realpath(tempfile.mkdtemp(prefix="sao_sandbox_"))
+    bwrap = setup.isolation == BWRAP
+    code_fd = _memfd("sao_code", code.encode("utf-8", errors="replace"))
     status_r, status_w = os.pipe()
-    proc = None
+    host_fds, child_fds = [code_fd, status_r], [code_fd, status_w]  # closed at the end
+    pipes = {"status": status_r}
+    root = sandbox_bwrap.PRIVATE
+    proc = reaper = got = None
     try:
-        source = code.encode("utf-8", errors="replace")
-        pathlib.Path(root, "main.py").write_bytes(source)
-        if setup.uid is not None:
-            os.chown(root, setup.uid, setup.uid)
-            os.chown(os.path.join(root, "main.py"), setup.uid, setup.uid)
-        ns = setup.isolation == NAMESPACES
+        if not bwrap:
+            root = os.path.realpath(tempfile.mkdtemp(prefix="sao_sandbox_", dir=scratch_dir))
+            if setup.uid is not None:
+                os.chown(root, setup.uid, setup.uid)
         cfg = {
             "root": root,
             "status_fd": status_w,
-            "mount": setup.mount if ns else None,
-            "disk": limits.disk_bytes,
-            "hide": _HIDE_DIRS,
-            "limits": _limits_table(limits),
+            "code_fd": code_fd,
+            "seccomp": sandbox_seccomp.instructions(own_pid=sandbox_seccomp.PID_PLACEHOLDER),
+            "pid_placeholder": sandbox_seccomp.PID_PLACEHOLDER,
+            "limits": _limits_table(limits, 2 if bwrap else 1),
             "audit": audit_hook,
         }
-        cmd = [setup.python, "-I", "-S", "-B", "-c", _BOOT, json.dumps(cfg)]
-        if ns:
-            cmd = [setup.unshare, *_UNSHARE_FLAGS, *cmd]
+        boot = ["-c", _BOOT, json.dumps(cfg)]
+        if bwrap:
+            outer = sandbox_seccomp.encode(sandbox_seccomp.instructions())
+            filter_fd = _memfd("sao_seccomp", outer)
+            info_r, info_w = os.pipe()
+            host_fds.append(info_r)
+            child_fds += [filter_fd, info_w]
+            pipes["info"] = info_r
+            cmd = sandbox_bwrap.command(
+                setup.bwrap, setup.python, setup.binds, boot, disk_bytes=limits.disk_bytes,
+                seccomp_fd=filter_fd, info_fd=info_w, env=_env(root),
+            )  # fmt: skip
+        else:
+            cmd = [setup.python, "-I", "-S", "-B", *boot]
         try:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                cwd=root, env=_env(root), pass_fds=(status_w,), start_new_session=True,
-                **_popen_user(setup.uid),
+                cwd="/" if bwrap else root, env=_env(root), pass_fds=child_fds,
+                start_new_session=True, **_popen_user(setup.uid),
             )  # fmt: skip
         except (OSError, subprocess.SubprocessError) as e:  # the machine, not the code
-            return _result("", "", f"start: {e}", False, False, limits, setup, start)
-        os.close(status_w)
-        status_w = -1
-        streams, timed_out, truncated = _collect(proc, status_r, start + limits.wall_s, limits)
-    finally:
-        if proc is not None:
-            _kill_group(proc)
-        for fd in (status_r, status_w):
-            if fd >= 0:
+            return _result(b"", b"", f"start: {e}".encode(), None, limits, setup, start)
+        finally:
+            for fd in child_fds[1:]:  # the child's ends (the code memfd is a host fd too)
                 os.close(fd)
-        _remove_tree(root)
-    out, err, status = (s.decode("utf-8", errors="replace") for s in streams)
-    return _result(out, err, status, timed_out, truncated, limits, setup, start)
+        reaper = sandbox_host.Reaper(proc, pid_namespace=bwrap)
+        got = sandbox_host.collect(
+            proc, pipes, start + limits.wall_s, limits.output_bytes, on_info=reaper.on_info,
+            disk=None if bwrap else (root, limits.disk_bytes),
+        )  # fmt: skip
+    finally:
+        if reaper is not None:
+            reaper.finish()
+        for fd in host_fds:
+            os.close(fd)
+        if not bwrap:
+            sandbox_host.remove_tree(root)
+    return _result(got.stdout, got.stderr, got.status, got, limits, setup, start)
 
 
-def _collect(proc: subprocess.Popen, status_r: int, deadline: float, limits: SandboxLimits):
-    """Reads stdout, stderr and the status pipe until EOF, the deadline or the cap."""
-    buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-    buffers[status_r] = bytearray()
-    timed_out = truncated = False
-    with selectors.DefaultSelector() as sel:
-        for fd in buffers:
-            sel.register(fd, selectors.EVENT_READ)
-        while sel.get_map() and not truncated:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = True
-                break
-            for key, _ in sel.select(remaining):
-                data = os.read(key.fd, 1 << 16)
-                if not data:
-                    sel.unregister(key.fd)
-                    continue
-                buf = buffers[key.fd]
-                room = limits.output_bytes - len(buf)
-                buf += data[:room]
-                truncated = len(data) > room and key.fd != status_r
-    return [bytes(b) for b in buffers.values()], timed_out, truncated
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    for stream in (proc.stdout, proc.stderr):
-        stream.close()
-    _await_group_exit(proc.pid)
-
-
-def _live_members(pgid: int) -> list[int]:
-    """Pids of the process group that are not yet dead (zombies excluded); Linux /proc."""
-    live = []
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat, "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # after "(comm)"
-        except (OSError, IndexError):
-            continue
-        if fields[0] not in (b"Z", b"X") and int(fields[2]) == pgid:
-            live.append(int(stat.split("/")[2]))
-    return live
-
-
-def _await_group_exit(pgid: int, timeout_s: float = 5.0) -> None:
-    """SIGKILL is delivered at once but a process takes a moment to die (a fork bomb's
-    children on a loaded machine): return only when none of the group is left alive, so
-    no sandboxed process outlives `run_python`. Re-sends SIGKILL while waiting."""
-    deadline = time.monotonic() + timeout_s
-    while _live_members(pgid) and time.monotonic() < deadline:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-        time.sleep(0.01)
-
-
-def _remove_tree(root: str) -> None:
-    def fix(func, path, _exc):  # a directory the child made unreadable
-        try:
-            os.chmod(os.path.dirname(path), 0o700)
-            os.chmod(path, 0o700)
-            func(path)
-        except OSError:
-            pass
-
-    shutil.rmtree(root, onerror=fix)
-
-
-def _result(out, err, status, timed_out, truncated, limits, setup, start) -> SandboxResult:
+def _result(out, err, status, got, limits, setup, start) -> SandboxResult:
+    status = bytes(status).decode("utf-8", errors="replace").split("\n", 1)[0]
     kind, _, value = status.partition(" ")
     exit_code = int(value) if kind == "exit" and value.lstrip("-").isdigit() else None
-    sig = int(value) if kind == "signal" and value.isdigit() else None
+    sig, cpu = None, 0.0
+    if kind == "signal":  # "signal N CPU_SECONDS"
+        parts = value.split()
+        sig = int(parts[0]) if parts and parts[0].isdigit() else None
+        cpu = float(parts[1]) if len(parts) > 1 else 0.0
+    timed_out = bool(got and got.timed_out)
+    truncated = bool(got and got.truncated)
     if truncated:
         error = f"output limit exceeded ({limits.output_bytes} bytes)"
+    elif got is not None and got.disk_full:
+        error = f"disk limit exceeded ({limits.disk_bytes} bytes)"
     elif timed_out:
         error = f"wall-clock limit exceeded ({limits.wall_s:g} s)"
-    elif sig in (signal.SIGXCPU, signal.SIGKILL):
+    elif kind == "setup:":
+        error = f"sandbox failure ({status})"
+    elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= limits.cpu_s):
         error = f"cpu time limit exceeded ({limits.cpu_s} s)"
     elif sig == signal.SIGXFSZ:
         error = f"file size limit exceeded ({limits.file_bytes} bytes)"
@@ -493,7 +352,8 @@ def _result(out, err, status, timed_out, truncated, limits, setup, start) -> San
         error = f"exit status {exit_code}"
     else:
         error = None
+    decode = lambda b: bytes(b).decode("utf-8", errors="replace")
     return SandboxResult(
-        out, err, exit_code, sig, timed_out, truncated, setup.isolation, error,
+        decode(out), decode(err), exit_code, sig, timed_out, truncated, setup.isolation, error,
         time.monotonic() - start,
     )  # fmt: skip

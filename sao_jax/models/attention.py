@@ -9,12 +9,16 @@ positions beyond the query and are masked by causality alone.
 Without a cache (training passes) the kernel is chosen by `impl` (attention_backends.py:
 naive, blockwise, cudnn, splash, auto); `grouped_attention` below is the naive form, the
 reference every other kernel is tested against.
+
+Decode cost proportional to context: a cache may carry a static `span`; attention then
+reads only slots [0, span) (the caller guarantees every query that matters sits below
+it), and an optional long lane (`lane_rows_r`, static `lane_span`) gives a few rows a
+longer span, so one long row does not make every row pay (docs/sampling.md section 1).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,11 +30,20 @@ from sao_jax.parallel.mesh import Sharder
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-class KVCache(NamedTuple):
-    """One layer's cache; slot s of row b holds the key/value of position s."""
+@flax.struct.dataclass
+class KVCache:
+    """One layer's cache; slot s of row b holds the key/value of position s.
+
+    Reads: every row attends slots [0, span) (None = all S); the rows `lane_rows_r`
+    instead attend [0, lane_span) (no lane when None). Writes always reach the whole
+    cache. The spans are static (part of the tree structure: one program per span).
+    """
 
     k_bskh: jax.Array  # [B, S, K, H]
     v_bskh: jax.Array  # [B, S, K, H]
+    lane_rows_r: jax.Array | None = None  # [R] int32 distinct rows of the long lane
+    span: int | None = flax.struct.field(pytree_node=False, default=None)
+    lane_span: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
 def init_cache(batch: int, length: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
@@ -43,7 +56,7 @@ def write_cache(cache: KVCache, k_btkh, v_btkh, positions_bt) -> KVCache:
     rows_b1 = jnp.arange(k_btkh.shape[0])[:, None]
     k = cache.k_bskh.at[rows_b1, positions_bt].set(k_btkh.astype(cache.k_bskh.dtype), mode="drop")
     v = cache.v_bskh.at[rows_b1, positions_bt].set(v_btkh.astype(cache.v_bskh.dtype), mode="drop")
-    return KVCache(k, v)
+    return cache.replace(k_bskh=k, v_bskh=v)
 
 
 def attention_mask(q_pos_bt, k_pos_bs, q_seg_bt, k_seg_bs) -> jax.Array:
@@ -51,6 +64,35 @@ def attention_mask(q_pos_bt, k_pos_bs, q_seg_bt, k_seg_bs) -> jax.Array:
     causal = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
     same = (q_seg_bt[:, :, None] == k_seg_bs[:, None, :]) & (k_seg_bs[:, None, :] != 0)
     return causal & same
+
+
+def _causal_over_slots(q_pos_bt, span: int) -> jax.Array:
+    """[B, T, span] mask of a cache read: slot s holds position s, visible iff s <= q_pos."""
+    return jnp.arange(span, dtype=q_pos_bt.dtype)[None, None, :] <= q_pos_bt[:, :, None]
+
+
+def cached_attention(q_btnh, positions_bt, cache: KVCache) -> jax.Array:
+    """Attention of the queries over the cache's first `span` slots (long lane: `lane_span`).
+
+    Equals attention over all S slots for every query at a position < its row's span:
+    the slots beyond are masked by causality, so they only add exact zeros.
+    """
+    s = cache.k_bskh.shape[1]
+    span = s if cache.span is None else min(cache.span, s)
+    k_bskh, v_bskh = cache.k_bskh[:, :span], cache.v_bskh[:, :span]
+    out_btnh = grouped_attention(q_btnh, k_bskh, v_bskh, _causal_over_slots(positions_bt, span))
+    if cache.lane_rows_r is None:
+        return out_btnh
+    rows_r = cache.lane_rows_r
+    lane = s if cache.lane_span is None else min(cache.lane_span, s)
+    pos_rt = positions_bt[rows_r]
+    out_rtnh = grouped_attention(
+        q_btnh[rows_r],
+        cache.k_bskh[rows_r, :lane],
+        cache.v_bskh[rows_r, :lane],
+        _causal_over_slots(pos_rt, lane),
+    )
+    return out_btnh.at[rows_r].set(out_rtnh)
 
 
 def grouped_attention(q_btnh, k_bskh, v_bskh, mask_bts) -> jax.Array:
@@ -163,11 +205,7 @@ class Attention(nnx.Module):
             )
         else:
             cache = write_cache(cache, k, v, positions_bt)
-            b, s = cache.k_bskh.shape[:2]
-            k_pos_bs = jnp.broadcast_to(jnp.arange(s, dtype=positions_bt.dtype), (b, s))
-            ones_bs = jnp.ones((b, s), segment_ids_bt.dtype)
-            mask = attention_mask(positions_bt, k_pos_bs, jnp.ones_like(segment_ids_bt), ones_bs)
-            out = grouped_attention(q, cache.k_bskh, cache.v_bskh, mask)
+            out = cached_attention(q, positions_bt, cache)
         out = c(out, ("batch", "length", "act_heads", None))
         y = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt))
         return y, cache

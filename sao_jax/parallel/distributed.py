@@ -13,7 +13,8 @@ Data enters as global arrays assembled from per-process pieces:
     [p * B / P, (p + 1) * B / P)), built without any host holding all of it;
   * `global_from_replicated`: data every process computed identically (demonstrations
     from one seed): each device takes its slice of the host copy;
-  * `agree_max`: the one scalar all hosts must agree on (the padded length T).
+  * `agree_max`: the one scalar all hosts must agree on (the padded length T);
+  * `agree_stop`: the stop decision (SIGTERM on any host), agreed once per step.
 Samplers run per host and asynchronously, so they must not run multi-process programs:
 `host_local` turns the (global, sharded) policy into arrays on this host's devices only.
 
@@ -193,6 +194,16 @@ def agree_max(value: int) -> int:
         return int(value)
     gathered = multihost_utils.process_allgather(np.asarray(value, np.int64))
     return int(np.max(gathered))
+
+
+def agree_stop(local: bool) -> bool:
+    """Whether any process wants to stop (a SIGTERM reached it, or its wait was
+    interrupted): one tiny all-reduce, so every process takes the same decision before
+    the next collective (an update step, a save) and all save the same step. Collective:
+    every process calls it at the same point of the loop. One process: `local`."""
+    if jax.process_count() == 1:
+        return bool(local)
+    return agree_max(int(bool(local))) > 0
 
 
 def _check_rows(sharding: NamedSharding, global_shape: tuple[int, ...], local_rows: int) -> None:

@@ -30,18 +30,39 @@ BATCH_FIELDS: dict[str, tuple[int, str, bool]] = {
     "turn_ids": (2, "i", True),  # [B, T] model-turn index of action tokens, -1 elsewhere
     "group_ids": (1, "i", False),  # [B] prompt group for GRPO-style estimators
     "forced_experts": (4, "i", False),  # [B, T, L_moe, k] recorded routing (replay)
+    "pack_row": (1, "i", False),  # [B] packed row of the trajectory, within its microbatch
+    "pack_start": (1, "i", False),  # [B] its first column in that row
 }
+# Packed rows [R, Lp]: their own leading sizes, all present or none (pack_row/pack_start too).
+PACKED_FIELDS: dict[str, tuple[int, str, bool]] = {
+    "packed_tokens": (2, "i", True),  # [R, Lp] several trajectories per row
+    "packed_positions": (2, "i", True),  # [R, Lp] restart at 0 per trajectory
+    "packed_segment_ids": (2, "i", True),  # [R, Lp] 1.. per trajectory in the row, 0 = pad
+    "packed_forced_experts": (4, "i", False),  # [R, Lp, L_moe, k] routing replay
+}
+_PACK_INDEX = ("pack_row", "pack_start")
 
 
 def check_batch(batch: dict[str, Any], *, need_groups: bool = False) -> None:
     """Raises ConfigError naming the first missing, extra, misshapen or mistyped field."""
-    extra = sorted(set(batch) - set(BATCH_FIELDS))
+    known = {**BATCH_FIELDS, **PACKED_FIELDS}
+    extra = sorted(set(batch) - set(known))
     if extra:
-        raise ConfigError(f"batch: unknown field {extra[0]!r}; known: {sorted(BATCH_FIELDS)}")
+        raise ConfigError(f"batch: unknown field {extra[0]!r}; known: {sorted(known)}")
+    _check_fields(batch, BATCH_FIELDS, need_groups=need_groups, packed=False)
+    packed = [k for k in (*PACKED_FIELDS, *_PACK_INDEX) if k in batch]
+    if packed:
+        for name in (*_PACK_INDEX, *(k for k, v in PACKED_FIELDS.items() if v[2])):
+            if name not in batch:
+                raise ConfigError(f"batch: packed field {packed[0]!r} given but {name!r} missing")
+        _check_fields(batch, PACKED_FIELDS, need_groups=False, packed=True)
+
+
+def _check_fields(batch, fields, *, need_groups: bool, packed: bool) -> None:
     b = t = None
-    for name, (rank, kind, required) in BATCH_FIELDS.items():
+    for name, (rank, kind, required) in fields.items():
         if name not in batch:
-            if required or (name == "group_ids" and need_groups):
+            if (required and not packed) or (name == "group_ids" and need_groups):
                 raise ConfigError(f"batch: missing field {name!r}")
             continue
         x = batch[name]

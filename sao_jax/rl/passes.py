@@ -11,6 +11,9 @@ critic output at its last real token (the state after the final token).
 
 Microbatching splits the batch dimension into `[M, B / M]` and runs a `lax.scan` over M;
 each microbatch keeps the batch sharding on its own batch dimension.
+
+A packed batch (sao_jax/rl/packing.py) runs the model on its packed rows and returns the
+same per-trajectory [B, T] outputs as the padded batch.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 
 from sao_jax.models.logprobs import chunked_logp_entropy
 from sao_jax.parallel.mesh import Sharder
+from sao_jax.rl import packing
 
 Batch = dict[str, jax.Array]
 
@@ -61,20 +65,24 @@ def chunked_token_logp_entropy(policy, hidden_btd, tokens_bt) -> tuple[jax.Array
 
 def policy_pass(policy, batch: Batch, *, replay: bool) -> dict[str, jax.Array]:
     """logp, entropy [B, T] and the MoE aux loss of the policy on `batch`."""
-    forced = batch.get("forced_experts") if replay else None
-    out = policy.hidden_states(
-        batch["tokens"], batch["positions"], batch["segment_ids"], forced_experts_btlk=forced
-    )
-    logp, entropy = chunked_token_logp_entropy(policy, out.out, batch["tokens"])
+    tokens, positions, segment_ids, forced = packing.model_inputs(batch, replay=replay)
+    out = policy.hidden_states(tokens, positions, segment_ids, forced_experts_btlk=forced)
+    logp, entropy = chunked_token_logp_entropy(policy, out.out, tokens)
+    logp, entropy = packing.to_trajectories(batch, logp), packing.to_trajectories(batch, entropy)
     return dict(logp=logp, entropy=entropy, aux_loss=out.aux_loss)
 
 
 def critic_pass(critic, batch: Batch) -> dict[str, jax.Array]:
     """values [B, T] (aligned), bootstrap value [B] of the last state, MoE aux loss."""
-    out = critic(batch["tokens"], batch["positions"], batch["segment_ids"])
-    last_b = last_token_index(batch["segment_ids"])
-    bootstrap_b = jnp.take_along_axis(out.out, last_b[:, None], axis=1)[:, 0]
-    return dict(values=shift_right(out.out), bootstrap=bootstrap_b, aux_loss=out.aux_loss)
+    tokens, positions, segment_ids, _ = packing.model_inputs(batch)
+    out = critic(tokens, positions, segment_ids)
+    if packing.is_packed(batch):
+        bootstrap_b = packing.at_last_token(batch, out.out)
+    else:
+        last_b = last_token_index(batch["segment_ids"])
+        bootstrap_b = jnp.take_along_axis(out.out, last_b[:, None], axis=1)[:, 0]
+    values = packing.to_trajectories(batch, shift_right(out.out))
+    return dict(values=values, bootstrap=bootstrap_b, aux_loss=out.aux_loss)
 
 
 def split_microbatches(tree: Any, num: int, sharder: Sharder) -> Any:

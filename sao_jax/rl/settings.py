@@ -7,11 +7,25 @@ policy lambda with alpha = 1.5, gamma = 1, no whitening, no value clipping.
 
 from __future__ import annotations
 
+import math
+
 from sao_jax.rl import advantages, losses
 from sao_jax.schema import ConfigDict, register_validator, require
 
 ORDERS = ("critic_first", "policy_first")
 LAMBDA_MODES = ("adaptive", "fixed")
+# Ranges of the policy losses' parameters, keyed on the registry's parameter names (any
+# loss using the name gets the check); a name not listed must be finite and >= 0.
+LOSS_PARAM_RANGES = {
+    "eps_l": (lambda v: 0 <= v < 1, "in [0, 1) (the keep band's lower edge 1 - eps_l > 0)"),
+    "eps_low": (lambda v: 0 <= v < 1, "in [0, 1) (the clip's lower edge 1 - eps_low > 0)"),
+    "eps_h": (lambda v: v > 0, "> 0"),
+    "eps_high": (lambda v: v >= 0, ">= 0"),
+    "tau": (lambda v: v > 0, "> 0 (0 keeps no token)"),
+    "eps": (lambda v: v >= 0, ">= 0"),
+    "band_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "band_high": (lambda v: v > 1, "> 1"),
+}
 
 
 def rl_section() -> ConfigDict:
@@ -88,18 +102,16 @@ def _validate_section(config: ConfigDict) -> None:
     require(rl.moving_average_window >= 1, "rl.moving_average_window", "must be >= 1")
     for name, params in rl.losses.items():
         for key, value in params.items():
-            require(value >= 0, f"rl.losses.{name}.{key}", f"must be >= 0, got {value}")
-    dis = rl.losses.dis
-    require(
-        dis.eps_l < 1.0 and dis.eps_h > 0,
-        "rl.losses.dis",
-        f"need 0 <= eps_l < 1 and eps_h > 0 (keep band (1 - eps_l, 1 + eps_h)), got {dis}",
-    )
+            field = f"rl.losses.{name}.{key}"
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            require(
+                number and math.isfinite(value), field, f"must be a finite number, got {value!r}"
+            )
+            ok, what = LOSS_PARAM_RANGES.get(key, (lambda v: v >= 0, ">= 0"))
+            require(ok(value), field, f"must be {what}, got {value}")
     if rl.routing_replay and "sampling" in config:
         require(
             config.sampling.record_routing,
             "rl.routing_replay",
             "needs sampling.record_routing=True (the sampler must record the experts to replay)",
         )
-    ice = rl.losses.icepop
-    require(ice.band_low < 1 < ice.band_high, "rl.losses.icepop", "need band_low < 1 < band_high")

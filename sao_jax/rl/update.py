@@ -155,13 +155,17 @@ class Learner:
         b = batch["tokens"].shape[0]
         m = self.rl.microbatches
         shards = self.sharder.axis_size("batch")
-        if b % (m * shards):
-            raise ConfigError(
-                f"batch: size {b} is not divisible by rl.microbatches ({m}) x the data-parallel "
-                f"shards ({shards})"
-            )
-        if self.rl.routing_replay and "forced_experts" not in batch:
-            raise ConfigError("batch: rl.routing_replay is on but 'forced_experts' is missing")
+        packed = "packed_tokens" in batch  # model passes on packed rows (rl/packing.py)
+        rows = {"size": b, "packed rows": batch["packed_tokens"].shape[0] if packed else b}
+        for what, n in rows.items():
+            if n % (m * shards):
+                raise ConfigError(
+                    f"batch: {what} {n} is not divisible by rl.microbatches ({m}) x the "
+                    f"data-parallel shards ({shards})"
+                )
+        forced = "packed_forced_experts" if packed else "forced_experts"
+        if self.rl.routing_replay and forced not in batch:
+            raise ConfigError(f"batch: rl.routing_replay is on but {forced!r} is missing")
 
     def raise_if_diverged(self, state: TrainState) -> None:
         n = int(jax.device_get(state.consecutive_skips))

@@ -21,13 +21,17 @@ place only, and a prompt or observation needs no logits from the prefill.
 Failures never kill the engine: an exception (or timeout) in env.reset/step, a tokenizer
 error, an empty or too long prompt drops that trajectory and reports a `Drop` with its
 reason. Model/jit errors propagate.
+
+Env calls run in a bounded pool of daemon threads (env_calls.py), concurrently across
+slots; `step` applies their results in slot order after waiting for all (deterministic),
+or, with `overlap_env` (the async sampler), parks a slot whose call still runs out of the
+decode batch while the others decode. Waits honour SIGTERM (env_calls.EnvCalls.check).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -36,12 +40,15 @@ import numpy as np
 
 from sao_jax.envs.base import Env, Prompt, StepResult
 from sao_jax.parallel.partition import Params
+from sao_jax.sampling.env_calls import EnvCall, EnvCalls, EnvTimeoutError
 from sao_jax.sampling.generate import (
     GenerateFns,
     SamplingParams,
     bucket_length,
+    choose_spans,
     default_buckets,
     inert_rows,
+    span_buckets,
 )
 from sao_jax.sampling.trajectory import Trajectory
 
@@ -63,25 +70,32 @@ class EngineConfig:
     max_len: int = 128  # L: cache length = longest trajectory in tokens
     max_turn_tokens: int = 64  # a model turn ends after this many tokens
     prefill_buckets: tuple[int, ...] = ()  # chunk widths; () = powers of two 8..L
+    span_buckets: tuple[int, ...] = ()  # cache read spans; () = powers of two 128..L, L
+    lane_slots: int = 0  # long-lane rows: the longest slots read their own span; 0 = off
     steps_per_sync: int = 1  # decode steps per host check (overshoot is discarded)
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     record_routing: bool = False  # keep each token's chosen experts (routing replay)
     add_bos: bool = True  # prepend tokenizer.bos_id (when it has one) to each prompt
-    env_timeout_s: float | None = None  # per env call; None = call inline, no timeout
+    env_timeout_s: float | None = 120.0  # per env call, then a drop; None = no timeout
+    env_workers: int = 8  # env calls running at once (threads off the decoding thread)
 
     def __post_init__(self):
-        for name in ("num_slots", "max_len", "max_turn_tokens", "steps_per_sync"):
+        for name in ("num_slots", "max_len", "max_turn_tokens", "steps_per_sync", "env_workers"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v > 0):
                 raise ValueError(f"EngineConfig.{name}: must be a positive int, got {v!r}")
         if self.max_len < 2:
             raise ValueError(f"EngineConfig.max_len: must be >= 2, got {self.max_len}")
-        b = tuple(self.prefill_buckets)
-        if b and (any(x <= 0 for x in b) or list(b) != sorted(set(b))):
+        for name in ("prefill_buckets", "span_buckets"):
+            b = tuple(getattr(self, name))
+            if b and (any(x <= 0 for x in b) or list(b) != sorted(set(b))):
+                raise ValueError(f"EngineConfig.{name}: must be increasing positive ints, got {b}")
+        if not (isinstance(self.lane_slots, int) and 0 <= self.lane_slots < self.num_slots):
             raise ValueError(
-                f"EngineConfig.prefill_buckets: must be increasing positive ints, got {b}"
+                f"EngineConfig.lane_slots: must be an int in [0, num_slots), "
+                f"got {self.lane_slots!r}"
             )
         if self.env_timeout_s is not None and not self.env_timeout_s > 0:
             raise ValueError(f"EngineConfig.env_timeout_s: must be > 0, got {self.env_timeout_s}")
@@ -94,6 +108,13 @@ class EngineConfig:
     @property
     def buckets(self) -> tuple[int, ...]:
         return tuple(self.prefill_buckets) or default_buckets(self.max_len)
+
+    @property
+    def spans(self) -> tuple[int, ...]:
+        """Read spans, ending at max_len; `span_buckets=(max_len,)` reads the whole cache."""
+        if not self.span_buckets:
+            return span_buckets(self.max_len)
+        return (*(b for b in self.span_buckets if b < self.max_len), self.max_len)
 
 
 class Drop(NamedTuple):
@@ -109,8 +130,7 @@ class StepOutput(NamedTuple):
     generated: int  # action tokens kept this step
 
 
-class EnvTimeoutError(TimeoutError):
-    """An environment call did not return within env_timeout_s."""
+_TURN_ENDED = object()  # _advance: the slot's turn ended; its env.step is due
 
 
 class _DropError(Exception):
@@ -135,6 +155,7 @@ class _Slot:
         self.written = 0  # tokens whose keys/values are in the cache
         self.turn = 0  # current model turn
         self.turn_start = 0  # index of its first token
+        self.ended_at_eos = False  # the last finished turn ended with the eos token
         self.turn_rewards: list[float] = []
         self.infos: list[dict[str, Any]] = []
 
@@ -181,29 +202,6 @@ class _Slot:
         )
 
 
-def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float | None) -> Any:
-    """fn(*args), or EnvTimeoutError after timeout_s (the call is left running in a daemon
-    thread; the caller must stop using whatever object it was working on)."""
-    if timeout_s is None:
-        return fn(*args)
-    box: dict[str, Any] = {}
-
-    def run():
-        try:
-            box["out"] = fn(*args)
-        except BaseException as e:
-            box["err"] = e
-
-    t = threading.Thread(target=run, daemon=True, name="env-call")
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise EnvTimeoutError(f"environment call {fn!r} exceeded {timeout_s}s")
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
-
-
 def _checked(result) -> StepResult:
     """The env's StepResult, or a drop (env_error) when it is malformed."""
     ok = (
@@ -216,6 +214,16 @@ def _checked(result) -> StepResult:
     if not ok:
         raise _DropError("env_error", TypeError(f"env.step returned an invalid {result!r}"))
     return result
+
+
+def _after_turn(observation: str, tokenizer, ended_at_eos: bool) -> str:
+    """The observation text to tokenize after a model turn. A chat observation starts with
+    the end-of-turn token's text (sao_jax/chat_template.py); when the policy emitted that
+    token itself it is already in the trajectory, so only the text after it is new."""
+    eos_text = getattr(tokenizer, "eos_text", None)
+    if ended_at_eos and eos_text and observation.startswith(eos_text):
+        return observation[len(eos_text) :]
+    return observation
 
 
 class Engine:
@@ -252,6 +260,9 @@ class Engine:
         self._stops = tuple(getattr(self._envs[0], "stop_strings", ()))
         self._stop_window = 4 * max((len(st) for st in self._stops), default=0) + 8
         self._slots: list[_Slot | None] = [None] * cfg.num_slots
+        self._parked: dict[int, tuple[_Slot, EnvCall]] = {}  # slots waiting for env.step
+        self.env_calls = EnvCalls(cfg.env_workers, cfg.env_timeout_s)
+        self.overlap_env = False  # True: decode other slots while env calls run
         self._routing = fns.routing_shape if cfg.record_routing else None
         self._key = jax.random.key(seed) if isinstance(seed, int) else seed
         self._cache = None
@@ -272,7 +283,8 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return sum(s is not None for s in self._slots)
+        """Slots holding a trajectory: decoding, or parked while their env call runs."""
+        return sum(s is not None for s in self._slots) + len(self._parked)
 
     # ---- host helpers -------------------------------------------------------------------
 
@@ -293,14 +305,21 @@ class Engine:
             raise _DropError("tokenizer_error", e) from e
 
     def _env_call(self, s: int, fn_name: str, arg):
-        env = self._envs[s]
-        try:
-            return call_with_timeout(getattr(env, fn_name), (arg,), self.cfg.env_timeout_s)
-        except EnvTimeoutError as e:
+        """env.<fn_name>(arg) of slot s through the pool, waited for."""
+        call = self.env_calls.submit(getattr(self._envs[s], fn_name), arg)
+        self.env_calls.wait([call])
+        return self._env_result(s, call)
+
+    def _env_result(self, s: int, call: EnvCall):
+        """What a finished call returned; a timed-out or failed one is a drop."""
+        if isinstance(call.error, EnvTimeoutError):
             self._envs[s] = self._env_factory()  # the old one may still be busy
-            raise _DropError("env_timeout", e) from e
-        except Exception as e:
-            raise _DropError("env_error", e) from e
+            raise _DropError("env_timeout", call.error) from call.error
+        if isinstance(call.error, Exception):
+            raise _DropError("env_error", call.error) from call.error
+        if call.error is not None:  # KeyboardInterrupt, SystemExit in the env thread
+            raise call.error
+        return call.result
 
     def _start(self, s: int, prompt: Prompt, version: int) -> _Slot:
         text = self._env_call(s, "reset", prompt)
@@ -324,7 +343,7 @@ class Engine:
 
     def _fill(self, next_prompt: Callable[[], Prompt | None], version: int, dropped: list):
         for s in range(self.cfg.num_slots):
-            while self._slots[s] is None:
+            while self._slots[s] is None and s not in self._parked:
                 prompt = next_prompt()
                 if prompt is None:
                     return
@@ -346,12 +365,17 @@ class Engine:
             width = bucket_length(most, self.cfg.buckets)
             tokens_sc, positions_sc = inert_rows(S, width, L)
             counts = [min(p, width) for p in pending]
+            need_s = np.zeros(S, np.int64)  # cache slots each writing row reads
             for s, c in enumerate(counts):
                 if c > 0:
                     sl = self._slots[s]
                     tokens_sc[s, :c] = sl.tokens[sl.written : sl.written + c]
                     positions_sc[s, :c] = np.arange(sl.written, sl.written + c)
-            self._cache, experts = self.fns.prefill(params, self._cache, tokens_sc, positions_sc)
+                    need_s[s] = sl.written + c
+            spans = choose_spans(need_s, self.cfg.spans)  # inert rows' outputs are unused
+            self._cache, experts = self.fns.prefill(
+                params, self._cache, tokens_sc, positions_sc, spans
+            )
             self.calls["prefill"] += 1
             experts = None if (experts is None or self._routing is None) else np.asarray(experts)
             for s, c in enumerate(counts):
@@ -365,12 +389,15 @@ class Engine:
         S, L = self.cfg.num_slots, self.cfg.max_len
         tokens_s = np.zeros(S, np.int32)
         positions_s = np.full(S, L, np.int32)
+        need_s = np.zeros(S, np.int64)  # free slots' samples are unused
         for s, sl in enumerate(self._slots):
             if sl is not None:
                 tokens_s[s], positions_s[s] = sl.tokens[sl.n - 1], sl.n - 1
+                need_s[s] = min(sl.n - 1 + self.cfg.steps_per_sync, L)
+        spans = choose_spans(need_s, self.cfg.spans, self.cfg.lane_slots)
         self._key, step_key = jax.random.split(self._key)
         self._cache, out = self.fns.decode(
-            params, self._cache, tokens_s, positions_s, step_key, self._sampling
+            params, self._cache, tokens_s, positions_s, step_key, self._sampling, spans
         )
         self.calls["decode"] += 1
         return jax.tree.map(np.asarray, out)
@@ -388,13 +415,44 @@ class Engine:
             return any(st in tail for st in self._stops)
         return False
 
-    def _end_turn(self, s: int, version: int) -> Trajectory | None:
-        """Steps the env on the finished turn; returns the trajectory if it is over."""
+    def _end_turn(self, s: int) -> None:
+        """Submits env.step on slot s's finished turn and parks the slot until it returns."""
         sl = self._slots[s]
         ids = sl.tokens[sl.turn_start : sl.n]
-        if len(ids) and ids[-1] == getattr(self.tok, "eos_id", None):
+        ended_at_eos = bool(len(ids)) and ids[-1] == getattr(self.tok, "eos_id", None)
+        if ended_at_eos:
             ids = ids[:-1]
-        result = _checked(self._env_call(s, "step", self._decode_text(ids)))
+        sl.ended_at_eos = ended_at_eos  # the observation then drops the template's eos text
+        text = self._decode_text(ids)
+        self._parked[s] = (sl, self.env_calls.submit(self._envs[s].step, text))
+        self._slots[s] = None
+
+    def _collect_env_steps(self, version: int, *, block: bool, every: bool):
+        """[(slot, trajectory or None, drop or None)] of the parked slots whose env call is
+        done, in slot order (waiting for all of them, or for one, when `block`); a slot
+        whose episode goes on is back in the decode batch."""
+        calls = [call for _, call in self._parked.values()]
+        if block and calls:
+            self.env_calls.wait(calls, every=every)
+        out = []
+        for s in sorted(self._parked):
+            sl, call = self._parked[s]
+            if not call.done:
+                continue
+            del self._parked[s]
+            try:
+                traj = self._apply_step(s, sl, self._env_result(s, call), version)
+            except _DropError as d:
+                out.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
+                continue
+            if traj is None:
+                self._slots[s] = sl
+            out.append((s, traj, None))
+        return out
+
+    def _apply_step(self, s: int, sl: _Slot, result, version: int) -> Trajectory | None:
+        """Records env.step's result on slot s; returns the trajectory if it is over."""
+        result = _checked(result)
         if result.info.get("dropped"):
             raise _DropError("env_dropped", RuntimeError(str(result.info.get("error", ""))))
         sl.turn_rewards.append(float(result.reward))
@@ -404,7 +462,7 @@ class Engine:
             return sl.finish(terminated=True, outcome=result.reward, truncation=None)
         if sl.turn >= self._envs[s].max_turns:
             return sl.finish(terminated=False, outcome=0.0, truncation="max_turns")
-        obs = self._encode(result.observation)
+        obs = self._encode(_after_turn(result.observation, self.tok, sl.ended_at_eos))
         if sl.n + len(obs) + 1 > self.cfg.max_len:
             return sl.finish(terminated=False, outcome=0.0, truncation="max_len")
         sl.append_context(obs, version)
@@ -422,7 +480,7 @@ class Engine:
             sl.append_action(token, out.sampled_logp_ns[i, s], out.rollout_logp_ns[i, s], version)
             kept += 1
             if self._turn_ended(sl, token):
-                return self._end_turn(s, version), kept
+                return _TURN_ENDED, kept
             if sl.n >= self.cfg.max_len:
                 return sl.finish(terminated=False, outcome=0.0, truncation="max_len"), kept
         return None, kept
@@ -440,26 +498,44 @@ class Engine:
         dropped: list[Drop] = []
         if self._cache is None:
             self._cache = self.fns.init_cache(params)
+        if self._parked:  # overlap mode: env calls of earlier steps that are done by now
+            self._split(
+                self._collect_env_steps(version, block=False, every=False), finished, dropped
+            )
         self._fill(next_prompt, version, dropped)
-        if self.active == 0:
-            return StepOutput(finished, dropped, 0, 0)
+        if all(sl is None for sl in self._slots):  # nothing to decode
+            if self._parked:  # wait for one env call, then report
+                done = self._collect_env_steps(version, block=True, every=False)
+                self._split(done, finished, dropped)
+            return StepOutput(finished, dropped, self.active, 0)
         self._prefill_pending(params)
         out = self._decode(params)
         generated = 0
+        ended: list[tuple[int, Trajectory | None, Drop | None]] = []  # (slot, traj, drop)
         for s, sl in enumerate(self._slots):
             if sl is None:
                 continue
             try:
                 traj, kept = self._advance(s, out, version)
+                generated += kept
+                if traj is _TURN_ENDED:
+                    self._end_turn(s)
+                elif traj is not None:
+                    ended.append((s, traj, None))
+                    self._slots[s] = None
             except _DropError as d:
-                dropped.append(Drop(d.reason, sl.prompt.uid, d.error))
+                ended.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
                 self._slots[s] = None
-                continue
-            generated += kept
-            if traj is not None:
-                finished.append(traj)
-                self._slots[s] = None
+        # The env steps of this decode call run concurrently; by default all are waited
+        # for, so the step's result does not depend on thread timing.
+        ended += self._collect_env_steps(version, block=not self.overlap_env, every=True)
+        self._split(sorted(ended, key=lambda e: e[0]), finished, dropped)
         return StepOutput(finished, dropped, self.active, generated)
+
+    @staticmethod
+    def _split(entries, finished: list, dropped: list) -> None:
+        finished += [traj for _, traj, _ in entries if traj is not None]
+        dropped += [drop for _, _, drop in entries if drop is not None]
 
     def run(
         self, params: Params, prompts: Iterable[Prompt], version: int = 0

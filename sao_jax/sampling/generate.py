@@ -13,6 +13,11 @@ Two compiled programs serve every prompt length and every schedule:
   ended (overshoot) are discarded on the host; the cache entries they wrote sit at
   positions beyond the slot's length and are overwritten before anything attends them.
 
+Both programs take a static read span (`choose_spans`): attention reads only cache slots
+[0, span), the smallest span bucket that covers every row whose output is used, and
+optionally a long lane of a few rows with a longer span. So a step costs in proportion
+to the context the slots hold, not to L; one program is compiled per span (pair).
+
 Per generated token two log-probs are recorded:
   sampled_logp = log q(a), q = softmax(truncate(logits / temperature)) (what was sampled);
   rollout_logp = log_softmax(logits)[a], the untruncated temperature-1 distribution,
@@ -32,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sao_jax.models.attention import KVCache
 from sao_jax.models.config import ModelConfig
 from sao_jax.parallel.partition import ModelDef, Params
 
@@ -171,8 +177,10 @@ class GenerateFns:
         self.record_routing = record_routing
         self.return_logits = return_logits
         self.traces: collections.Counter[str] = collections.Counter()
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
+        self.programs: set[tuple] = set()  # (name, span, lane_span, ...) of every trace
+        static = ("span", "lane_span")
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,), static_argnames=static)
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,), static_argnames=static)
 
     @property
     def routing_shape(self) -> tuple[int, int] | None:
@@ -184,21 +192,62 @@ class GenerateFns:
         """An empty cache: per-layer KVCache of [S, L, K, H]."""
         return self.mdef.bind(params).trunk.init_cache(self.num_slots, self.max_len)
 
-    def _prefill_impl(self, params, cache, tokens_sc, positions_sc):
+    @staticmethod
+    def _reading(cache, lane_rows_r, span, lane_span):
+        """Caches that read [0, span) (lane rows: [0, lane_span)). Works on a tuple of
+        per-layer caches or on layer-stacked ones (lane rows broadcast over the stack)."""
+
+        def one(c: KVCache) -> KVCache:
+            rows = lane_rows_r
+            if rows is not None:
+                rows = jnp.broadcast_to(rows, c.k_bskh.shape[:-4] + rows.shape)
+            return c.replace(lane_rows_r=rows, span=span, lane_span=lane_span)
+
+        return jax.tree.map(one, cache, is_leaf=lambda x: isinstance(x, KVCache))
+
+    @staticmethod
+    def _plain(cache):
+        return jax.tree.map(
+            lambda c: c.replace(lane_rows_r=None, span=None, lane_span=None),
+            cache,
+            is_leaf=lambda x: isinstance(x, KVCache),
+        )
+
+    def _prefill_impl(
+        self, params, cache, tokens_sc, positions_sc, lane_rows_r, *, span, lane_span
+    ):
         self.traces["prefill"] += 1
+        self.programs.add(("prefill", tokens_sc.shape[1], span, lane_span))
         model = self.mdef.bind(params)
         segments_sc = (positions_sc < self.max_len).astype(jnp.int32)
+        cache = self._reading(cache, lane_rows_r, span, lane_span)
         out = model(tokens_sc, positions_sc, segments_sc, cache=cache)
         experts = out.experts_btlk if self.record_routing else None
-        return out.cache, experts
+        return self._plain(out.cache), experts
 
-    def _decode_impl(self, params, cache, tokens_s, positions_s, key, temperature, top_k, top_p):
+    def _decode_impl(
+        self,
+        params,
+        cache,
+        tokens_s,
+        positions_s,
+        key,
+        temperature,
+        top_k,
+        top_p,
+        lane_rows_r,
+        *,
+        span,
+        lane_span,
+    ):
         self.traces["decode"] += 1
+        self.programs.add(("decode", span, lane_span))
         model = self.mdef.bind(params)
 
         def one_step(carry, key_i):
             cache, tokens_s, positions_s = carry
             segments_s = (positions_s < self.max_len).astype(jnp.int32)
+            cache = self._reading(cache, lane_rows_r, span, lane_span)
             out = model(tokens_s[:, None], positions_s[:, None], segments_s[:, None], cache=cache)
             logits_sv = out.out[:, 0]  # [S, V]
             sample = sample_tokens(key_i, logits_sv, temperature, top_k, top_p)
@@ -206,24 +255,47 @@ class GenerateFns:
             if self.record_routing and out.experts_btlk is not None:
                 experts = out.experts_btlk[:, 0]  # [S, L_moe, k]
             ys = (*sample, experts, logits_sv if self.return_logits else None)
-            return (out.cache, sample.tokens_s, positions_s + 1), ys
+            return (self._plain(out.cache), sample.tokens_s, positions_s + 1), ys
 
         keys = jax.random.split(key, self.steps)
         (cache, _, _), ys = jax.lax.scan(one_step, (cache, tokens_s, positions_s), keys)
         return cache, DecodeOut(*ys)
 
-    def prefill(self, params, cache, tokens_sc, positions_sc):
+    def _spans(self, spans: Spans | None) -> dict:
+        """Keyword arguments of a program call; None = read the whole cache."""
+        if spans is None:
+            return dict(lane_rows_r=None, span=self.max_len, lane_span=None)
+        for name, v in (("span", spans.span), ("lane_span", spans.lane_span)):
+            if v is not None and not (isinstance(v, int) and 0 < v <= self.max_len):
+                raise ValueError(f"spans.{name}: must be an int in [1, {self.max_len}], got {v!r}")
+        rows = spans.lane_rows_r
+        if (rows is None) != (spans.lane_span is None):
+            raise ValueError("spans: lane_rows_r and lane_span go together")
+        rows = None if rows is None else jnp.asarray(rows, jnp.int32)
+        return dict(lane_rows_r=rows, span=spans.span, lane_span=spans.lane_span)
+
+    def prefill(self, params, cache, tokens_sc, positions_sc, spans: Spans | None = None):
         """Writes tokens [S, C] at positions [S, C] (>= L: not written). Returns the new
-        cache and, with record_routing, the experts [S, C, L_moe, k] of every token."""
+        cache and, with record_routing, the experts [S, C, L_moe, k] of every token.
+
+        `spans` bounds the cache read (`choose_spans`); rows whose position + 1 exceeds
+        their span get wrong outputs, fine only for rows the caller ignores."""
         return self._prefill(
-            params, cache, jnp.asarray(tokens_sc, jnp.int32), jnp.asarray(positions_sc, jnp.int32)
+            params,
+            cache,
+            jnp.asarray(tokens_sc, jnp.int32),
+            jnp.asarray(positions_sc, jnp.int32),
+            **self._spans(spans),
         )
 
-    def decode(self, params, cache, tokens_s, positions_s, key, sampling: SamplingParams):
+    def decode(
+        self, params, cache, tokens_s, positions_s, key, sampling: SamplingParams, spans=None
+    ):
         """Feeds tokens [S] at positions [S] and samples `steps` tokens per slot.
 
         Step i feeds the token sampled at step i - 1 (the given one at step 0) at
-        position positions_s + i. Returns (cache, DecodeOut).
+        position positions_s + i; `spans` must cover positions_s + steps for every row
+        whose samples are used. Returns (cache, DecodeOut).
         """
         return self._decode(
             params,
@@ -232,7 +304,48 @@ class GenerateFns:
             jnp.asarray(positions_s, jnp.int32),
             key,
             *sampling.arrays(),
+            **self._spans(spans),
         )
+
+
+def span_buckets(max_len: int, smallest: int = 128) -> tuple[int, ...]:
+    """Powers of two from `smallest` below max_len, then max_len (the full cache).
+
+    Below ~128 slots the cache read is small next to the weights every step reads, so a
+    smaller span saves nothing measurable and only adds programs to compile."""
+    out, b = [], smallest
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return (*out, max_len)
+
+
+class Spans(NamedTuple):
+    """Static read spans of one prefill/decode call (see models/attention.py)."""
+
+    span: int  # every row reads cache slots [0, span)
+    lane_rows_r: np.ndarray | None = None  # [R] rows that read [0, lane_span) instead
+    lane_span: int | None = None
+
+
+def choose_spans(need_s, buckets: tuple[int, ...], lane_slots: int = 0) -> Spans:
+    """The cheapest spans covering `need_s` (per row: cache slots its queries must see,
+    i.e. its largest used query position + 1; 0 for a row whose output is discarded).
+
+    Without a lane: span = smallest bucket >= max(need). With `lane_slots` = R > 0, the R
+    rows of largest need form the long lane (span of the largest need) and the rest read
+    the bucket of the (R+1)-th largest need, when that is smaller; cost ~ S * span +
+    R * lane_span instead of S * lane_span.
+    """
+    need_s = np.asarray(need_s)
+    order = np.argsort(-need_s, kind="stable")
+    longest = bucket_length(int(need_s[order[0]]), buckets)
+    if 0 < lane_slots < len(need_s):
+        rest = bucket_length(int(need_s[order[lane_slots]]), buckets)
+        if rest < longest:
+            rows_r = np.sort(order[:lane_slots]).astype(np.int32)
+            return Spans(rest, rows_r, longest)
+    return Spans(longest)
 
 
 def inert_rows(num_slots: int, width: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -14,12 +14,20 @@ whose oldest action token was sampled by version v is dropped (reason 'stale') i
 `current_version - v > m`. Taken trajectories feed a staleness histogram.
 
 Failures:
-* environment exceptions/timeouts drop that trajectory (counted by reason); a worker
-  that sees `max_env_errors` of them in a row (no trajectory finishing in between)
-  fails, as the environment is then broken rather than unlucky;
+* environment exceptions/timeouts and episodes the env drops (a judge that failed)
+  drop that trajectory (counted by reason); a worker that sees `max_env_errors` of them
+  in a row (no trajectory finishing in between) fails with EnvErrorLimit naming the last
+  cause (e.g. the judge's connection error), as the environment is then broken rather
+  than unlucky;
 * any other exception in a worker (model, jit, prompt iterator, tokenizer vocab) stops
   every worker and is re-raised in the learner by its next `take`, as `SamplerError`
   chained to the original (its traceback included).
+
+Waits: every blocking call polls the stop event and the process-wide stop flag
+(`sao_jax.stop`, set by SIGTERM) every `poll_s`: `take` raises StopRequested, workers
+return (a worker waiting for env calls abandons them). Env calls run concurrently
+(engine.py): a worker's slots whose env call is still running sit out the decode calls
+while the others keep decoding (not in lockstep mode, which waits for them).
 
 Deterministic mode (`lockstep = n`, one worker): after emitting k * n trajectories the
 worker waits for version base + k before its next step, where base is the first version
@@ -41,6 +49,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from sao_jax import stop
 from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.sampling.engine import Engine, EngineConfig
@@ -49,7 +58,7 @@ from sao_jax.sampling.params_store import ParamsStore
 from sao_jax.sampling.trajectory import Trajectory, pad_batch
 from sao_jax.schema import ConfigDict, ConfigError, register_validator
 
-_ENV_REASONS = ("env_error", "env_timeout")
+ENV_FAILURES = ("env_error", "env_timeout", "env_dropped")  # count toward max_env_errors
 
 
 class SamplerError(RuntimeError):
@@ -99,13 +108,17 @@ def sampling_section() -> ConfigDict:
     c.max_len = 128  # cache length = longest trajectory in tokens
     c.max_turn_tokens = 64  # a model turn ends after this many tokens
     c.prefill_buckets = ()  # prefill chunk widths; () = powers of two 8..max_len
+    c.span_buckets = ()  # cache read spans; () = powers of two 128..max_len; (max_len,) = off
+    c.lane_slots = 0  # the longest slots read their own longer span; 0 = off
     c.steps_per_sync = 1  # decode steps between host checks (overshoot discarded)
     c.temperature = 1.0  # 0 = greedy
     c.top_k = 0  # 0 = off
     c.top_p = 1.0  # 1 = off
     c.record_routing = False  # record each token's experts (for rl.routing_replay)
     c.add_bos = True  # prepend the tokenizer's BOS to every prompt
-    c.env_timeout_s = placeholder(float)  # per environment call; None = no timeout
+    c.env_timeout_s = ml_collections.FieldReference(120.0, field_type=float)  # per env
+    # call (a tool run, a judge call), then the trajectory is dropped; None = no timeout
+    c.env_workers = 8  # env calls running at once per worker (off the decoding thread)
     c.queue_size = 64  # finished trajectories buffered ahead of the learner
     c.max_staleness = placeholder(int)  # drop if current - oldest version > this; None = off
     c.max_env_errors = 8  # environment failures in a row before the sampler fails
@@ -122,6 +135,7 @@ def configs_from_section(section: ConfigDict, seed: int = 0) -> tuple[EngineConf
     if unknown:
         raise ConfigError(f"config field sampling.{unknown[0]}: unknown sampling field")
     values["prefill_buckets"] = tuple(values.get("prefill_buckets", ()))
+    values["span_buckets"] = tuple(values.get("span_buckets", ()))
     try:
         engine = EngineConfig(**{k: v for k, v in values.items() if k in engine_fields})
         sampler = SamplerConfig(
@@ -185,6 +199,7 @@ class AsyncSampler:
         self._generated = 0
         self._taken = 0
         self._dropped: collections.Counter[str] = collections.Counter()
+        self._last_drop = ""  # the cause of the latest dropped episode (for error messages)
         self._staleness: collections.Counter[int] = collections.Counter()
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -227,9 +242,10 @@ class AsyncSampler:
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:
         """Blocks until n trajectories pass the staleness cap; returns them in order.
 
-        Raises SamplerError if a worker failed, TimeoutError after `timeout` s, and
-        PromptsExhausted when the prompts ran out first (what was collected is kept for
-        the next call).
+        Raises SamplerError if a worker failed, TimeoutError after `timeout` s (naming
+        the latest drop's cause), StopRequested within `poll_s` of a stop request
+        (SIGTERM), and PromptsExhausted when the prompts ran out first (what was
+        collected is kept for the next call in each case).
         """
         if n <= 0:
             raise ValueError(f"n: must be > 0, got {n}")
@@ -237,6 +253,9 @@ class AsyncSampler:
         out: list[Trajectory] = []
         while len(out) < n:
             self._raise_if_failed()
+            if stop.requested():
+                self._held.extendleft(reversed(out))
+                stop.raise_if_requested(f"waiting for {n} trajectories")
             traj = self._next_item()
             if traj is None:
                 if self._finished() and self._queue.empty():
@@ -249,7 +268,10 @@ class AsyncSampler:
                     )
                 if deadline is not None and time.monotonic() > deadline:
                     self._held.extendleft(reversed(out))
-                    raise TimeoutError(f"take({n}): timed out after {timeout}s; {self.stats()}")
+                    raise TimeoutError(
+                        f"take({n}): timed out after {timeout}s; {self.stats()}"
+                        + (f"; last drop: {self._last_drop}" if self._last_drop else "")
+                    )
                 continue
             if self._accept(traj):
                 out.append(traj)
@@ -313,6 +335,12 @@ class AsyncSampler:
 
     # ---- worker side --------------------------------------------------------------------
 
+    def _check_stop(self) -> None:
+        """The engine's env-call waits: stop when the sampler stops or SIGTERM arrives."""
+        if self._stop.is_set():
+            raise stop.StopRequested("sampler stopped while waiting for environment calls")
+        stop.raise_if_requested("waiting for environment calls")
+
     def _next_prompt(self) -> Prompt | None:
         with self._prompt_lock:
             if self._exhausted or self._stop.is_set():
@@ -349,6 +377,8 @@ class AsyncSampler:
         try:
             key = jax.random.fold_in(jax.random.key(self.cfg.seed), idx)
             engine = Engine(self._fns, self._tok, self._env_factory, self.engine_cfg, seed=key)
+            engine.overlap_env = self.cfg.lockstep is None  # lockstep: deterministic steps
+            engine.env_calls.check = self._check_stop
             env_errors = emitted = 0
             base = None
             while not self._stop.is_set():
@@ -361,14 +391,16 @@ class AsyncSampler:
                 base = version if base is None else base
                 out = engine.step(params, version, self._next_prompt)
                 for d in out.dropped:
+                    cause = describe_drop(d)
                     with self._lock:
                         self._dropped[d.reason] += 1
-                    if d.reason in _ENV_REASONS:
+                        self._last_drop = cause
+                    if d.reason in ENV_FAILURES:
                         env_errors += 1
                         if env_errors >= self.cfg.max_env_errors:
                             raise EnvErrorLimit(
-                                f"{env_errors} environment failures in a row (last: "
-                                f"{d.reason} on prompt {d.prompt_uid!r})"
+                                f"{env_errors} environment failures in a row "
+                                f"(sampling.max_env_errors); last: {cause}"
                             ) from d.error
                 for traj in out.finished:
                     env_errors = 0
@@ -377,7 +409,18 @@ class AsyncSampler:
                     emitted += 1
                 if out.active == 0 and self._exhausted:
                     return
+        except stop.StopRequested:
+            return  # stop() or SIGTERM while waiting for env calls: not a failure
         except BaseException as e:
             with self._lock:
                 self._failures.append((idx, e))
             self._stop.set()
+
+
+def describe_drop(d) -> str:
+    """`reason on prompt 'uid': ErrorType: message` (one line, at most ~300 characters)."""
+    text = f"{d.reason} on prompt {d.prompt_uid!r}"
+    if d.error is not None:
+        msg = " ".join(f"{type(d.error).__name__}: {d.error}".split())
+        text += ": " + (msg if len(msg) <= 300 else msg[:300] + " ...")
+    return text

@@ -103,10 +103,10 @@ def round_up(n: int, multiple: int) -> int:
 
 
 class Placement(NamedTuple):
-    """Where trajectory `index` sits in a packed batch."""
+    """Where trajectory `index` sits in the packed rows of a batch."""
 
-    index: int
-    row: int
+    index: int  # its row in the per-trajectory [N, T] layout
+    row: int  # its packed row (global)
     start: int
     length: int
     segment: int  # its segment id in that row (1, 2, ...)
@@ -215,31 +215,22 @@ def pad_batch(
     return batch
 
 
-def pack_rows(trajs: list[Trajectory], row_len: int) -> list[list[int]]:
-    """First-fit decreasing assignment of trajectories to rows of `row_len` tokens.
-
-    At most one truncated trajectory per row, placed last, so the row-level `terminated`
-    flag (that of the row's last segment) is exact for every segment: all earlier
-    segments terminated (bootstrap 0) provided GAE restarts at segment boundaries.
-    """
-    order = sorted(range(len(trajs)), key=lambda i: -trajs[i].length)
+def pack_rows(lengths: list[int], row_len: int) -> list[list[int]]:
+    """First-fit decreasing: indices of `lengths` grouped into rows of <= row_len tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     rows: list[list[int]] = []
     free: list[int] = []
-    has_trunc: list[bool] = []
     for i in order:
-        tr = trajs[i]
-        for r in range(len(rows)):
-            if free[r] >= tr.length and not (tr.truncated and has_trunc[r]):
-                break
-        else:
+        if lengths[i] > row_len:
+            raise ValueError(f"trajectory {i} has {lengths[i]} tokens > row length {row_len}")
+        r = next((r for r in range(len(rows)) if free[r] >= lengths[i]), None)
+        if r is None:
             rows.append([])
             free.append(row_len)
-            has_trunc.append(False)
             r = len(rows) - 1
         rows[r].append(i)
-        free[r] -= tr.length
-        has_trunc[r] |= tr.truncated
-    return [sorted(row, key=lambda i: trajs[i].truncated) for row in rows]
+        free[r] -= lengths[i]
+    return rows
 
 
 def pack_batch(
@@ -248,32 +239,101 @@ def pack_batch(
     length: int | None = None,
     length_bucket: int = 64,
     num_rows: int | None = None,
+    row_length: int | None = None,
+    microbatches: int = 1,
+    shards: int = 1,
+    rows_multiple: int = 1,
+    packed_rows: int | None = None,
     with_routing: bool = False,
+    with_groups: bool = False,
 ) -> tuple[dict[str, np.ndarray], list[Placement]]:
-    """Several trajectories per row (segment ids 1, 2, ...; positions restart at 0).
+    """`pad_batch`'s per-trajectory [N, T] batch plus the same tokens packed into rows.
 
-    Attention masks by segment, so every token gets the same model output as unpacked.
-    Row-level fields (`outcome`, `terminated`) are those of the row's last segment; see
-    `pack_rows` for why `terminated` stays exact. The placements map each trajectory to
-    its (row, start, length, segment); `unpack` uses them to split per-token outputs.
+    The model passes of the update step run on the packed rows `packed_tokens`,
+    `packed_positions` (restarting at 0 per trajectory), `packed_segment_ids` (1, 2, ...
+    per row; 0 = padding) and `packed_forced_experts` [R, Lp(, L_moe, k)]; their per-token
+    outputs are gathered back to [N, T] (sao_jax/rl/packing.py), so rewards, GAE, losses
+    and metrics see exactly the padded layout. Trajectory n starts at
+    `packed[(m, pack_row[n]), pack_start[n]]`, where m is its microbatch: rows are
+    indexed within a microbatch, because the update step gathers microbatch by microbatch.
+
+    The N rows split into G = microbatches x shards equal contiguous groups (the blocks
+    one microbatch puts on one data-parallel shard); each group is packed first-fit
+    decreasing into its own R_g rows (the most any group needs, rounded up to
+    `rows_multiple` for fewer shapes), so a trajectory never leaves its microbatch or
+    shard and R = G x R_g; `packed_rows` fixes R instead (an error if too few). Lp =
+    `row_length`, default T. Returns (batch, placements), placements[i] locating
+    trajectory i in the global packed rows.
     """
-    t = _row_length(trajs, length, length_bucket)
-    rows = pack_rows(trajs, t)
-    b = len(rows) if num_rows is None else num_rows
-    if b < len(rows):
-        raise ValueError(f"num_rows={num_rows} < {len(rows)} packed rows needed")
-    batch = _empty(b, t, _routing_shape(trajs, with_routing))
+    batch = pad_batch(
+        trajs,
+        length=length,
+        length_bucket=length_bucket,
+        num_rows=num_rows,
+        with_groups=with_groups,
+    )
+    n, t = batch["tokens"].shape
+    lp = t if row_length is None else row_length
+    groups = microbatches * shards
+    if min(microbatches, shards, rows_multiple, lp) < 1:
+        raise ValueError("pack_batch: microbatches, shards, rows_multiple, row_length must be >= 1")
+    if n % groups:
+        raise ValueError(f"pack_batch: {n} rows not divisible by microbatches x shards = {groups}")
+    per = n // groups
+    members = [
+        [[i + g * per for i in row] for row in pack_rows(
+            [tr.length for tr in trajs[g * per : (g + 1) * per]], lp)]
+        for g in range(groups)
+    ]  # fmt: skip
+    r_g = round_up(max(1, *(len(rows) for rows in members)), rows_multiple)
+    if packed_rows is not None:
+        if packed_rows % groups or packed_rows // groups < r_g:
+            raise ValueError(
+                f"pack_batch: packed_rows={packed_rows} must be a multiple of {groups} groups "
+                f"and hold {r_g} rows per group"
+            )
+        r_g = packed_rows // groups
+    routing = _routing_shape(trajs, with_routing)
+    packed = {
+        "packed_tokens": np.zeros((groups * r_g, lp), np.int32),
+        "packed_positions": np.zeros((groups * r_g, lp), np.int32),
+        "packed_segment_ids": np.zeros((groups * r_g, lp), np.int32),
+    }
+    if routing is not None:
+        l_moe, k = routing  # unrecorded routing -> experts 0..k-1, as in pad_batch
+        packed["packed_forced_experts"] = np.broadcast_to(
+            np.arange(k, dtype=np.int32), (groups * r_g, lp, l_moe, k)
+        ).copy()
+    pack_row = np.zeros(n, np.int32)
+    pack_start = np.zeros(n, np.int32)
     placements = []
-    for row, members in enumerate(rows):
-        start = 0
-        for seg, i in enumerate(members, start=1):
-            _place(batch, trajs[i], row, start, seg)
-            placements.append(Placement(i, row, start, trajs[i].length, seg))
-            start += trajs[i].length
+    for g, rows in enumerate(members):
+        for local, row_members in enumerate(rows):
+            row, start = g * r_g + local, 0
+            for seg, i in enumerate(row_members, start=1):
+                tr, sl = trajs[i], slice(start, start + trajs[i].length)
+                packed["packed_tokens"][row, sl] = tr.tokens
+                packed["packed_positions"][row, sl] = np.arange(tr.length)
+                packed["packed_segment_ids"][row, sl] = seg
+                if routing is not None:
+                    cur = packed["packed_forced_experts"][row, sl]
+                    packed["packed_forced_experts"][row, sl] = np.where(
+                        tr.experts >= 0, tr.experts, cur
+                    )
+                pack_row[i] = (g % shards) * r_g + local
+                pack_start[i] = start
+                placements.append(Placement(i, row, start, tr.length, seg))
+                start += tr.length
+    batch.update(packed, pack_row=pack_row, pack_start=pack_start)
     placements.sort(key=lambda p: p.index)
     return batch, placements
 
 
-def unpack(per_token_bt: np.ndarray, placements: list[Placement]) -> list[np.ndarray]:
-    """Per-trajectory slices [n_i, ...] of a per-token batch output, in trajectory order."""
-    return [per_token_bt[p.row, p.start : p.start + p.length] for p in placements]
+def padding_fraction(segment_ids: np.ndarray) -> float:
+    """Share of the tokens of a [rows, length] layout that are padding (segment id 0)."""
+    return float(np.mean(np.asarray(segment_ids) == 0))
+
+
+def unpack(per_token_rl: np.ndarray, placements: list[Placement]) -> list[np.ndarray]:
+    """Per-trajectory slices [n_i, ...] of an output over the packed rows, in trajectory order."""
+    return [per_token_rl[p.row, p.start : p.start + p.length] for p in placements]

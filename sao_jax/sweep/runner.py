@@ -22,6 +22,7 @@ from typing import Any
 from sao_jax import config as config_lib
 from sao_jax.checkpointing.meta import encode_meta
 from sao_jax.checkpointing.workdir import CONFIG_FILE, config_differences
+from sao_jax.cli import entry_module
 from sao_jax.schema import ConfigDict
 from sao_jax.sweep.results import (
     FAILED_FILE,
@@ -46,7 +47,7 @@ from sao_jax.sweep.spec import (
 )
 
 LAUNCHERS = ("local", "tpu", "gpu")
-LAUNCH_MODULE = "experiments.launch"
+LAUNCH_MODULE = entry_module("experiments.launch")  # likewise
 STDERR_TAIL_LINES = 40
 
 # --------------------------------------------------------------------------- commands

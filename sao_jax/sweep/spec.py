@@ -14,10 +14,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from sao_jax.cli import entry_module
 from sao_jax.config import config_module
 from sao_jax.schema import ConfigDict, ConfigError
 
-TRAIN_MODULE = "experiments.train"
+TRAIN_MODULE = entry_module("experiments.train")  # installed: sao_jax.experiments.train
 WARM_START_PREFIX = "warm_start__"
 # Overrides of the shared warm-start run: SFT only (no RL, no value pretraining, a
 # small evaluation, no report).
