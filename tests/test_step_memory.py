@@ -16,7 +16,7 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import critic_def, policy_def
 from sao_jax.parallel.memory import memory_plan
 from sao_jax.parallel.mesh import Sharder, build_mesh
-from sao_jax.parallel.step_memory import StepBytes, analytic_step_bytes, compile_update_step
+from sao_jax.rl.step_memory import StepBytes, analytic_step_bytes, compile_update_step
 from sao_jax.rl.update import Learner
 
 LONG = dict(attention_impl="blockwise", remat="full", scan_layers=True)

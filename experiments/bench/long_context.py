@@ -8,9 +8,10 @@ The model is the `larger` one of experiments/bench/update_step.py (D = 256, 4 la
 16 experts, V = 1024), one row per update (B = 1), SAO's default step (configs/base.py:
 K = 2 critic steps, DIS, frozen critic attention), layers under `lax.scan`
 (`model.scan_layers`, the long-context setting). For each length and variant the
-jitted `Learner.update_step` is compiled from shapes (sao_jax/parallel/step_memory.py)
+jitted `Learner.update_step` is compiled from shapes (sao_jax/rl/step_memory.py)
 and XLA's memory analysis gives its temporaries per device; variants whose arguments +
-temporaries fit under --run-limit-gib are then run: the median wall time of --repeats
+temporaries fit under --run-limit-gib, at lengths up to --run-max-length, are then run
+(the others are compiled only): the median wall time of --repeats
 calls after one warm-up call (one call, no warm-up, at lengths above --warmup-max).
 Temporaries do not depend on the machine's load; wall times do, so compare ratios taken
 in the same run. The compile-time section compiles the step for 4 and 48 layers with
@@ -32,7 +33,7 @@ from sao_jax import config as config_lib
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import critic_def, init_models, policy_def
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.parallel.step_memory import StepBytes, compile_update_step
+from sao_jax.rl.step_memory import StepBytes, compile_update_step
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner
 
@@ -89,7 +90,8 @@ def memory_section(args) -> None:
             if (impl, remat) == ("blockwise", "full"):
                 temp_bf[length] = mem.temp
             seconds = None
-            if (mem.temp + mem.argument) / 2**30 <= args.run_limit_gib:
+            fits = (mem.temp + mem.argument) / 2**30 <= args.run_limit_gib
+            if fits and length <= args.run_max_length:
                 warm = length <= args.warmup_max
                 reps = args.repeats if warm else 1
                 seconds = run_timed(compiled, cfg, learner, 1, length, reps, warm)
@@ -97,7 +99,8 @@ def memory_section(args) -> None:
             del compiled
         best = min((r[4] for r in rows if r[4] is not None), default=None)
         for impl, remat, mem, compile_s, seconds in rows:
-            step = f"{seconds:.2f}" if seconds is not None else "not run (memory)"
+            why = "memory" if length <= args.run_max_length else "time"
+            step = f"{seconds:.2f}" if seconds is not None else f"not run ({why})"
             ratio = f"{seconds / best:.2f}" if seconds is not None else "-"
             print(
                 f"| {length} | {impl} | {remat} | {mem.temp / 2**20:,.1f} | "
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup-max", type=int, default=4096, help="longest T with a warm-up call")
     p.add_argument("--run-limit-gib", type=float, default=3.0, help="skip runs above this")
+    p.add_argument("--run-max-length", type=int, default=1 << 20, help="compile only above")
     p.add_argument("--compile-length", type=int, default=256)
     p.add_argument("--skip", nargs="*", default=[], choices=("memory", "compile"))
     args = p.parse_args(argv)

@@ -317,7 +317,7 @@ def step_plan_lines(
     state = plan.total(frozen).device_bytes
     lines = [
         "",
-        f"update step temporaries, analytic (sao_jax/parallel/step_memory.py): T = {length}, "
+        f"update step temporaries, analytic (sao_jax/rl/step_memory.py): T = {length}, "
         f"{rows_per_device} row(s) per device per microbatch, {microbatches} microbatch(es), "
         f"remat={cfg.remat}, scan_layers={cfg.scan_layers}, MoE '{moe_impl}'",
         f"{'term':<60}{'per-device GiB':>16}",
