@@ -6,11 +6,15 @@ trajectories per update, K=2 critic steps per policy step, DIS keep band (0.7, 6
 policy lr 1e-6, critic lr 5e-6 with a 10-step warm-up, frozen-attention critic.
 Master weights float32, matmuls bfloat16 (configs/models/qwen3_30b_a3b.py says why).
 
-Meshes (docs/scaling.md has the memory plan of each):
+Meshes (docs/scaling.md has the memory plan of each; figures per device at 32k tokens
+per trajectory, from `experiments.memory_plan`'s analytic update-step model):
   default  64 chips, e.g. a TPU v5p-128 slice (16 hosts x 4 chips): data=1 fsdp=8
-           expert=8 tensor=1; 13.2 GiB/chip of params + AdamW states.
-  gpus=8   8 x H200 (one host): fsdp=8; 84.0 GiB/GPU of params + AdamW states
-           (tight once activations are added); gpus=16 (two hosts): 42.0 GiB/GPU.
+           expert=8 tensor=1; 13.2 GiB/chip of params + AdamW states, 68.9 GiB/chip
+           with the update step's temporaries, the sampler copy and the KV cache (of 95).
+  gpus=16  16 x H200 (two hosts): fsdp=16; 42.0 GiB/GPU of params + AdamW states,
+           119.5 GiB/GPU in all (of 131: raise XLA_PYTHON_CLIENT_MEM_FRACTION).
+  gpus=8   8 x H200 (one host): fsdp=8; 84.0 GiB/GPU of params + AdamW states; the
+           update step does NOT fit (the plan says ~189 GiB/GPU even at 8k tokens).
 
   python -m experiments.launch --target=tpu --tpu_name=<slice> --zone=<zone> \
       --config=configs/qwen3_30b_a3b_sao.py:hf_path=/mnt/models/Qwen3-30B-A3B \

@@ -11,7 +11,8 @@ K = 2 critic steps, DIS, frozen critic attention), layers under `lax.scan`
 jitted `Learner.update_step` is compiled from shapes (sao_jax/rl/step_memory.py)
 and XLA's memory analysis gives its temporaries per device; variants whose arguments +
 temporaries fit under --run-limit-gib, at lengths up to --run-max-length, are then run
-(the others are compiled only): the median wall time of --repeats
+(the others are compiled only, with step_memory.FAST_COMPILE: same memory figures, about
+half the compile time, marked "(fast)"): the median wall time of --repeats
 calls after one warm-up call (one call, no warm-up, at lengths above --warmup-max).
 Temporaries do not depend on the machine's load; wall times do, so compare ratios taken
 in the same run. The compile-time section compiles the step for 4 and 48 layers with
@@ -51,9 +52,9 @@ def learner_for(model: dict, rows: int):
     return c, cfg, Learner(c, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
 
 
-def compile_timed(learner, cfg, rows, length):
+def compile_timed(learner, cfg, rows, length, fast=False):
     start = time.process_time()
-    compiled = compile_update_step(learner, cfg, rows, length)
+    compiled = compile_update_step(learner, cfg, rows, length, fast=fast)
     return compiled, time.process_time() - start
 
 
@@ -85,17 +86,19 @@ def memory_section(args) -> None:
         for impl, remat in VARIANTS:
             model = dict(attention_impl=impl, remat=remat, scan_layers=True)
             _, cfg, learner = learner_for(model, 1)
-            compiled, compile_s = compile_timed(learner, cfg, 1, length)
+            run = length <= args.run_max_length  # else memory figures only: fast compile
+            compiled, compile_s = compile_timed(learner, cfg, 1, length, fast=not run)
             mem = StepBytes.of(compiled)
             if (impl, remat) == ("blockwise", "full"):
                 temp_bf[length] = mem.temp
             seconds = None
-            fits = (mem.temp + mem.argument) / 2**30 <= args.run_limit_gib
-            if fits and length <= args.run_max_length:
+            if run and (mem.temp + mem.argument) / 2**30 <= args.run_limit_gib:
                 warm = length <= args.warmup_max
                 reps = args.repeats if warm else 1
                 seconds = run_timed(compiled, cfg, learner, 1, length, reps, warm)
-            rows.append((impl, remat, mem, compile_s, seconds))
+            rows.append(
+                (impl, remat, mem, f"{compile_s:.1f}" + ("" if run else " (fast)"), seconds)
+            )
             del compiled
         best = min((r[4] for r in rows if r[4] is not None), default=None)
         for impl, remat, mem, compile_s, seconds in rows:
@@ -104,7 +107,7 @@ def memory_section(args) -> None:
             ratio = f"{seconds / best:.2f}" if seconds is not None else "-"
             print(
                 f"| {length} | {impl} | {remat} | {mem.temp / 2**20:,.1f} | "
-                f"{mem.argument / 2**20:,.1f} | {compile_s:.1f} | {step} | {ratio} |",
+                f"{mem.argument / 2**20:,.1f} | {compile_s} | {step} | {ratio} |",
                 flush=True,
             )
     ref = 2048 if 2048 in temp_bf else min(temp_bf)
