@@ -14,16 +14,20 @@ from configs import base
 from sao_jax import config as config_lib
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import critic_def, policy_def
-from sao_jax.parallel.memory import memory_plan
+from sao_jax.parallel.memory import abstract_mesh, memory_plan
 from sao_jax.parallel.mesh import Sharder, build_mesh
-from sao_jax.rl.step_memory import StepBytes, analytic_step_bytes, compile_update_step
+from sao_jax.rl.step_memory import (
+    StepBytes,
+    analytic_step_bytes,
+    compile_update_step,
+    step_plan_lines,
+)
 from sao_jax.rl.update import Learner
 
 LONG = dict(attention_impl="blockwise", remat="full", scan_layers=True)
 CASES = {
     "tiny": (dict(), None, 1),
     "dense_mlp_d128": (dict(num_experts=0, hidden_size=128, num_hidden_layers=4), None, 1),
-    "tiny_5_layers_v2048": (dict(num_hidden_layers=5, vocab_size=2048), None, 1),
     "tiny_8_devices": (dict(), (2, 2, 2, 1), 8),  # one row per device
 }
 
@@ -53,3 +57,33 @@ def test_analytic_model_within_25_percent(name):
         length=t,
     ).total
     assert 0.75 <= predicted / compiled <= 1.25, (name, predicted, compiled)
+
+
+def test_plan_lines_add_up_and_warn_outside_the_model():
+    """memory_plan's table (tiny model, 8-device abstract mesh): the sum line is the sum
+    of its parts, and a config the model does not describe (remat='none') is flagged."""
+    sizes = dict(data=1, fsdp=4, expert=2, tensor=1)
+    for remat, warned in (("full", False), ("none", True)):
+        c = base.get_config()
+        c.model.update(LONG, remat=remat)
+        cfg = ModelConfig.from_config(config_lib.validate(c).model)
+        plan = memory_plan(cfg, c.optim, sizes)
+        sharder = Sharder(abstract_mesh(sizes))
+        lines = step_plan_lines(
+            cfg,
+            plan,
+            sharder,
+            length=4096,
+            rows_per_device=1,
+            microbatches=2,
+            slots_per_host=8,
+            devices_per_host=4,
+        )
+        gib = {
+            line[:60].strip(): float(line[60:]) for line in lines if line[60:].strip()[:1].isdigit()
+        }
+        update = gib["params + AdamW (above) + temporaries: the update step"]
+        parts = [v for k, v in gib.items() if k.startswith(("sampler", "KV cache"))]
+        total = gib["sum: update step + sampler (one copy) + KV cache"]
+        assert abs(update + sum(parts) - total) < 0.02, lines
+        assert any(line.startswith("warning:") for line in lines) == warned
