@@ -6,9 +6,11 @@ name says changed (`VARIANTS`; tests/test_ablations_config.py diffs them field b
   sao                  SAO: obs-skipping GAE, DIS, K=2, frozen-attention critic
   no_faster_value      rl.k_critic = 1 (no TTUR)
   no_frozen_attention  optim.critic.freeze_attention = False (full-parameter critic)
-  vanilla_vapo         rl.policy_loss = 'ppo_clip' (clip vs pi_old = policy at step start)
+  vanilla_vapo         rl.policy_loss = 'ppo_clip' (clip vs pi_old = the behaviour policy),
+                       PPO's loop: PPO_LOOP (1 epoch x 4 minibatch optimizer steps)
   moving_average       rl.advantage = 'moving_average' (R - mean of last 128; no critic)
-  grpo                 rl.advantage = 'grpo', rl.policy_loss = 'ppo_clip', 8 x 8 groups
+  grpo                 rl.advantage = 'grpo', rl.policy_loss = 'ppo_clip', 8 x 8 groups,
+                       PPO_LOOP
   grpo_dis             rl.advantage = 'grpo', 8 x 8 groups, DIS
   step_mean            rl.advantage = 'step_mean' (one value per turn: mean of its tokens)
   step_last            rl.advantage = 'step_last' (one value per turn: its last token)
@@ -32,14 +34,25 @@ from sao_jax.config import ConfigError, parse_arg
 from sao_jax.configs import sao
 from sao_jax.sweep import SweepSpec, axis, set_field
 
+# The PPO rows' loop, as veRL and OpenRLHF run it by default: the batch split into 4
+# minibatches, one optimizer step each, one epoch (veRL: ppo_epochs 1, ppo_mini_batch_size
+# = train_batch_size / 4). The clip then binds; SAO's DIS rows keep one step per batch.
+PPO_LOOP = {"rl.minibatches": 4}  # rl.ppo_epochs stays 1
+# Value pretraining reads none of the fields below (sao_jax.run_settings.PRETRAIN_READS):
+# the rows with a critic start RL from the same pretrained critic (shared per seed).
 # Row name -> the dotted fields it changes relative to sao (nothing else may differ).
 VARIANTS: dict[str, dict[str, Any]] = {
     "sao": {},
     "no_faster_value": {"rl.k_critic": 1},
     "no_frozen_attention": {"optim.critic.freeze_attention": False},
-    "vanilla_vapo": {"rl.policy_loss": "ppo_clip"},
+    "vanilla_vapo": {"rl.policy_loss": "ppo_clip", **PPO_LOOP},
     "moving_average": {"rl.advantage": "moving_average"},
-    "grpo": {"rl.advantage": "grpo", "rl.policy_loss": "ppo_clip", "env.group_size": 8},
+    "grpo": {
+        "rl.advantage": "grpo",
+        "rl.policy_loss": "ppo_clip",
+        "env.group_size": 8,
+        **PPO_LOOP,
+    },
     "grpo_dis": {"rl.advantage": "grpo", "env.group_size": 8},
     "step_mean": {"rl.advantage": "step_mean"},
     "step_last": {"rl.advantage": "step_last"},

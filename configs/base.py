@@ -41,9 +41,11 @@ def get_config(arg=None):
     c.optim.policy = optimizer_section(1e-6)  # paper: policy lr 1e-6
     c.optim.critic = optimizer_section(5e-6)  # paper: critic lr 5e-6
     c.optim.critic.freeze_attention = True  # SAO's frozen-attention critic
+    c.optim.critic.trainable = "moe"  # what trains while attention is frozen: 'moe' (MoE /
+    # MLP blocks + router + value head, the seed's) | 'all_but_attention' (+ embedding, norms)
     c.optim.critic.frozen_patterns = ATTENTION_PATTERNS  # regexes on parameter paths
-    c.optim.critic.warmup_steps = 10  # the paper's 10-step critic warm-up, read as LR
-    # warm-up; rl.critic_only_steps gives the other reading (critic-only updates)
+    c.optim.critic.warmup_steps = 10  # the paper's 10-step critic warm-up, read as an LR
+    # warm-up over the first RL steps; rl.critic_only_steps gives the other reading
 
     c.rl = rl_section()
     c.sampling = sampling_section()  # generation engine + async sampler

@@ -75,6 +75,7 @@ def get_config(arg=None):
     c.optim.critic.lr = 5e-6  # paper
     c.optim.critic.warmup_steps = 10  # paper: 10-step critic warm-up
     c.optim.critic.freeze_attention = True  # SAO's frozen-attention critic
+    c.optim.critic.trainable = "moe"  # MoE projections + router + value head train
 
     # Longest trajectory (prompt + turns + observations): 32k tokens. The update step
     # rematerialises every decoder layer (only its input is kept), scans the 48 layers
@@ -106,8 +107,9 @@ def get_config(arg=None):
         )
         c.data.template_kwargs = {"enable_thinking": False}  # short turns fit max_len
         c.init.chat_template = "tokenizer"  # Qwen3's, from tokenizer_config.json
-    c.value_pretrain.steps = 20  # critic-only steps before RL [open]
-    c.value_pretrain.rollouts = 512  # per host [open]
+    c.value_pretrain.steps = 200  # most critic steps before RL; stops on the EV plateau [open]
+    c.value_pretrain.batch_size = 128  # fresh rollouts per step (paper's RL batch) [open]
+    c.value_pretrain.heldout_rollouts = 1024  # never trained on [open]
 
     c.train.total_steps = 500  # [open]
     c.train.length_bucket = 4096  # <= 8 distinct update-step shapes up to 32k

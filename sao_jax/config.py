@@ -161,7 +161,9 @@ def _reference() -> dict[str, Any]:
         value_pretrain_section,
     )
 
-    critic = optimizer_section(1.0, freeze_attention=True, frozen_patterns=ATTENTION_PATTERNS)
+    critic = optimizer_section(
+        1.0, freeze_attention=True, trainable="moe", frozen_patterns=ATTENTION_PATTERNS
+    )
     return {
         "seed": 0,
         "model": None,

@@ -307,6 +307,45 @@ def create_writers(
     return MultiWriter(writers)
 
 
+class StageWriter:
+    """Metrics of a stage that runs before RL step 0 with a step counter of its own (value
+    pretraining), so that they never collide with RL steps nor fall to a resume's purge:
+
+    * workdir/metrics.jsonl: records at step `at_step` (0) carrying `step_key`: k (the
+      same file as the run's writer, appended and flushed per record);
+    * TensorBoard: scalars at step k under workdir/tensorboard/<subdir>/, a run of its
+      own (earlier events there are purged: the stage restarts from k = 0).
+
+    Only the primary process writes (default: jax.process_index() == 0).
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        subdir: str,
+        step_key: str,
+        *,
+        at_step: int = 0,
+        primary: bool | None = None,
+    ):
+        primary = jax.process_index() == 0 if primary is None else primary
+        self.step_key, self.at_step = step_key, at_step
+        self._jsonl = JsonlWriter(Path(workdir) / METRICS_FILE) if primary else None
+        logdir = Path(workdir) / TENSORBOARD_DIR / subdir
+        self._tb = TensorboardWriter(logdir, purge_step=0) if primary else None
+
+    def write(self, k: int, scalars: Mapping[str, Any]) -> None:
+        if self._jsonl is None:
+            return
+        self._jsonl.write_scalars(self.at_step, {self.step_key: int(k), **scalars})
+        self._tb.write_scalars(int(k), scalars)
+
+    def close(self) -> None:
+        for w in (self._jsonl, self._tb):
+            if w is not None:
+                w.close()
+
+
 # ------------------------------------------------------------------- host reductions
 
 

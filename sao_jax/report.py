@@ -8,12 +8,18 @@ picked by name, so train and eval records of any writer fit:
                      eval/greedy_success, eval/sampled_success, ...)
   reward             names whose last part contains "reward", and batch/outcome
   value loss         .../value_loss (critic_first/ = before the K critic steps)
-  explained var.     .../explained_variance, .../ev_before, .../ev_after
+  explained var.     .../explained_variance, .../ev_pre_update (the values before the
+                     update's critic steps: the honest number), .../ev_post_update
   DIS keep-rate      .../keep_rate; per staleness bucket .../keep_rate_stale_<bucket>
   staleness          the `staleness_hist` argument, else summary["staleness_hist"], else
                      the last record's sampler/staleness_hist/<k> (cumulative counts)
   skipped updates    .../skipped_steps (cumulative), else the per-window fraction
                      `skipped` times the steps since the previous record (approximate)
+
+Value pretraining records (sao_jax/value_pretrain.py: `value_pretrain/*` names, logged at
+step 0 with their own counter `value_pretrain/step`) get plots of their own against that
+counter (held-out and fresh-batch explained variance; value loss) and a table of every
+held-out evaluation; they stay out of the other plots.
 
 A plot whose series are all absent (or all null) is not drawn, and a PNG of that name
 left by an earlier report is removed. Figures are drawn on matplotlib's Agg canvas
@@ -38,6 +44,9 @@ REPORT_FILE = "report.md"
 PLOTS_DIR = "plots"
 STALENESS_HIST_PREFIX = "sampler/staleness_hist/"  # + k: trajectories taken at staleness k
 MARKERS_UP_TO = 30  # series with at most this many points get markers (sparse evals)
+PRETRAIN_PREFIX = "value_pretrain/"  # sao_jax.value_pretrain.PREFIX + "/"
+PRETRAIN_STEP = PRETRAIN_PREFIX + "step"  # its step counter (value_pretrain.STEP_KEY)
+PRETRAIN_HELDOUT_EV = PRETRAIN_PREFIX + "heldout/explained_variance"
 
 Series = dict[str, tuple[list[int], list[float]]]  # name -> (steps, values)
 
@@ -75,7 +84,7 @@ LINE_PLOTS: tuple[tuple[str, str, str, Callable[[str], bool], Callable[[str], An
         "explained_variance",
         "Critic explained variance",
         "1 - Var(R - V) / Var(R)",
-        lambda n: _last(n) in ("explained_variance", "ev_before", "ev_after"),
+        lambda n: _last(n) in ("explained_variance", "ev_pre_update", "ev_post_update"),
         str,
     ),
     ("keep_rate", "DIS keep-rate", "kept / action tokens", lambda n: _last(n) == "keep_rate", str),
@@ -87,7 +96,26 @@ LINE_PLOTS: tuple[tuple[str, str, str, Callable[[str], bool], Callable[[str], An
         _stale_order,
     ),
 )
-OTHER_PLOTS = ("staleness_hist", "skipped")
+# Value pretraining, against value_pretrain/step: (file stem, title, y label, names).
+PRETRAIN_PLOTS = (
+    (
+        "value_pretrain_ev",
+        "Value pretraining: explained variance",
+        "1 - Var(R - V) / Var(R)",
+        (
+            PRETRAIN_HELDOUT_EV,
+            PRETRAIN_PREFIX + "heldout/best_explained_variance",
+            PRETRAIN_PREFIX + "batch/explained_variance",
+        ),
+    ),
+    (
+        "value_pretrain_loss",
+        "Value pretraining: value loss",
+        "0.5 (V - R)^2",
+        (PRETRAIN_PREFIX + "heldout/value_loss", PRETRAIN_PREFIX + "batch/value_loss"),
+    ),
+)
+OTHER_PLOTS = ("staleness_hist", "skipped", *(p[0] for p in PRETRAIN_PLOTS))
 
 
 def _check_history(history: Sequence[Mapping[str, Any]]) -> None:
@@ -162,13 +190,13 @@ def _save(fig: Figure, path: Path) -> None:
     fig.savefig(path, format="png", metadata={"Software": None})
 
 
-def plot_lines(path: Path, title: str, ylabel: str, series: Series) -> None:
+def plot_lines(path: Path, title: str, ylabel: str, series: Series, xlabel: str = "step") -> None:
     """One line per series against the step; markers on sparse series."""
     fig, ax = _new_figure()
     for name, (steps, values) in series.items():
         marker = "o" if len(steps) <= MARKERS_UP_TO else None
         ax.plot(steps, values, marker=marker, markersize=3, linewidth=1.2, label=name)
-    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     _save(fig, path)
@@ -218,6 +246,33 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def pretrain_lines(history: Sequence[Mapping[str, Any]]) -> list[str]:
+    """| step | held-out EV | fresh-batch EV | held-out loss | at every held-out evaluation
+    of value pretraining ([] without one)."""
+    p = PRETRAIN_PREFIX
+    rows = [r for r in history if _number(r.get(PRETRAIN_HELDOUT_EV)) is not None]
+    if not rows:
+        return []
+    lines = [
+        "| step | held-out EV | best so far | batch EV before the update | held-out value loss |"
+        " rollouts |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = [
+            r.get(x)
+            for x in (
+                PRETRAIN_HELDOUT_EV,
+                p + "heldout/best_explained_variance",
+                p + "batch/explained_variance",
+                p + "heldout/value_loss",
+                p + "rollouts",
+            )
+        ]
+        lines.append(f"| {r[PRETRAIN_STEP]} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    return lines
+
+
 def eval_lines(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
     """| metric | before | after | over the names of either evaluation, in their order."""
     lines = ["| metric | before | after |", "|---|---:|---:|"]
@@ -260,9 +315,11 @@ def write_report(
             raise FileNotFoundError(f"write_report: no history given and {path} does not exist")
         history = read_jsonl(path)
     _check_history(history)
+    pretrain = [r for r in history if isinstance(r.get(PRETRAIN_STEP), int)]
+    history = [r for r in history if PRETRAIN_STEP not in r]
     plots_dir = workdir / PLOTS_DIR
     plots_dir.mkdir(parents=True, exist_ok=True)
-    names = _names(history)
+    names = [n for n in _names(history) if not n.startswith(PRETRAIN_PREFIX)]
     drawn: list[tuple[str, str]] = []  # (title, relative png path)
     last_values: list[tuple[str, int, float]] = []
 
@@ -277,6 +334,14 @@ def write_report(
                 stem, plot_title, lambda p, s=series, t=plot_title, y=ylabel: plot_lines(p, t, y, s)
             )
             last_values += [(n, st[-1], v[-1]) for n, (st, v) in series.items()]
+    as_steps = [{**r, "step": r[PRETRAIN_STEP]} for r in pretrain]
+    for stem, plot_title, ylabel, wanted in PRETRAIN_PLOTS:
+        series = collect_series(as_steps, wanted)
+        if series:
+            draw = lambda p, s=series, t=plot_title, y=ylabel: plot_lines(
+                p, t, y, s, xlabel="value pretraining step"
+            )
+            emit(stem, plot_title, draw)
     summary = summary or {}
     given = staleness_hist if staleness_hist is not None else summary.get("staleness_hist")
     hist = _check_staleness(given) if given else staleness_from_history(history)
@@ -297,6 +362,9 @@ def write_report(
     evals = [summary.get(k) or {} for k in EVAL_KEYS]
     if any(evals):
         lines += ["## Evaluation before and after training", "", *eval_lines(*evals), ""]
+    table = pretrain_lines(pretrain)
+    if table:
+        lines += ["## Value pretraining (held-out rollouts, never trained on)", "", *table, ""]
     lines += ["## Last logged values", ""]
     if last_values:
         lines += ["| metric | step | value |", "|---|---:|---:|"]

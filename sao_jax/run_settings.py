@@ -7,9 +7,11 @@ staged: warm start -> value pretraining -> asynchronous RL with periodic evaluat
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
-from sao_jax.rl.optim import optimizer_section
+from sao_jax.rl.optim import TRAINABLE_SETS, optimizer_section
 from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
 ENV_NAMES = ("arithmetic", "python_tool", "style")  # built-in procedural tasks (any registered
@@ -17,6 +19,35 @@ ENV_NAMES = ("arithmetic", "python_tool", "style")  # built-in procedural tasks 
 DATA_FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
 INIT_KINDS = ("sft", "hf", "params", "random")
 ROLLOUT_MODES = ("async", "sync")
+WARM_START_CRITIC_SUBDIR = "warm_start_critic"  # <workdir>/...: a run's pretrained critic
+# Config fields value pretraining reads besides the warm-start policy (prefixes end in
+# '.'), minus those it does not; two runs that agree on them pretrain the same critic
+# (`pretraining_fields`). Not read: rl.k_critic, rl.lam_critic, rl.policy_loss, every
+# other RL-time field, optim.critic.{freeze_attention,trainable,warmup_steps,decay,...}.
+PRETRAIN_READS = (
+    "value_pretrain.",
+    "rl.gamma",
+    "rl.microbatches",
+    "optim.critic.b1",
+    "optim.critic.b2",
+    "optim.critic.eps",
+    "optim.critic.weight_decay",
+    "optim.critic.max_grad_norm",
+    "optim.critic.frozen_patterns",
+    "sampling.",
+    "env.",
+    "model.",
+    "seed",
+)
+PRETRAIN_IGNORES = (
+    "sampling.max_staleness",  # no version ever lags: the policy is never republished
+    "sampling.lockstep",
+    "sampling.queue_size",
+    "sampling.env_timeout_s",
+    "sampling.max_env_errors",
+    "env.eval_size",
+    "env.group_size",  # value pretraining samples one rollout per prompt
+)
 
 
 def env_section() -> ConfigDict:
@@ -57,6 +88,8 @@ def init_section() -> ConfigDict:
     c.kind = "sft"  # 'sft' on demonstrations | 'hf' checkpoint | 'params' | 'random'
     c.hf_path = ""  # Hugging Face checkpoint directory when kind == 'hf'
     c.params_path = ""  # a run's <workdir>/warm_start when kind == 'params' (shared SFT)
+    c.critic_path = ""  # a run's <workdir>/warm_start_critic: start from that value-
+    # pretrained critic and skip value pretraining ('' = pretrain here; sweeps share one)
     c.tokenizer = "char"  # 'char' (built-in) or a directory with tokenizer.json
     # 'auto': the tokenizer's chat template when it has one (else raw text) | 'tokenizer':
     # required from the tokenizer | 'none': raw text | a path to a .jinja file
@@ -75,10 +108,35 @@ def sft_section() -> ConfigDict:
 
 
 def value_pretrain_section() -> ConfigDict:
+    """Value pretraining (sao_jax/value_pretrain.py): the critic regresses Monte-Carlo
+    returns of fresh rollouts of the warm-start policy, streamed, until its explained
+    variance on held-out rollouts stops improving. Independent of RL-time settings."""
     c = ConfigDict()
-    c.steps = 20  # critic-only updates on Monte-Carlo returns of the initial policy [open]
-    c.rollouts = 512  # distinct rollouts of the fixed initial policy they use [open]
+    c.steps = 200  # most critic optimizer steps (0 = no value pretraining) [open]
+    c.batch_size = 64  # fresh rollouts per optimizer step (the corpus: steps x batch / reuse)
+    c.reuse = 1  # optimizer steps each batch of fresh rollouts is used for (1 = never)
+    c.heldout_rollouts = 512  # sampled first, never trained on: EV / loss measured here
+    c.eval_every = 10  # optimizer steps between held-out evaluations (also at 0 and last)
+    c.patience = 5  # stop after this many evaluations without a held-out EV gain of at
+    c.min_delta = 0.005  # least min_delta over the best so far (patience 0 = never stop)
+    c.trainable = "all"  # trained leaves: 'all' | 'all_but_attention' | 'moe' (rl/optim.py)
+    c.lr = 0.0  # peak AdamW lr; 0 = optim.critic.lr (b1, b2, eps, weight decay and
+    # clipping always come from optim.critic; warm-up and schedule are its own)
+    c.warmup_steps = 10  # linear lr warm-up over the first pretraining steps
+    c.sampler = "async"  # 'async': the async sampler runs ahead of the critic steps |
+    # 'sync': the engine generates each batch in turn (deterministic with any worker count)
     return c
+
+
+def pretraining_fields(config: ConfigDict) -> dict[str, Any]:
+    """The flattened config fields value pretraining reads (PRETRAIN_READS); equal for two
+    configs iff they pretrain the same critic from the same warm start. optim.critic.lr
+    is read only when value_pretrain.lr is 0."""
+    flat = _flatten(config.to_dict() if isinstance(config, ConfigDict) else config)
+    reads = PRETRAIN_READS + (("optim.critic.lr",) if not flat["value_pretrain.lr"] else ())
+    keep = lambda k: any(k == r or (r.endswith(".") and k.startswith(r)) for r in reads)
+    out = {k: v for k, v in sorted(flat.items()) if keep(k) and k not in PRETRAIN_IGNORES}
+    return json.loads(json.dumps(out))  # tuples as lists: as a checkpoint's meta has them
 
 
 def train_section() -> ConfigDict:
@@ -99,6 +157,17 @@ def train_section() -> ConfigDict:
     c.report = True  # write report.md + plots at the end
     c.progress = True  # terminal progress bar
     return c
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 @register_validator("env")
@@ -183,7 +252,33 @@ def _check_sft(config: ConfigDict) -> None:
 def _check_value_pretrain(config: ConfigDict) -> None:
     v = config.value_pretrain
     require(v.steps >= 0, "value_pretrain.steps", f"must be >= 0, got {v.steps}")
-    require(v.rollouts >= 1, "value_pretrain.rollouts", f"must be >= 1, got {v.rollouts}")
+    for name in ("batch_size", "reuse", "heldout_rollouts", "eval_every"):
+        require(v[name] >= 1, f"value_pretrain.{name}", f"must be >= 1, got {v[name]}")
+    require(
+        v.heldout_rollouts % v.batch_size == 0,
+        "value_pretrain.heldout_rollouts",
+        f"{v.heldout_rollouts} is not a multiple of value_pretrain.batch_size={v.batch_size}",
+    )
+    require(v.patience >= 0, "value_pretrain.patience", f"must be >= 0, got {v.patience}")
+    require(v.min_delta >= 0, "value_pretrain.min_delta", f"must be >= 0, got {v.min_delta}")
+    require(
+        v.trainable in TRAINABLE_SETS,
+        "value_pretrain.trainable",
+        f"must be one of {TRAINABLE_SETS}, got {v.trainable!r}",
+    )
+    require(v.lr >= 0, "value_pretrain.lr", f"must be >= 0 (0 = optim.critic.lr), got {v.lr}")
+    require(v.warmup_steps >= 0, "value_pretrain.warmup_steps", "must be >= 0")
+    require(
+        v.sampler in ROLLOUT_MODES,
+        "value_pretrain.sampler",
+        f"must be one of {ROLLOUT_MODES}, got {v.sampler!r}",
+    )
+    if "rl" in config:
+        require(
+            v.batch_size % config.rl.microbatches == 0,
+            "value_pretrain.batch_size",
+            f"{v.batch_size} is not divisible by rl.microbatches={config.rl.microbatches}",
+        )
 
 
 @register_validator("train")
@@ -206,6 +301,13 @@ def _check_train(config: ConfigDict) -> None:
             "must fit in a row); 0 = the batch's padded length",
         )
     require(t.pack_length >= 0, "train.pack_length", f"must be >= 0, got {t.pack_length}")
+    if t.pack and "rl" in config:  # packed rows hold several trajectories: no row shuffling
+        require(
+            config.rl.ppo_epochs * config.rl.minibatches == 1,
+            "train.pack",
+            "packed batches take one policy step per batch; set rl.ppo_epochs = "
+            f"rl.minibatches = 1 (got {config.rl.ppo_epochs} x {config.rl.minibatches})",
+        )
     for name in ("eval_every", "checkpoint_every"):
         require(t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
     require(t.take_timeout_s > 0, "train.take_timeout_s", "must be > 0")
@@ -230,10 +332,23 @@ def check_run(config: ConfigDict, sharder) -> None:
             "directory holding tokenizer.json"
         )
     shards, micro = sharder.axis_size("batch"), config.rl.microbatches
-    if config.rl.batch_size % (shards * micro):
+    mini = config.rl.minibatches
+    if config.rl.batch_size % (shards * micro * mini):
         raise ConfigError(
             f"config field rl.batch_size: {config.rl.batch_size} is not divisible by "
+            f"rl.minibatches ({mini}) x rl.microbatches ({micro}) x the data-parallel "
+            f"shards ({shards})"
+        )
+    vp = config.value_pretrain
+    if vp.steps > 0 and vp.batch_size % (shards * micro):
+        raise ConfigError(
+            f"config field value_pretrain.batch_size: {vp.batch_size} is not divisible by "
             f"rl.microbatches ({micro}) x the data-parallel shards ({shards})"
+        )
+    if init.critic_path and not os.path.isdir(init.critic_path):
+        raise ConfigError(
+            f"config field init.critic_path: {init.critic_path!r} is not a directory (a "
+            "run's <workdir>/warm_start_critic)"
         )
     if init.kind == "sft" and config.sft.steps > 0 and config.sft.batch_size % shards:
         raise ConfigError(

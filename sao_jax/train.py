@@ -1,5 +1,10 @@
 """The main job: warm start -> value pretraining -> asynchronous RL -> evaluation -> report.
 
+Value pretraining (sao_jax/value_pretrain.py) runs once, before checkpoint 0, on its own
+prompt stream; the pretrained critic is saved to <workdir>/warm_start_critic, which other
+runs can start from (init.critic_path; sweeps share it per seed). A SIGTERM during it
+leaves no checkpoint: the rerun starts the run again.
+
 `run(config, workdir)` is everything `python -m experiments.train` does. Before anything
 compiles or touches the workdir, the config is checked once: field names, types and ranges
 (`sao_jax.config.validate`), then paths and batch sizes against the mesh
@@ -17,26 +22,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import pathlib
-import platform
 import time
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
-from sao_jax import checkpointing, metrics, report, stop
+from sao_jax import checkpointing, metrics, report, stop, value_pretrain
 from sao_jax import config as config_lib
-from sao_jax.chat_template import run_chat_format
+from sao_jax import run_accounting as acct
 from sao_jax.data.pipeline import run_prompts
 from sao_jax.data.prompts import prompt_iterator
-from sao_jax.envs.registry import env_factory
 from sao_jax.evaluation import Evaluator
-from sao_jax.models import hf
-from sao_jax.models.config import ModelConfig
-from sao_jax.models.factory import Models, init_models
 from sao_jax.models.transformer import Policy, critic_params_from_policy
 from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder, sharder_from_config
@@ -44,81 +42,15 @@ from sao_jax.parallel.partition import ModelDef
 from sao_jax.progress import Progress
 from sao_jax.rl.update import Learner
 from sao_jax.rollouts import AsyncRollouts, SyncRollouts
+from sao_jax.run_inputs import Inputs, build_models, read_inputs
 from sao_jax.run_settings import check_run
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.sampling.trajectory import Trajectory, pack_batch, pad_batch, round_up
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.sft import SFTTrainer, demo_batches
-from sao_jax.tokenizer import load_tokenizer
 
 log = logging.getLogger("sao_jax")
-
-
-def _models(config: ConfigDict, sharder, tokenizer) -> Models:
-    if config.init.kind == "hf":
-        cfg, pdef, policy = hf.load_hf_policy(config.init.hf_path, sharder=sharder)
-        _, cdef, critic = hf.load_hf_critic(config.init.hf_path, sharder=sharder)
-        models = Models(cfg, pdef, policy, cdef, critic)
-    else:
-        models = init_models(ModelConfig.from_config(config.model), sharder, config.seed)
-    if tokenizer.vocab_size > models.cfg.vocab_size:
-        raise ConfigError(
-            f"config field model.vocab_size: {models.cfg.vocab_size} < the tokenizer's "
-            f"{tokenizer.vocab_size} tokens"
-        )
-    return models
-
-
-def _host_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
-    lags = np.concatenate([version - t.versions[t.action_mask] for t in trajs])
-    return {
-        "train/reward": float(np.mean([t.outcome for t in trajs])),
-        "train/success": float(np.mean([bool(t.info.get("success", False)) for t in trajs])),
-        "train/truncated": float(np.mean([t.truncated for t in trajs])),
-        "train/action_tokens": float(np.mean([t.num_actions for t in trajs])),
-        "train/staleness": float(np.mean(lags)),
-        "train/max_staleness": float(np.max(lags)),
-    }
-
-
-@dataclasses.dataclass(frozen=True)
-class Inputs:
-    """What a run reads besides the model: tokenizer, chat template, envs, prompts."""
-
-    tokenizer: Any
-    chat: Any  # a ChatFormat, or None for raw text
-    env_factory: Any
-    set_env_step: Any  # the task's step hook, or None
-    train_prompts: Any  # grain.MapDataset, endless
-    eval_prompts: list
-
-
-def read_inputs(config: ConfigDict) -> Inputs:
-    """Every input file read and checked (tokenizer, chat template, dataset rows, env
-    parameters and reward), before the workdir is touched; ConfigError naming the field."""
-    try:
-        tokenizer = load_tokenizer(config.init.tokenizer)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(f"config field init.tokenizer: {e}") from None
-    chat = run_chat_format(config, tokenizer)
-    env = config.env
-    try:
-        factory, hook = env_factory(env.name, env.params.to_dict(), chat)
-    except ConfigError:
-        raise
-    except ValueError as e:  # unknown reward, bad env parameter, bad chat rendering
-        raise ConfigError(f"config field env.params: {e}") from None
-    train_prompts, eval_prompts = run_prompts(config)  # task generator or dataset
-    try:  # the chat template renders, the env takes the prompts
-        factory().reset(eval_prompts[0])
-    except ValueError as e:
-        raise ConfigError(
-            f"config field env.name: task {env.name!r} refuses the first held-out prompt "
-            f"{eval_prompts[0].uid!r}: {e}"
-        ) from None
-    return Inputs(tokenizer, chat, factory, hook, train_prompts, eval_prompts)
+PRETRAIN_SEED_OFFSET = 3  # value pretraining's prompt stream and sampler: seed + 3
 
 
 class Run:
@@ -136,7 +68,7 @@ class Run:
         self.workdir = workdir
         self.sharder = sharder or sharder_from_config(config)
         self.tokenizer = inputs.tokenizer
-        self.models = _models(config, self.sharder, self.tokenizer)
+        self.models = build_models(config, self.sharder, self.tokenizer)
         self.learner = Learner(config, self.models.policy_def, self.models.critic_def, self.sharder)
         # Several processes (docs/scaling.md): each host's sampler makes B / P trajectories
         # with a host-local policy copy (a model without global-mesh constraints).
@@ -175,8 +107,7 @@ class Run:
         )
         self.writer = None  # created once the resume step is known
         self.key = jax.random.key(config.seed)
-        vp = config.value_pretrain.steps
-        self.pre_updates = vp if (self.learner.uses_critic and vp > 0) else 0
+        self.loaded_critic: dict | None = None  # meta of a critic from init.critic_path
 
     # ------------------------------------------------------------------------ stages
 
@@ -215,7 +146,12 @@ class Run:
                 on_log=lambda s, m: log.info("sft step %d: %s", s, _fmt(m)),
             )
             self.save_policy(self.workdir / "warm_start", policy)
-        critic = critic_params_from_policy(policy, models.critic)
+        if cfg.init.critic_path and self.learner.uses_critic:
+            critic, self.loaded_critic = value_pretrain.load_critic(
+                cfg.init.critic_path, cfg, models.critic_def, self.sharder
+            )
+        else:
+            critic = critic_params_from_policy(policy, models.critic)
         return self.learner.new_state(policy, critic, cfg.seed)
 
     def save_policy(self, path: pathlib.Path, policy) -> None:
@@ -234,35 +170,80 @@ class Run:
         log.info("warm start: policy params from %s", path)
         return policy
 
-    def value_pretrain(self, state):
-        """Stage (b): critic-only steps on Monte-Carlo returns of the fixed initial policy."""
-        vp, b = self.config.value_pretrain, self.local_batch
-        if not (self.learner.uses_critic and vp.steps > 0):
-            return state
-        source = SyncRollouts(
-            self.sampler_def,
-            self.tokenizer,
-            self.env_factory,
-            self.prompts,
-            self.engine_cfg,
-            seed=self.config.seed + 3,
-            **self.take_bounds,
-        )
-        source.publish(self.sampler_params(state.policy), int(state.step))
-        trajs = source.take(vp.rollouts)
-        log.info("value pretraining: %d steps on %d rollouts", vp.steps, len(trajs))
-        acc = metrics.MetricAccumulator()
-        for i in range(vp.steps):
-            chunk = [trajs[(i * b + j) % len(trajs)] for j in range(b)]
-            batch = self._batch(chunk)
-            state, m = self.learner.value_step(state, batch, self._key(state))
-            acc.add(m)
-        result = acc.result()
-        log.info("value pretraining done: %s", _fmt(result, "critic/"))
-        self.learner.raise_if_diverged(state)
-        return state
+    def value_pretrain(self, state, stopper) -> tuple[Any, dict]:
+        """Stage (b): value pretraining (sao_jax/value_pretrain.py); (state, summary).
 
-    def _batch(self, trajs: list[Trajectory]) -> dict[str, Any]:
+        A critic loaded from init.critic_path is not pretrained again: its pretraining
+        record is copied into this run's metrics. The RL critic optimizer is untouched (it
+        starts fresh, so optim.critic.warmup_steps warms up the first RL steps)."""
+        cfg, vp = self.config, self.config.value_pretrain
+        if not self.learner.uses_critic:
+            return state, {}
+        writer = metrics.StageWriter(self.workdir, "value_pretrain", value_pretrain.STEP_KEY)
+        try:
+            if self.loaded_critic is not None:
+                meta = self.loaded_critic
+                for record in meta.get("history", []):
+                    scalars = {k: acct.nan_from_json(v) for k, v in record.items()}
+                    writer.write(int(scalars.pop(value_pretrain.STEP_KEY)), scalars)
+                return state, {**meta["value_pretrain"], "source": cfg.init.critic_path}
+            if vp.steps == 0:
+                return state, {}
+            trainer = value_pretrain.ValuePretrainer(cfg, self.models.critic_def, self.sharder)
+            source = self.pretrain_rollouts(state.policy)
+            try:
+                result = value_pretrain.pretrain(
+                    trainer,
+                    state.critic,
+                    take=lambda n: source.take(n, cfg.train.take_timeout_s),
+                    batch_of=lambda trajs: self._batch(trajs, for_learner=False),
+                    write=writer.write,
+                    should_stop=lambda: stopper.requested,
+                    max_consecutive_skips=cfg.rl.max_consecutive_skips,
+                )
+            finally:
+                source.stop()
+        finally:
+            writer.close()
+        if result.summary["stop_reason"] != "interrupted":
+            path = self.workdir / value_pretrain.CRITIC_SUBDIR
+            value_pretrain.save_critic(path, result.critic, result, cfg)
+        return state.replace(critic=result.critic), result.summary
+
+    def pretrain_rollouts(self, policy):
+        """The sampler of value pretraining: the fixed warm-start policy, published once
+        and never again, on a prompt stream of its own (seed + 3), so the RL prompt stream
+        is the same whether the critic was pretrained here or loaded."""
+        cfg, vp = self.config, self.config.value_pretrain
+        seed = cfg.seed + PRETRAIN_SEED_OFFSET
+        prompts = distributed.process_shard(run_prompts(cfg, seed=seed)[0])
+        args = (self.sampler_def, self.tokenizer, self.env_factory, iter(prompts.to_iter_dataset()))
+        if self.set_env_step is not None:
+            self.set_env_step(0)
+        if vp.sampler == "sync":
+            source = SyncRollouts(*args, self.engine_cfg, seed=seed, **self.take_bounds)
+        else:
+            local = distributed.local_batch_size(vp.batch_size, "value_pretrain.batch_size")
+            sampler_cfg = dataclasses.replace(
+                self.sampler_cfg,
+                seed=seed,
+                max_staleness=None,
+                lockstep=None,
+                queue_size=max(self.sampler_cfg.queue_size, 2 * local),
+            )
+            source = AsyncRollouts(
+                *args,
+                self.engine_cfg,
+                sampler_cfg,
+                take_timeout_s=self.take_bounds["take_timeout_s"],
+            )
+        source.publish(self.sampler_params(policy), 0)
+        source.start()
+        return source
+
+    def _batch(self, trajs: list[Trajectory], for_learner: bool = True) -> dict[str, Any]:
+        """The padded global batch of this host's trajectories (checked against the
+        learner's batch rules unless `for_learner` is off: value pretraining)."""
         cfg = self.config
         length = None
         if jax.process_count() > 1:  # all hosts pad to the longest row of the global batch
@@ -271,7 +252,7 @@ class Run:
         kw = dict(
             length=length,
             length_bucket=cfg.train.length_bucket,
-            with_groups=self.learner.estimator.needs_groups,
+            with_groups=for_learner and self.learner.estimator.needs_groups,
             with_routing=cfg.rl.routing_replay,
         )
         if cfg.train.pack:  # model passes on packed rows (sao_jax/rl/packing.py)
@@ -286,7 +267,8 @@ class Run:
         else:
             batch = pad_batch(trajs, **kw)
         batch = distributed.global_batch(batch, self.batch_sharding)
-        self.learner.check_batch(batch)
+        if for_learner:
+            self.learner.check_batch(batch)
         return batch
 
     def sampler_params(self, policy):
@@ -320,7 +302,8 @@ class Run:
             prompts=source.prompt_state() if source is not None else self.prompts.get_state(),
             counters=counters,
             before=extra["before"],
-            wall_time=_wall(extra),
+            value_pretrain=acct.finite(extra.get("value_pretrain", {})),
+            wall_time=acct.wall_time(extra),
         )
         self.ckpt.save(step, state, meta)
 
@@ -358,13 +341,16 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
             try:
                 state = r.warm_start()
                 before = r.evaluate(state, 0)
-                state = r.value_pretrain(state)
+                state, pretrained = r.value_pretrain(state, stopper)
+                stop.raise_if_requested("value pretraining")
             except stop.StopRequested as e:  # nothing resumable yet: the next run starts over
                 log.warning("%s, before the first checkpoint: exiting without one", e)
                 return _close(r, workdir, t, dict(steps=0, interrupted=True, before={}))
-            extra = dict(before=before, prior_wall_time=0.0, t_start=t_start)
-            counters = _resume_counters({})
-            r.save(0, state, None, _counters(counters, {}), extra)
+            extra = dict(
+                before=before, value_pretrain=pretrained, prior_wall_time=0.0, t_start=t_start
+            )
+            counters = acct.resume_counters({})
+            r.save(0, state, None, acct.counters(counters, {}), extra)
         else:
             abstract = checkpointing.abstract_like(
                 r.learner.abstract_state, r.learner.state_shardings
@@ -372,8 +358,13 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
             state, meta = r.ckpt.restore(abstract)
             r.prompts.set_state(meta["prompts"])
             r.writer = metrics.create_writers(workdir, resume_step=int(state.step))
-            extra = dict(before=meta["before"], prior_wall_time=meta["wall_time"], t_start=t_start)
-            counters = _resume_counters(meta.get("counters", {}))
+            extra = dict(
+                before=meta["before"],
+                value_pretrain=meta.get("value_pretrain", {}),
+                prior_wall_time=meta["wall_time"],
+                t_start=t_start,
+            )
+            counters = acct.resume_counters(meta.get("counters", {}))
             log.info("resumed from step %d (checkpoint %d)", int(state.step), latest)
         summary = _rl(r, state, counters, extra, stopper, t_start)
     return _close(r, workdir, t, summary)
@@ -385,7 +376,7 @@ def _close(r: Run, workdir: pathlib.Path, t, summary: dict) -> dict:
     r.writer.close()
     if t.report and distributed.is_primary() and summary.get("steps"):
         report.write_report(workdir, summary=summary)
-    text = json.dumps(_finite(summary), indent=2, sort_keys=True, allow_nan=False)
+    text = json.dumps(acct.finite(summary), indent=2, sort_keys=True, allow_nan=False)
     if distributed.is_primary():
         (workdir / "summary.json").write_text(text)
     return summary
@@ -421,9 +412,9 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
                 break
             batch = r._batch(trajs)
             version = int(state.step)
-            host.append(_host_stats(trajs, version))
+            host.append(acct.host_stats(trajs, version))
             tokens += int(batch["action_mask"].sum())
-            if int(state.updates) < r.pre_updates + cfg.rl.critic_only_steps:
+            if int(state.updates) < cfg.rl.critic_only_steps:
                 state, m = learner.value_step(state, batch, r._key(state))  # critic warm-up
                 acc.add(m)
                 continue
@@ -436,10 +427,10 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
             if step % t.log_every == 0 or step == t.total_steps:
                 learner.raise_if_diverged(state)
                 now = time.time()
-                scalars = {**acc.result(), **_mean(host)}
+                scalars = {**acc.result(), **acct.mean_rows(host)}
                 scalars["perf/action_tokens_per_s"] = tokens / max(now - t_log, 1e-9)
                 scalars["train/skipped_steps"] = float(state.skipped_steps)
-                scalars.update(_sampler_scalars(source.stats(), counters))
+                scalars.update(acct.sampler_scalars(source.stats(), counters))
                 r.writer.write_scalars(step, scalars)
                 progress.update(step, scalars)
                 last = scalars
@@ -447,7 +438,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
             if t.eval_every and step % t.eval_every == 0 and step < t.total_steps:
                 _unless_stopped(r.evaluate, state, step)
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
-                r.save(step, state, source, _counters(counters, source.stats()), extra)
+                r.save(step, state, source, acct.counters(counters, source.stats()), extra)
     finally:
         source.stop()
         progress.close()
@@ -455,16 +446,17 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
     after = {}
     if step >= t.total_steps and not stopped:
         after = _unless_stopped(r.evaluate, state, step) or {}
-    r.save(step, state, source, _counters(counters, source.stats()), extra)
+    r.save(step, state, source, acct.counters(counters, source.stats()), extra)
     return dict(
         steps=step,
         before=extra["before"],
         after=after,
+        value_pretrain=extra.get("value_pretrain", {}),
         last_train=last,
-        counters=_counters(counters, source.stats()),
+        counters=acct.counters(counters, source.stats()),
         staleness_hist=source.stats().get("staleness", {}),
-        wall_time_s=_wall(extra),
-        machine=_machine(),
+        wall_time_s=acct.wall_time(extra),
+        machine=acct.machine(),
         interrupted=bool(stopped or stopper.requested),
     )
 
@@ -490,70 +482,3 @@ def _unless_stopped(fn, *args):
     except stop.StopRequested as e:
         log.warning("%s: skipped", e)
         return None
-
-
-def _wall(extra: dict) -> float:
-    """Wall time of the whole run: earlier segments (before a resume) + this one."""
-    return extra["prior_wall_time"] + time.time() - extra["t_start"]
-
-
-def _machine() -> str:
-    dev = jax.devices()[0]
-    return (
-        f"{platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"{jax.device_count()} x {dev.platform} ({dev.device_kind})"
-    )
-
-
-def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
-    if not rows:
-        return {}
-    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
-
-
-def _sampler_scalars(stats: dict[str, Any], base: dict) -> dict[str, float]:
-    """The sampler's gauges (queued, version, ...); generated / taken / dropped are run
-    totals (earlier segments included), so a resumed run continues the curves."""
-    out = {f"sampler/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float))}
-    totals = _counters(base, stats)
-    out["sampler/generated"] = float(totals["generated"])
-    out["sampler/taken"] = float(totals["trained"])
-    out["sampler/dropped"] = float(totals["dropped_stale"] + totals["dropped_episodes"])
-    return out
-
-
-def _finite(x: Any) -> Any:
-    """`x` with non-finite floats replaced by None (strict JSON, as in metrics.jsonl)."""
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    if isinstance(x, float) and not np.isfinite(x):
-        return None
-    return x
-
-
-def _resume_counters(saved: dict) -> dict:
-    """Totals of earlier run segments; what was in flight at their save is discarded."""
-    keys = ("generated", "trained", "dropped_stale", "dropped_episodes", "discarded")
-    base = {k: int(saved.get(k, 0)) for k in keys}
-    base["discarded"] += int(saved.get("in_flight", 0))
-    return base
-
-
-def _counters(base: dict, stats: dict[str, Any]) -> dict:
-    """Trajectory counters since the run began (`base`: earlier segments, `stats`: the
-    source's). Balance, checked by the tests: generated == trained + dropped_stale +
-    discarded + in_flight (finished, not yet trained); dropped_episodes never finished
-    (env errors, prompts too long, ...)."""
-    dropped = dict(stats.get("dropped", {}))
-    stale = int(dropped.pop("stale", 0))
-    out = {
-        "generated": base["generated"] + int(stats.get("generated", 0)),
-        "trained": base["trained"] + int(stats.get("taken", 0)),
-        "dropped_stale": base["dropped_stale"] + stale,
-        "dropped_episodes": base["dropped_episodes"] + int(sum(dropped.values())),
-        "discarded": base["discarded"],
-        "in_flight": int(stats.get("queued", 0)) + int(stats.get("in_open_groups", 0)),
-    }
-    return out

@@ -178,16 +178,18 @@ def dis_reference(logp, rollout_logp, adv, m, eps_l, eps_h, denom):
     return loss, grad
 
 
-def ppo_reference(logp, old_logp, adv, m, eps_low, eps_high, denom, keep=None):
-    """Clipped surrogate loss and gradient; `keep` optionally masks tokens (IcePop)."""
+def ppo_reference(logp, old_logp, adv, m, eps_low, eps_high, denom, keep=None, weight=None):
+    """Clipped surrogate loss and gradient; `keep` optionally masks tokens and `weight`
+    scales each token's term (IcePop: weight k inside the band, masked outside)."""
     loss, grad = 0.0, np.zeros(logp.shape)
     for b, t in zip(*np.nonzero(m)):
         if keep is not None and not keep[b, t]:
             continue
+        w = 1.0 if weight is None else weight[b, t]
         rho = np.exp(logp[b, t] - old_logp[b, t])
         s1, s2 = rho * adv[b, t], np.clip(rho, 1 - eps_low, 1 + eps_high) * adv[b, t]
-        loss -= min(s1, s2) / denom
-        grad[b, t] = -rho * adv[b, t] / denom if s1 <= s2 else 0.0
+        loss -= w * min(s1, s2) / denom
+        grad[b, t] = -w * rho * adv[b, t] / denom if s1 <= s2 else 0.0
     return loss, grad
 
 

@@ -50,8 +50,14 @@ def test_variant_definitions_match_the_brief():
     v = ablations.VARIANTS
     assert v["no_faster_value"] == {"rl.k_critic": 1}
     assert v["no_frozen_attention"] == {"optim.critic.freeze_attention": False}
-    assert v["vanilla_vapo"] == {"rl.policy_loss": "ppo_clip"}
+    assert v["vanilla_vapo"] == {"rl.policy_loss": "ppo_clip", "rl.minibatches": 4}
     assert v["grpo"]["rl.policy_loss"] == "ppo_clip" and "rl.policy_loss" not in v["grpo_dis"]
+    for row in ("vanilla_vapo", "grpo"):  # veRL's default PPO loop: 1 epoch x 4 minibatches
+        c = ablations.get_config(row)
+        assert (c.rl.ppo_epochs, c.rl.minibatches) == (1, 4), row
+    for row in ("sao", "grpo_dis", "no_faster_value", "no_frozen_attention"):  # DIS: one step
+        c = ablations.get_config(row)
+        assert (c.rl.ppo_epochs, c.rl.minibatches) == (1, 1), row
     sao_cfg = sao.get_config()
     assert (sao_cfg.rl.advantage, sao_cfg.rl.policy_loss, sao_cfg.rl.k_critic) == ("gae", "dis", 2)
     assert sao_cfg.optim.critic.freeze_attention and sao_cfg.rl.lam_mode == "adaptive"

@@ -347,7 +347,7 @@ def get_config(arg=None):
     c.sampling.env_timeout_s = {env_timeout}
     c.sampling.max_env_errors = 4
     c.env.eval_size, c.sft.steps = 4, 1
-    c.value_pretrain.steps, c.value_pretrain.rollouts = 1, 4
+    c.value_pretrain.steps = 1
     c.train.eval_sampled, c.train.report = False, False
     return c
 """

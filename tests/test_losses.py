@@ -79,7 +79,7 @@ def test_dis_out_of_band_tokens_have_zero_gradient_and_stay_in_the_denominator()
 def test_microbatches_with_the_global_denominator_equal_the_full_batch():
     b = _batch(5)
     n = _denom(b["action_mask_bt"])
-    for name in ("dis", "ppo_clip", "icepop", "estr", "positive_nll"):
+    for name in ("dis", "ppo_clip", "icepop", "icepop_mask", "estr", "positive_nll"):
         full, full_grad, _ = _loss_and_grad(name, b)
         parts = [_loss_and_grad(name, {k: v[i : i + 2] for k, v in b.items()}, denominator=n)
                  for i in (0, 2)]  # fmt: skip
@@ -91,22 +91,51 @@ def test_ppo_clip_and_icepop_against_reference():
     for seed in range(3):
         b = _batch(10 + seed)
         m, adv, old = b["action_mask_bt"], b["advantages_bt"], b["old_logp_bt"]
-        loss, grad, metrics = _loss_and_grad("ppo_clip", b, eps_high=0.3)
-        want = ref.ppo_reference(b["logp_bt"], old, adv, m, 0.2, 0.3, _denom(m))
+        rollout = b["rollout_logp_bt"]
+        # ppo_clip: pi_old = the behaviour policy (the rollout engine's log-probs)
+        loss, grad, metrics = _loss_and_grad("ppo_clip", {**b, "old_logp_bt": None}, eps_high=0.3)
+        want = ref.ppo_reference(b["logp_bt"], rollout, adv, m, 0.2, 0.3, _denom(m))
         np.testing.assert_allclose(loss, want[0], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(grad, want[1], rtol=1e-5, atol=1e-6)
-        rho = np.exp(b["logp_bt"] - old)
+        rho = np.exp(b["logp_bt"] - rollout)
         low = np.sum(m & (rho < 0.8) & (adv < 0))
         high = np.sum(m & (rho > 1.3) & (adv > 0))
         assert float(metrics["ppo_clip_low"][0]) == low
         assert float(metrics["ppo_clip_high"][0]) == high
-        k = np.exp(old - b["rollout_logp_bt"])  # train(old) vs inference log-probs
+        assert float(metrics["clip_frac"][0]) == low + high > 0
+        # icepop: PPO against the training engine's pi_old, weighted by k = train / infer
+        k = np.exp(old - rollout)
         band = (k >= 0.5) & (k <= 5.0)
-        loss, grad, metrics = _loss_and_grad("icepop", b)
-        want = ref.ppo_reference(b["logp_bt"], old, adv, m, 0.2, 0.28, _denom(m), keep=band)
-        np.testing.assert_allclose(loss, want[0], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(grad, want[1], rtol=1e-5, atol=1e-6)
-        assert float(metrics["keep_rate"][0]) == np.sum(m & band)
+        for name, weight in (("icepop", np.where(band, k, 0.0)), ("icepop_mask", None)):
+            loss, grad, metrics = _loss_and_grad(name, b)
+            want = ref.ppo_reference(
+                b["logp_bt"], old, adv, m, 0.2, 0.28, _denom(m), keep=band, weight=weight
+            )
+            np.testing.assert_allclose(loss, want[0], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(grad, want[1], rtol=1e-5, atol=1e-6)
+            assert float(metrics["keep_rate"][0]) == np.sum(m & band)
+            w = np.where(band, k if weight is not None else 1.0, 0.0)
+            np.testing.assert_allclose(metrics["icepop_weight"][0], np.sum(w[m]), rtol=1e-5)
+
+
+def test_icepop_weights_kept_tokens_by_the_train_inference_ratio():
+    """Published IcePop: a kept token's gradient is k times PPO's; out-of-band tokens get
+    none. (The mask-only form, today's `icepop_mask`, gave every kept token weight 1.)"""
+    m = np.ones((1, 4), bool)
+    rollout = np.zeros((1, 4), np.float32)
+    old = np.log(np.array([[0.4, 0.8, 2.0, 6.0]], np.float32))  # k = 0.4, 0.8, 2, 6
+    b = dict(
+        logp_bt=old.copy(),  # the first minibatch step: rho = 1, no clip
+        rollout_logp_bt=rollout,
+        old_logp_bt=old,
+        advantages_bt=np.ones((1, 4), np.float32),
+        action_mask_bt=m,
+    )
+    _, grad_ppo, _ = _loss_and_grad("ppo_clip", {**b, "rollout_logp_bt": old})
+    _, grad, _ = _loss_and_grad("icepop", b)
+    np.testing.assert_allclose(grad, grad_ppo * np.array([[0.0, 0.8, 2.0, 0.0]]), rtol=1e-6)
+    _, grad_mask, _ = _loss_and_grad("icepop_mask", b)
+    np.testing.assert_allclose(grad_mask, grad_ppo * np.array([[0.0, 1.0, 1.0, 0.0]]), rtol=1e-6)
 
 
 def test_estr_and_positive_nll_against_reference():
@@ -165,7 +194,7 @@ def test_value_loss_against_reference():
 def test_registry_and_bad_inputs():
     b = _batch(0)
     assert set(losses.LOSSES.names()) == {
-        "dis", "ppo_clip", "icepop", "estr", "positive_nll", "value_mse",
+        "dis", "ppo_clip", "icepop", "icepop_mask", "estr", "positive_nll", "value_mse",
     }  # fmt: skip
     with pytest.raises(ValueError, match=r"unknown loss 'grpo'; known: \["):
         losses.policy_loss("grpo", **b)
@@ -174,7 +203,7 @@ def test_registry_and_bad_inputs():
     with pytest.raises(TypeError, match=r"unexpected parameter\(s\) \['eps_low'\]"):
         losses.policy_loss("dis", eps_low=0.1, **b)
     with pytest.raises(ValueError, match="needs old_logp_bt"):
-        losses.policy_loss("ppo_clip", **{**b, "old_logp_bt": None})
+        losses.policy_loss("icepop", **{**b, "old_logp_bt": None})
     with pytest.raises(ValueError, match="needs entropy_bt"):
         losses.policy_loss("estr", **{**b, "entropy_bt": None})
     with pytest.raises(ValueError, match="advantages_bt: shape"):

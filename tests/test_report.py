@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from sao_jax import report as R
+from sao_jax import value_pretrain
 from sao_jax.metrics import JsonlWriter
-from sao_jax.report import STALENESS_HIST_PREFIX
+from sao_jax.report import PRETRAIN_STEP, STALENESS_HIST_PREFIX
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BUCKETS = ("0", "1", "2", "3_4", "5_8", "gt8")
@@ -25,7 +26,7 @@ def _history(steps=12):
             "batch/outcome": float(rng.random()),
             "critic/value_loss": 1.0 / s,
             "critic_first/value_loss": 1.2 / s,
-            "critic/ev_before": 0.1 * s / steps,
+            "critic/ev_pre_update": 0.1 * s / steps,
             "critic/explained_variance": None if s == 3 else 0.5,
             "policy/keep_rate": 0.9,
             "skipped": 0.0 if s != 5 else 1.0,
@@ -126,6 +127,36 @@ def test_train_loop_summary(tmp_path):
     assert "| Wall time | 0h 01m 00s (60 s) |" in md
     assert "last_train" not in md and "0.8" not in md
     assert _images(md) == ["plots/reward.png", "plots/staleness_hist.png"]
+
+
+def test_value_pretraining_gets_its_own_plots_and_table(tmp_path):
+    history = [{"step": 0, "eval/greedy_success": 0.1}]
+    for k in range(21):  # logged at RL step 0 with their own counter
+        rec = {"step": 0, PRETRAIN_STEP: k, "value_pretrain/lr": 1e-3}
+        if k:
+            rec["value_pretrain/batch/explained_variance"] = 0.01 * k
+            rec["value_pretrain/batch/value_loss"] = 1.0 / k
+        if k % 5 == 0:
+            rec["value_pretrain/heldout/explained_variance"] = 0.02 * k
+            rec["value_pretrain/heldout/best_explained_variance"] = 0.02 * k
+            rec["value_pretrain/heldout/value_loss"] = 2.0 / (k + 1)
+            rec["value_pretrain/rollouts"] = 64 * k
+        history.append(rec)
+    history += [{"step": s, "critic/ev_pre_update": 0.3, "critic/ev_post_update": 0.5}
+                for s in (1, 2)]  # fmt: skip
+    summary = {"value_pretrain": {"steps": 20, "stop_reason": "reached value_pretrain.steps=20"}}
+    md = R.write_report(tmp_path, history=history, summary=summary).read_text()
+    assert _images(md) == [
+        "plots/success.png", "plots/explained_variance.png", "plots/value_pretrain_ev.png",
+        "plots/value_pretrain_loss.png",
+    ]  # fmt: skip
+    table = md.split("## Value pretraining")[1].split("##")[0]
+    assert table.count("\n| ") == 6  # header + evaluations at 0, 5, 10, 15, 20
+    assert "| 20 | 0.4 | 0.4 | 0.2 | 0.09524 | 1280 |" in table
+    last = md.split("## Last logged values")[1]
+    assert "value_pretrain/" not in last and "| critic/ev_pre_update | 2 | 0.3 |" in last
+    assert "| value_pretrain/stop_reason | reached value_pretrain.steps=20 |" in md
+    assert value_pretrain.STEP_KEY == PRETRAIN_STEP
 
 
 def test_empty_history(tmp_path):

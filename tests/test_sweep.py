@@ -25,8 +25,9 @@ FAKE_TRAIN = textwrap.dedent(
         sys.exit(3)
     wd.mkdir(parents=True, exist_ok=True)
     steps = int(flags.get("config.train.total_steps", 4))
-    if steps == 0:  # like sao_jax.train today: saves the SFT policy, then dies at RL step 0
+    if steps == 0:  # a warm start: the SFT policy and the pretrained critic, no RL
         (wd / "warm_start" / "0").mkdir(parents=True, exist_ok=True)
+        (wd / "warm_start_critic" / "0").mkdir(parents=True, exist_ok=True)
         sys.exit("ValueError: Progress: total must be an int > 0, got 0")
     seed = int(flags["config.seed"])
     rows = [{"step": s, "train/success": 0.1 * s + seed, "eval/greedy_success": 0.05 * s}
@@ -124,6 +125,29 @@ def test_warm_start_keeps_only_fields_that_shape_it():
     assert ws.seed == 1 and ws.variant == "" and ws.config_path == "configs/ablations.py"
 
 
+def test_rows_with_a_critic_share_the_warm_start_critic(tmp_path):
+    """K=1 and no-frozen-attention read no pretraining field: they load the warm start's
+    critic like SAO; rows without a critic don't; a row that changes a field pretraining
+    reads pretrains its own."""
+    spec = _spec(
+        variants=("sao", "no_faster_value", "no_frozen_attention", "vanilla_vapo", "grpo",
+                  "moving_average"),
+        grid=(), seeds=(0,), fixed={"train.total_steps": 3, "value_pretrain.steps": 7},
+    )  # fmt: skip
+    warm, pairs = sweep.sweep_jobs(spec, tmp_path)
+    assert warm[0].critic and "--config.value_pretrain.steps=7" in warm[0].argv
+    critic = tmp_path / warm[0].name / "warm_start_critic"
+    shared = {p.variant for p, job in pairs if f"--config.init.critic_path={critic}" in job.argv}
+    assert shared == {"sao", "no_faster_value", "no_frozen_attention", "vanilla_vapo"}
+    gamma = _spec(variants=("sao",), grid=(sweep.axis("rl.gamma", [0.9]),), seeds=(0,))
+    _, pairs = sweep.sweep_jobs(gamma, tmp_path / "g")
+    assert not any("init.critic_path" in a for a in pairs[0][1].argv)
+    assert sweep.affects_warm_start("value_pretrain.steps") and sweep.affects_warm_start("rl.gamma")
+    assert not sweep.affects_warm_start("rl.k_critic")
+    assert not sweep.affects_warm_start("optim.critic.freeze_attention")
+    assert not sweep.affects_warm_start("sampling.max_staleness")
+
+
 def test_launcher_argv():
     argv = ["py", "-m", "experiments.train", "--config=c.py", "--workdir=w"]
     assert sweep.launcher_argv("local", argv, "n") == argv
@@ -152,6 +176,8 @@ def test_run_sweep_warm_starts_first_then_points_resumably(tmp_path, fake):
         ws = tmp_path / "sw" / sweep.warm_start_name(spec, int(c["flags"]["config.seed"]))
         assert c["flags"]["config.init.params_path"] == str(ws / "warm_start")
         assert c["flags"]["config.model.hidden_size"] == "32"
+    for c in first[:2]:  # the warm starts pretrain the critic (no value_pretrain.steps=0)
+        assert "config.value_pretrain.steps" not in c["flags"]
     status = {r.point.name: r.status for r in results}
     assert all(s == "done" for n, s in status.items() if n.startswith("sao"))
     failed = [r for r in results if r.point.variant == "fail"]

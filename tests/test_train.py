@@ -20,8 +20,12 @@ import shutil
 import ml_collections
 import pytest
 
-from sao_jax import checkpointing, rollouts, train
+from sao_jax import checkpointing, rollouts, run_accounting, train, value_pretrain
 from sao_jax.data.prompts import prompt_iterator
+from sao_jax.models.config import ModelConfig
+from sao_jax.models.factory import critic_def
+from sao_jax.parallel.mesh import sharder_from_config
+from sao_jax.rl import optim
 from sao_jax.schema import ConfigError
 from tests import train_support as ts
 
@@ -188,6 +192,19 @@ def test_smoke_run_writes_every_output(async_run):
     last = [r for r in records if "policy/loss" in r][-1]
     assert last["sampler/taken"] == summary["counters"]["trained"]
 
+    # Value pretraining: its own step counter in the JSONL records (at RL step 0), its
+    # own TensorBoard run, the saved critic, a summary and the report's plot and table.
+    pre = [r for r in records if value_pretrain.STEP_KEY in r]
+    vp = config.value_pretrain
+    assert [r[value_pretrain.STEP_KEY] for r in pre] == list(range(vp.steps + 1))
+    assert {r["step"] for r in pre} == {0}
+    assert all("value_pretrain/heldout/explained_variance" in r for r in (pre[0], pre[-1]))
+    assert any((workdir / "tensorboard" / "value_pretrain").glob("events.out.tfevents*"))
+    assert ts.saved_steps(workdir, value_pretrain.CRITIC_SUBDIR) == [0]
+    assert summary["value_pretrain"]["steps"] == vp.steps
+    assert summary["value_pretrain"]["rollouts"] == vp.steps * vp.batch_size
+    assert "plots/value_pretrain_ev.png" in report and "## Value pretraining" in report
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["async_run", "sync_run"])
@@ -199,6 +216,50 @@ def test_counters_balance_at_every_save(request, target, which):
     assert ts.unbalanced(summary["counters"]) is None
     if which == "sync_run":  # nothing in flight between updates
         assert summary["counters"]["in_flight"] == 0
+
+
+@pytest.mark.slow
+def test_rows_differing_in_rl_time_settings_pretrain_the_same_critic(sync_run, tmp_path):
+    """K=1, a full-parameter RL critic and lam_critic 0.9 leave value pretraining alone:
+    the critic at checkpoint 0 is bit-identical to SAO's (before, the K=1 row got half the
+    pretraining steps and no_frozen_attention another trainable set)."""
+    config, reference, _ = sync_run
+    other = ts.small_config(
+        "smoke,sync", rl__k_critic=1, rl__lam_critic=0.9, train__total_steps=0,
+        optim__critic__freeze_attention=False,
+    )  # fmt: skip
+    train.run(other, tmp_path / "w")
+    ref, _ = ts.restore(ts.restore_target(config), reference, 0)
+    got, _ = ts.restore(ts.restore_target(other), tmp_path / "w", 0)
+    assert ts.tree_max_diff(got.critic, ref.critic) == 0.0
+    assert ts.tree_max_diff(got.policy, ref.policy) == 0.0
+
+
+@pytest.mark.slow
+def test_critic_warm_up_starts_at_the_first_rl_step(sync_run, target):
+    """Value pretraining has an optimizer of its own: the RL critic's lr warm-up (10 RL
+    steps, counted in RL steps whatever K) begins at RL step 1. Before, the pretraining
+    steps used it up and RL began at the full lr."""
+    config, workdir, _ = sync_run
+    state, _ = ts.restore(target, workdir, 0)
+    assert int(optim.update_count(state.critic_opt)) == 0
+    lr = {r["step"]: r["critic/lr"] for r in ts.read_metrics(workdir) if "critic/lr" in r}
+    peak, warm = config.optim.critic.lr, config.optim.critic.warmup_steps
+    assert lr[1] == 0.0 and lr[2] == pytest.approx(peak / warm) and lr[3] < peak
+
+
+@pytest.mark.slow
+def test_a_critic_pretrained_with_other_settings_is_refused(sync_run):
+    config, workdir, _ = sync_run
+    path = workdir / value_pretrain.CRITIC_SUBDIR
+    sharder = sharder_from_config(config)
+    cdef = critic_def(ModelConfig.from_config(config.model), sharder)
+    k1 = ts.small_config("smoke,sync", rl__k_critic=1)  # an RL-time setting: accepted
+    _, meta = value_pretrain.load_critic(path, k1, cdef, sharder)
+    assert meta["value_pretrain"]["steps"] == config.value_pretrain.steps
+    other = ts.small_config("smoke,sync", value_pretrain__batch_size=16)
+    with pytest.raises(ConfigError, match=r"init.critic_path: .* value_pretrain.batch_size = 8"):
+        value_pretrain.load_critic(path, other, cdef, sharder)
 
 
 # ---------------------------------------------------------------------------- resume
@@ -360,9 +421,9 @@ class _FakeSampler:
 def test_async_group_counters_balance(monkeypatch):
     monkeypatch.setattr(rollouts, "AsyncSampler", _FakeSampler)
     source = rollouts.AsyncRollouts(None, None, None, _prompts(), None, None, group_size=2)
-    base = train._resume_counters({})
+    base = run_accounting.resume_counters({})
     got = [t.prompt_uid for t in source.take(4)]  # a, a then b, c open, then b
     assert got[:2] == ["a", "a"] and sorted(got[2:]) == ["b", "b"]
-    counters = train._counters(base, source.stats())
+    counters = run_accounting.counters(base, source.stats())
     assert counters["trained"] == 4 and counters["in_flight"] == 4  # c open; c, d, d queued
     assert ts.unbalanced(counters) is None

@@ -9,8 +9,10 @@ from sao_jax import config as config_lib
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder, build_mesh
-from sao_jax.parallel.partition import tree_bytes
-from sao_jax.rl.optim import frozen_paths
+from sao_jax.parallel.partition import path_str, tree_bytes
+from sao_jax.rl import passes as P
+from sao_jax.rl import update as update_lib
+from sao_jax.rl.optim import critic_frozen_labels
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner, NonFiniteError, reduce_metrics
 from sao_jax.schema import ConfigError
@@ -79,9 +81,12 @@ def test_update_trains_policy_and_critic_but_not_frozen_attention(default):
     state, metrics = _steps(learner, state, 3)
     m = reduce_metrics(metrics)
     assert int(state.step) == 3 and int(state.skipped_steps) == 0
-    for key in ("policy/loss", "policy/keep_rate", "critic/value_loss", "critic/ev_before"):
+    for key in ("policy/loss", "policy/keep_rate", "critic/value_loss", "critic/ev_pre_update"):
         assert np.isfinite(m[key]), key
-    for path in frozen_paths(before.critic, learner.rl and (r"(^|\.)attn\.",)):
+    labels = jax.tree_util.tree_leaves_with_path(learner.critic_frozen)
+    frozen = [path_str(p) for p, lab in labels if lab == "frozen"]
+    assert "trunk.embed.embedding" in frozen and "trunk.layers.1.attn.q_proj" in frozen
+    for path in frozen:  # bit-identical, not p + 0
         np.testing.assert_array_equal(_leaf(state.critic, path), _leaf(before.critic, path))
     moved = lambda a, b: not np.array_equal(np.asarray(a), b)
     assert moved(state.critic["value_head"], before.critic["value_head"])
@@ -98,22 +103,49 @@ def _learner(config):
     return Learner(config, models.policy_def, models.critic_def, Sharder()), models
 
 
-def test_frozen_attention_allocates_no_moments():
-    frozen, models = _learner(_config())
+def _critic_config(**critic):
     c = _config()
     c.unlock()
-    c.optim.critic.freeze_attention = False
-    full, _ = _learner(config_lib.validate(c))
+    c.optim.critic.update(critic)
+    return config_lib.validate(c)
+
+
+@pytest.mark.parametrize("trainable", ["moe", "all_but_attention"])
+def test_frozen_leaves_get_no_moments(trainable):
+    config = _critic_config(trainable=trainable)
+    frozen, models = _learner(config)
+    full, _ = _learner(_critic_config(freeze_attention=False))
+    assert full.critic_frozen is None  # no frozen attention: everything trains
     critic = models.critic_def.shapes()
-    attn = sum(
-        _leaf(critic, p).size * _leaf(critic, p).dtype.itemsize
-        for p in frozen_paths(critic, (r"(^|\.)attn\.",))
-    )
+    pairs = zip(jax.tree.leaves(critic), jax.tree.leaves(frozen.critic_frozen), strict=True)
+    frozen_size = sum(x.size * x.dtype.itemsize for x, lab in pairs if lab == "frozen")
     # Abstract states (jax.eval_shape): the bytes an allocation would take, nothing compiled.
     frozen_bytes = tree_bytes(frozen.abstract_state.critic_opt)
     full_bytes = tree_bytes(full.abstract_state.critic_opt)
-    print(f"critic optimizer state: {full_bytes} B full, {frozen_bytes} B frozen attention")
-    assert full_bytes - frozen_bytes == 2 * attn  # AdamW mu and nu of every attention leaf
+    print(f"critic optimizer state: {full_bytes} B full, {frozen_bytes} B {trainable}")
+    assert full_bytes - frozen_bytes == 2 * frozen_size  # AdamW mu and nu of every frozen leaf
+
+
+def test_default_trainable_set_is_moe_router_and_value_head():
+    """The seed's frozen-attention critic: MoE (and dense-MLP) projections, router and value
+    head train; attention, the embedding and every RMSNorm scale do not."""
+    _, models = _learner(_config())
+    critic = models.critic_def.shapes()
+    labels = critic_frozen_labels(critic, _config().optim.critic)
+    paths = {path_str(p): lab for p, lab in jax.tree_util.tree_leaves_with_path(labels)}
+    train = {p for p, lab in paths.items() if lab == "train"}
+    assert {"value_head", "value_bias", "trunk.layers.1.mlp.gate.kernel"} <= train
+    assert "trunk.layers.1.mlp.experts.gate_proj" in train  # MoE layer
+    assert "trunk.layers.0.mlp.gate_proj" in train  # the dense MLP of mlp_only_layers
+    for p in ("trunk.embed.embedding", "trunk.final_norm.scale", "trunk.layers.1.input_norm.scale",
+              "trunk.layers.1.post_attn_norm.scale", "trunk.layers.1.attn.q_proj"):  # fmt: skip
+        assert paths[p] == "frozen", p
+    assert all(".mlp." in p or p.startswith("value_") for p in train)
+    wide = _critic_config(trainable="all_but_attention")
+    labels = critic_frozen_labels(critic, wide.optim.critic)
+    paths = {path_str(p): lab for p, lab in jax.tree_util.tree_leaves_with_path(labels)}
+    assert paths["trunk.embed.embedding"] == paths["trunk.final_norm.scale"] == "train"
+    assert {p for p, lab in paths.items() if lab == "frozen"} == {p for p in paths if ".attn." in p}
 
 
 def test_empty_frozen_set_is_an_error():
@@ -247,3 +279,73 @@ def test_sharded_equals_unsharded(reference, shape):
     _assert_close(got.policy, ref.policy)
     _assert_close(got.critic, ref.critic)
     _assert_close(got.critic_opt, ref.critic_opt)
+
+
+# ------------------------------------------------------- PPO rows: epochs x minibatches
+
+
+def _logp(learner, policy, batch):
+    """The policy's log-probs of the batch's tokens (what a rollout engine would record)."""
+    out = P.policy_pass(learner.policy_def.bind(policy), batch, replay=False)["logp"]
+    return np.where(batch["action_mask"], np.asarray(out), 0.0).astype(np.float32)
+
+
+def test_ppo_clip_binds_with_minibatch_steps_on_stale_data():
+    """pi_old = the behaviour log-probs: on data sampled 3 versions ago the ratio is off 1
+    and the clip binds; several minibatch steps make it bind even on fresh data. (Before
+    this, pi_old was the policy at the step's start and one step was taken: exactly 0.)"""
+    config = _config(aux=0.0, policy_loss="ppo_clip", ppo_epochs=2, minibatches=4)
+    config.unlock()
+    config.optim.policy.lr = 1e-2
+    learner, state = _setup(config)
+    start = jax.tree.map(np.asarray, state.policy)
+    state, _ = _steps(learner, state, 3)  # the learner moves on: version 3
+    clip = {}
+    for name, policy, version in (("stale", start, 0), ("fresh", state.policy, 3)):
+        batch = _batch(seed=7, version=version)
+        batch["rollout_logp"] = _logp(learner, policy, batch)
+        _, metrics = learner.update_step(
+            jax.tree.map(jax.numpy.array, state), batch, jax.random.key(1)
+        )
+        m = reduce_metrics(metrics)
+        clip[name] = m["policy/clip_frac"]
+        assert (
+            0 <= m["policy/ppo_clip_low"] + m["policy/ppo_clip_high"] == pytest.approx(clip[name])
+        )
+    print(f"2 epochs x 4 minibatches: clip fraction {clip}")
+    assert clip["stale"] > 0.05 and clip["fresh"] > 0.0
+
+
+def test_minibatch_indices_are_per_epoch_permutations():
+    idx = np.asarray(update_lib.minibatch_indices(jax.random.key(3), 8, 2, 4))
+    assert idx.shape == (8, 2)
+    for epoch in (idx[:4], idx[4:]):
+        assert sorted(epoch.ravel()) == list(range(8))
+    assert not np.array_equal(idx[:4], idx[4:])
+
+
+@pytest.fixture(scope="module")
+def ppo_reference():
+    """Three updates of the PPO loop (icepop, 2 epochs x 2 minibatches), unsharded, whole
+    minibatches."""
+    return _three_steps(_ppo_config())
+
+
+def _ppo_config(**rl):
+    return _config(aux=0.0, policy_loss="icepop", ppo_epochs=2, minibatches=2, **rl)
+
+
+def test_ppo_loop_microbatched_equals_full_batch(ppo_reference):
+    ref, ref_metrics = ppo_reference
+    micro, metrics = _three_steps(_ppo_config(microbatches=2))
+    _assert_close(micro.policy, ref.policy)
+    _assert_close(micro.critic, ref.critic)
+    assert metrics["policy/keep_rate"] == pytest.approx(ref_metrics["policy/keep_rate"])
+
+
+def test_ppo_loop_sharded_equals_unsharded(ppo_reference):
+    ref, _ = ppo_reference
+    # batch over data x expert (4 shards: one row of each minibatch per shard), tensor 2
+    got, _ = _three_steps(_ppo_config(), Sharder(build_mesh((2, 1, 2, 2))))
+    _assert_close(got.policy, ref.policy)
+    _assert_close(got.policy_opt, ref.policy_opt)

@@ -35,7 +35,6 @@ SHRINK: dict[str, Any] = {
     "env.eval_size": 4,
     "sft.steps": 2,
     "value_pretrain.steps": 1,
-    "value_pretrain.rollouts": 4,
     "train.eval_sampled": False,
     "train.report": False,
 }
@@ -141,8 +140,8 @@ def restore(target, workdir: pathlib.Path, step: int | None = None) -> tuple[Any
         return ckpt.restore(target, step=step)
 
 
-def saved_steps(workdir: pathlib.Path) -> list[int]:
-    with checkpointing.Checkpointer(workdir / "checkpoints") as ckpt:
+def saved_steps(workdir: pathlib.Path, subdir: str = "checkpoints") -> list[int]:
+    with checkpointing.Checkpointer(workdir / subdir) as ckpt:
         return ckpt.all_steps()
 
 

@@ -69,7 +69,9 @@ def _source(rows, fields, name, indices=None) -> files.PromptRows:
         raise ConfigError(str(e)) from None
 
 
-def file_prompts(config: ConfigDict) -> tuple[grain.MapDataset, list[Prompt]]:
+def file_prompts(
+    config: ConfigDict, seed: int | None = None
+) -> tuple[grain.MapDataset, list[Prompt]]:
     data, env = config.data, config.env
     fields = field_map(data)
     rows = _rows(data.train, data, fields, "train")
@@ -84,22 +86,26 @@ def file_prompts(config: ConfigDict) -> tuple[grain.MapDataset, list[Prompt]]:
     eval_prompts = [held[i] for i in range(min(env.eval_size, len(held)))]
     ds = grain.MapDataset.source(train)
     if data.shuffle:
-        ds = ds.shuffle(seed=config.seed)
+        ds = ds.shuffle(seed=config.seed if seed is None else seed)
     return ds.repeat(), eval_prompts
 
 
-def run_prompts(config: ConfigDict) -> tuple[grain.MapDataset, list[Prompt]]:
+def run_prompts(
+    config: ConfigDict, seed: int | None = None
+) -> tuple[grain.MapDataset, list[Prompt]]:
     """(endless training MapDataset, held-out prompts) of a run; ConfigError names a bad
-    field, file, row or task."""
+    field, file, row or task. `seed` (default config.seed) orders the training stream
+    (value pretraining draws its own); the held-out prompts do not depend on it."""
     env = config.env
+    seed = config.seed if seed is None else seed
     if config.data.train:
-        return file_prompts(config)
+        return file_prompts(config, seed)
     if config.data.eval:
         raise ConfigError("config field data.eval: set only with data.train (a dataset)")
-    kw = dict(seed=config.seed, eval_fraction=env.eval_fraction, **env.prompts)
+    kw = dict(eval_fraction=env.eval_fraction, **env.prompts)
     try:
-        train = prompt_source(env.name, "train", **kw)
-        held = list(prompt_source(env.name, "eval", size=env.eval_size, **kw))
+        train = prompt_source(env.name, "train", seed=seed, **kw)
+        held = list(prompt_source(env.name, "eval", size=env.eval_size, seed=config.seed, **kw))
     except ValueError as e:
         raise ConfigError(f"config field env.name: {e}") from None
     return train, held

@@ -185,6 +185,8 @@ def memory_plan(
 
     frozen_optim = optim.critic.copy_and_resolve_references()
     frozen_optim.freeze_attention = True
+    frozen_optim.trainable = "all_but_attention"  # exactly attention frozen (the default
+    # "moe" set also freezes the embedding and norms: smaller still)
     labels = critic_frozen_labels(c_shapes, frozen_optim)
     policy = tree_usage(p_shapes, p_shard, by=category)
     experts = policy.get("experts", Usage()).count

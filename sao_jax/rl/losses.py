@@ -15,13 +15,26 @@ carry gradient):
 - `dis` (SAO): L = -sum m * sg(f(r)) * sg(A) * logp / denom, f(r) = r inside
   (1 - eps_l, 1 + eps_h) else 0 (mask, not clamp). keep: r in the band.
   Defaults eps_l=0.3, eps_h=5.0 (keep (0.7, 6.0)).
-- `ppo_clip`: rho = exp(logp - old_logp); L = -sum m * min(rho A, clip(rho, 1-eps_low,
-  1+eps_high) A) / denom. keep: the unclipped term is active. Needs old_logp_bt.
+- `ppo_clip`: rho = exp(logp - rollout_logp), pi_old = the BEHAVIOUR policy: the rollout
+  engine's recorded log-probs, as veRL and OpenRLHF use the batch's behaviour policy
+  (docs/method.md section 5); L = -sum m * min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)
+  / denom. keep: the unclipped term is active. With several minibatch optimizer steps per
+  batch (rl.ppo_epochs x rl.minibatches) and on stale data the clip binds.
   Defaults eps_low=0.2, eps_high=0.28.
-- `icepop`: ppo_clip times the mask k in [band_low, band_high], k = exp(old_logp -
-  rollout_logp): the TRAINING engine's log-prob of the pre-update policy (old_logp_bt)
-  against the INFERENCE engine's (rollout_logp_bt), the train/infer mismatch alone.
-  keep: k in the band (inclusive). Defaults [0.5, 5.0]. Needs old_logp_bt.
+- `icepop` (the published form): L = -sum m * M(k) * min(rho A, clip(rho, 1-eps_low,
+  1+eps_high) A) / denom with rho = exp(logp - old_logp), k = exp(old_logp -
+  rollout_logp) and M(k) = k inside [band_low, band_high], else 0 (a weight, no gradient
+  through it). old_logp_bt is the TRAINING engine's log-prob of the policy at the start
+  of the update step (the "pi_old" the engine recomputes, fixed through the step's
+  minibatches), rollout_logp_bt the INFERENCE engine's: k is the train/inference
+  mismatch ratio of IcePop. For tokens sampled by the version the learner holds
+  (staleness 0; every token with synchronous rollouts) that is exactly
+  pi_train(theta_old) / pi_infer(theta_old). The learner does not keep the weights of
+  older versions, so on stale tokens k also carries the lag (their band rejections show
+  in keep_rate_stale_*). keep: k in the band (inclusive). Defaults [0.5, 5.0], PPO eps as
+  ppo_clip. Needs old_logp_bt.
+- `icepop_mask`: the mask-only variant: as `icepop` with M(k) = 1 inside the band (kept
+  tokens unweighted), else 0. Needs old_logp_bt.
 - `estr`: as `dis` with keep iff |log r| <= sqrt(tau * (H + eps)), H = entropy_bt of the
   current policy (no gradient through it). Defaults tau=1.0, eps=1e-6. Needs entropy_bt.
 - `positive_nll`: supervised NLL, L = -sum m * [A > 0] * logp / denom (SFT-style
@@ -31,8 +44,9 @@ PPO-style ratios use log-ratios clamped to +-20 before exp so that gradients sta
 
 Metrics (name -> (sum, count) over action tokens): `keep_rate`, `approx_kl` (k3 estimator
 r - 1 - log r of KL(rollout || current), log r clamped to +-20), `ppo_clip_low` /
-`ppo_clip_high` (ppo_clip, icepop: rho < 1-eps_low with A < 0 / rho > 1+eps_high with
-A > 0), `masked_entropy` and `kept_entropy` (mean entropy of masked-out / kept tokens,
+`ppo_clip_high` / `clip_frac` (ppo_clip, icepop*: rho < 1-eps_low with A < 0 / rho >
+1+eps_high with A > 0 / either), `icepop_weight` (icepop*: the mean weight M(k) over
+action tokens), `masked_entropy` and `kept_entropy` (mean entropy of masked-out / kept tokens,
 when entropy_bt is given), and `keep_rate_stale_{0,1,2,3_4,5_8,gt8}` (when staleness_bt,
 the per-token policy-version lag, is given: buckets 0, 1, 2, 3-4, 5-8, >8).
 """
@@ -128,33 +142,55 @@ def _estr(x: LossInputs, tau: float, eps: float) -> TokenLoss:
     return _weighted_logp_loss(x, keep_bt)
 
 
-def _ppo(x: LossInputs, eps_low: float, eps_high: float) -> TokenLoss:
-    rho_bt = jnp.exp(_log_ratio(x.logp_bt, x.old_logp_bt, x.m_bt))
+def _ppo(x: LossInputs, old_logp_bt: jax.Array, eps_low: float, eps_high: float) -> TokenLoss:
+    """Clipped surrogate -min(rho A, clip(rho) A), rho = exp(logp - old_logp_bt)."""
+    rho_bt = jnp.exp(_log_ratio(x.logp_bt, old_logp_bt, x.m_bt))
     surr_bt = jnp.minimum(rho_bt * x.adv_bt, jnp.clip(rho_bt, 1 - eps_low, 1 + eps_high) * x.adv_bt)
     low_bt = x.m_bt & (sg(rho_bt) < 1 - eps_low) & (x.adv_bt < 0)
     high_bt = x.m_bt & (sg(rho_bt) > 1 + eps_high) & (x.adv_bt > 0)
     metrics = {
         "ppo_clip_low": rg.masked_sum_count(low_bt, x.m_bt),
         "ppo_clip_high": rg.masked_sum_count(high_bt, x.m_bt),
+        "clip_frac": rg.masked_sum_count(low_bt | high_bt, x.m_bt),
     }
     return TokenLoss(-surr_bt, x.m_bt & ~low_bt & ~high_bt, metrics)
 
 
-@register("ppo_clip", {"eps_low": 0.2, "eps_high": 0.28}, needs_old_logp=True)
+@register("ppo_clip", {"eps_low": 0.2, "eps_high": 0.28})
 def _ppo_clip(x: LossInputs, eps_low: float, eps_high: float) -> TokenLoss:
-    return _ppo(x, eps_low, eps_high)
+    return _ppo(x, x.rollout_logp_bt, eps_low, eps_high)  # pi_old = the behaviour policy
 
 
-@register(
-    "icepop",
-    {"eps_low": 0.2, "eps_high": 0.28, "band_low": 0.5, "band_high": 5.0},
-    needs_old_logp=True,
-)
+def icepop_weight(
+    old_logp_bt: jax.Array, rollout_logp_bt: jax.Array, m_bt: jax.Array, lo: float, hi: float
+) -> tuple[jax.Array, jax.Array]:
+    """(M(k), in-band mask) with k = pi_train(old) / pi_infer = exp(old_logp - rollout_logp),
+    M(k) = k for lo <= k <= hi, else 0; 0 off action tokens. No gradient."""
+    k_bt = jnp.exp(_log_ratio(sg(old_logp_bt), sg(rollout_logp_bt), m_bt))
+    band_bt = m_bt & (k_bt >= lo) & (k_bt <= hi)
+    return jnp.where(band_bt, k_bt, 0.0), band_bt
+
+
+def _icepop_loss(x: LossInputs, eps_low, eps_high, band_low, band_high, weighted) -> TokenLoss:
+    ppo = _ppo(x, x.old_logp_bt, eps_low, eps_high)
+    w_bt, band_bt = icepop_weight(x.old_logp_bt, x.rollout_logp_bt, x.m_bt, band_low, band_high)
+    if not weighted:
+        w_bt = band_bt.astype(jnp.float32)
+    metrics = dict(ppo.metrics, icepop_weight=rg.masked_sum_count(w_bt, x.m_bt))
+    return TokenLoss(w_bt * ppo.loss_bt, band_bt, metrics)
+
+
+ICEPOP_PARAMS = {"eps_low": 0.2, "eps_high": 0.28, "band_low": 0.5, "band_high": 5.0}
+
+
+@register("icepop", ICEPOP_PARAMS, needs_old_logp=True)
 def _icepop(x: LossInputs, eps_low, eps_high, band_low, band_high) -> TokenLoss:
-    ppo = _ppo(x, eps_low, eps_high)
-    k_bt = jnp.exp(_log_ratio(sg(x.old_logp_bt), x.rollout_logp_bt, x.m_bt))
-    keep_bt = x.m_bt & (k_bt >= band_low) & (k_bt <= band_high)
-    return TokenLoss(jnp.where(keep_bt, ppo.loss_bt, 0.0), keep_bt, ppo.metrics)
+    return _icepop_loss(x, eps_low, eps_high, band_low, band_high, weighted=True)
+
+
+@register("icepop_mask", ICEPOP_PARAMS, needs_old_logp=True)
+def _icepop_mask(x: LossInputs, eps_low, eps_high, band_low, band_high) -> TokenLoss:
+    return _icepop_loss(x, eps_low, eps_high, band_low, band_high, weighted=False)
 
 
 @register("positive_nll", {})

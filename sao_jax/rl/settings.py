@@ -2,7 +2,9 @@
 
 SAO's defaults (docs/method.md sections 2-4): observation-skipping GAE, DIS policy loss with
 keep band (0.7, 6.0), K=2 critic steps per policy step, lam_critic = 1, length-adaptive
-policy lambda with alpha = 1.5, gamma = 1, no whitening, no value clipping.
+policy lambda with alpha = 1.5, gamma = 1, no whitening, no value clipping, one policy
+optimizer step per batch. PPO-style rows take `ppo_epochs` x `minibatches` policy steps
+per batch (docs/method.md section 5).
 """
 
 from __future__ import annotations
@@ -45,14 +47,19 @@ def rl_section() -> ConfigDict:
     c.whiten_advantages = False  # masked whitening over action tokens [open]
     c.value_clip = 0.0  # value-loss clipping around the pre-update values; 0 = off [open]
     c.critic_only_steps = 0  # critic warm-up read as N critic-only updates (policy frozen)
-    c.microbatches = 1  # gradient accumulation: split the batch into this many parts
+    c.ppo_epochs = 1  # passes of the policy over each batch (SAO/DIS: 1; PPO rows: more)
+    c.minibatches = 1  # policy OPTIMIZER steps per epoch, each on batch_size / minibatches
+    # rows reshuffled per epoch (veRL's ppo_mini_batch_size = batch_size / minibatches)
+    c.microbatches = 1  # gradient ACCUMULATION inside one optimizer step (memory only: the
+    # step is the same as on the whole (mini)batch); not to be confused with minibatches
     c.max_consecutive_skips = 10  # abort after this many non-finite steps in a row
     c.routing_replay = False  # force the policy's MoE routing recorded at rollout time
     c.moving_average_window = 128  # window of the moving-average baseline
     c.group_eps = 1e-6  # epsilon of group std normalisation (GRPO)
     # Parameters of every policy loss, defaults from the loss registry (one source):
     # dis: keep r in (1 - eps_l, 1 + eps_h) = (0.7, 6.0); ppo_clip: eps_low/eps_high vs
-    # pi_old; icepop: + the band on pi_train/pi_infer; estr: keep |log r| <= sqrt(tau (H+eps)).
+    # pi_old = the behaviour (rollout) log-probs; icepop: + weight k = pi_train/pi_infer in
+    # the band (icepop_mask: mask only); estr: keep |log r| <= sqrt(tau (H+eps)).
     c.losses = ConfigDict(
         {
             name: dict(losses.LOSSES.get(name).params)
@@ -93,10 +100,18 @@ def _validate_section(config: ConfigDict) -> None:
     require(rl.value_clip >= 0, "rl.value_clip", f"must be >= 0, got {rl.value_clip}")
     require(rl.critic_only_steps >= 0, "rl.critic_only_steps", "must be >= 0")
     require(rl.microbatches >= 1, "rl.microbatches", f"must be >= 1, got {rl.microbatches}")
+    require(rl.ppo_epochs >= 1, "rl.ppo_epochs", f"must be >= 1, got {rl.ppo_epochs}")
+    require(rl.minibatches >= 1, "rl.minibatches", f"must be >= 1, got {rl.minibatches}")
     require(
-        rl.batch_size % rl.microbatches == 0,
+        rl.batch_size % rl.minibatches == 0,
+        "rl.minibatches",
+        f"{rl.minibatches} does not divide rl.batch_size={rl.batch_size}",
+    )
+    require(
+        (rl.batch_size // rl.minibatches) % rl.microbatches == 0,
         "rl.microbatches",
-        f"{rl.microbatches} does not divide rl.batch_size={rl.batch_size}",
+        f"{rl.microbatches} does not divide the minibatch of rl.batch_size / rl.minibatches = "
+        f"{rl.batch_size // rl.minibatches} rows",
     )
     require(rl.max_consecutive_skips >= 1, "rl.max_consecutive_skips", "must be >= 1")
     require(rl.moving_average_window >= 1, "rl.moving_average_window", "must be >= 1")

@@ -59,6 +59,25 @@ def init_state(
     )
 
 
+def optimizer_shardings(
+    tx: optax.GradientTransformation, opt_state: Any, param_shardings: Params, sharder: Sharder
+) -> Any:
+    """NamedShardings of an optimizer state: moments like their params (derived with
+    optax.tree_map_params), counts replicated; None when unsharded."""
+    if sharder.mesh is None:
+        return None
+    replicated = NamedSharding(sharder.mesh, PartitionSpec())
+    # Masked (frozen) leaves hold an optax.MaskedNode instead of moments: keep it.
+    return optax.tree_map_params(
+        tx,
+        lambda x, s: x if isinstance(x, optax.MaskedNode) else s,
+        opt_state,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, (NamedSharding, optax.MaskedNode)),
+    )
+
+
 def state_shardings(
     abstract: TrainState,
     policy_shardings: Params | None,
@@ -73,17 +92,7 @@ def state_shardings(
         return None
     replicated = NamedSharding(sharder.mesh, PartitionSpec())
     rep = lambda tree: jax.tree.map(lambda _: replicated, tree)
-
-    def opt_shardings(tx, opt_state, param_shardings):
-        # Masked (frozen) leaves hold an optax.MaskedNode instead of moments: keep it.
-        return optax.tree_map_params(
-            tx,
-            lambda x, s: x if isinstance(x, optax.MaskedNode) else s,
-            opt_state,
-            param_shardings,
-            transform_non_params=lambda _: replicated,
-            is_leaf=lambda x: isinstance(x, (NamedSharding, optax.MaskedNode)),
-        )
+    opt_shardings = lambda tx, opt, params: optimizer_shardings(tx, opt, params, sharder)
 
     return TrainState(
         step=replicated,

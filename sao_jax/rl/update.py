@@ -5,10 +5,17 @@ One call, with `rl.order == 'critic_first'` (the default):
   2. K critic optimizer steps on the masked value MSE against R (TTUR; K = rl.k_critic).
   3. V1 = the updated critic(batch); policy advantages from V1 with the length-adaptive
      lambda (or the configured estimator: GRPO, moving average, ... skip the critic).
-  4. One policy optimizer step with the configured loss (DIS by default).
+  4. The policy's optimizer steps with the configured loss (DIS by default): one step on
+     the whole batch (SAO), or `rl.ppo_epochs` x `rl.minibatches` minibatch steps (the
+     PPO rows, as veRL / OpenRLHF run them; `_policy_step`).
 With 'policy_first', advantages come from V0, the policy step is taken, then the K
-critic steps. `value_step` runs steps 1-2 only: critic warm-up (critic-only steps) and
-value pretraining on Monte-Carlo returns (lam_critic = 1) of the initial policy.
+critic steps. `value_step` runs steps 1-2 only: the critic warm-up read as critic-only
+RL steps (`rl.critic_only_steps`). Value pretraining before RL is sao_jax/value_pretrain.py.
+
+Critic metrics: `critic/ev_pre_update` is the explained variance of the values BEFORE this
+update's critic steps on the batch, which the critic has never trained on (the honest
+number), `critic/ev_post_update` that of the values after them (in-sample), both against
+the observed Monte-Carlo returns (`monte_carlo_returns`: lambda = 1, no bootstrap).
 
 Both are jitted once with explicit shardings and the state donated. A non-finite loss
 or gradient anywhere skips the whole update (parameters and optimizer states unchanged)
@@ -32,7 +39,13 @@ from sao_jax.rl import advantages as adv_lib
 from sao_jax.rl import gae, losses
 from sao_jax.rl import passes as P
 from sao_jax.rl.batch import check_batch
-from sao_jax.rl.optim import critic_frozen_labels, make_optimizer
+from sao_jax.rl.optim import (
+    apply_updates,
+    critic_frozen_labels,
+    make_optimizer,
+    schedule,
+    update_count,
+)
 from sao_jax.rl.settings import loss_params
 from sao_jax.rl.state import TrainState, init_state, state_shardings
 from sao_jax.schema import ConfigDict, ConfigError
@@ -69,6 +82,25 @@ def explained_variance(values_bt, returns_bt, mask_bt) -> jax.Array:
     var = lambda x: mean(jnp.square(x - mean(x)))
     var_r = var(returns_bt)
     return jnp.where(var_r > 0, 1.0 - var(returns_bt - values_bt) / jnp.maximum(var_r, 1e-12), 0.0)
+
+
+def monte_carlo_returns(rewards_bt, action_mask_bt, gamma) -> jax.Array:
+    """Observed return of every action token, lambda = 1 and no bootstrap:
+    R_t = sum over action tokens t' >= t of gamma^(number of action tokens in [t, t')) r_t'
+    (observation tokens skipped, docs/method.md section 4); 0 off action tokens."""
+    zeros_bt = jnp.zeros(rewards_bt.shape, jnp.float32)
+    _, returns_bt = gae.skip_observation_gae(
+        rewards_bt, zeros_bt, action_mask_bt, gamma=gamma, lam=1.0, checked=False
+    )
+    return returns_bt
+
+
+def minibatch_indices(key, batch_size: int, epochs: int, minibatches: int) -> jax.Array:
+    """[epochs * minibatches, batch_size // minibatches] int32 row indices: epoch e is the
+    permutation of the rows drawn with fold_in(key, e), cut into `minibatches` parts."""
+    perm = lambda e: jax.random.permutation(jax.random.fold_in(key, e), batch_size)
+    perms_eb = jax.vmap(perm)(jnp.arange(epochs))  # [E, B]
+    return perms_eb.reshape(epochs * minibatches, batch_size // minibatches).astype(jnp.int32)
 
 
 def reduce_metrics(metrics: Metrics) -> dict[str, float]:
@@ -108,7 +140,12 @@ class Learner:
             critic_frozen_labels(critic_shapes, config.optim.critic) if self.uses_critic else None
         )
         self.policy_tx = make_optimizer(config.optim.policy)
-        self.critic_tx = make_optimizer(config.optim.critic, frozen=self.critic_frozen)
+        # The critic's schedule (its warm-up) counts RL steps: K optimizer steps each.
+        self.critic_tx = make_optimizer(
+            config.optim.critic, frozen=self.critic_frozen, every=rl.k_critic
+        )
+        self.policy_lr = schedule(config.optim.policy)
+        self.critic_lr = schedule(config.optim.critic, every=rl.k_critic)
         self.init_state = functools.partial(
             init_state,
             policy_tx=self.policy_tx,
@@ -153,16 +190,19 @@ class Learner:
         """Shape/dtype checks naming the field, before anything compiles."""
         check_batch(batch, need_groups=self.estimator.needs_groups)
         b = batch["tokens"].shape[0]
-        m = self.rl.microbatches
+        m, mini = self.rl.microbatches, self.rl.minibatches
         shards = self.sharder.axis_size("batch")
         packed = "packed_tokens" in batch  # model passes on packed rows (rl/packing.py)
-        rows = {"size": b, "packed rows": batch["packed_tokens"].shape[0] if packed else b}
-        for what, n in rows.items():
-            if n % (m * shards):
-                raise ConfigError(
-                    f"batch: {what} {n} is not divisible by rl.microbatches ({m}) x the "
-                    f"data-parallel shards ({shards})"
-                )
+        if b % (mini * m * shards):
+            raise ConfigError(
+                f"batch: size {b} is not divisible by rl.minibatches ({mini}) x "
+                f"rl.microbatches ({m}) x the data-parallel shards ({shards})"
+            )
+        if packed and batch["packed_tokens"].shape[0] % (m * shards):
+            raise ConfigError(
+                f"batch: packed rows {batch['packed_tokens'].shape[0]} is not divisible by "
+                f"rl.microbatches ({m}) x the data-parallel shards ({shards})"
+            )
         forced = "packed_forced_experts" if packed else "forced_experts"
         if self.rl.routing_replay and forced not in batch:
             raise ConfigError(f"batch: rl.routing_replay is on but {forced!r} is missing")
@@ -254,12 +294,20 @@ class Learner:
         first = jax.tree.map(lambda x: x[0], per_step)
         last = jax.tree.map(lambda x: x[-1], per_step)
         metrics = {**_prefix("critic_first", first), **_prefix("critic", last)}
-        metrics["critic/ev_before"] = _one(
-            explained_variance(values0["values"], targets, batch["action_mask"])
-        )
         return critic, copt, jnp.all(oks), metrics, targets
 
-    def _policy_step(self, state: TrainState, batch, advantages_bt, n_tok):
+    def _policy_step(self, state: TrainState, batch, advantages_bt, n_tok, key):
+        """The policy's optimizer steps on one batch; metrics pooled over them.
+
+        rl.ppo_epochs = rl.minibatches = 1 (SAO's DIS): one step on the whole batch.
+        Otherwise `rl.ppo_epochs` passes, each a fresh permutation of the rows (drawn from
+        `key`) cut into `rl.minibatches` minibatches, one optimizer step per minibatch,
+        all in one lax.scan: the loop of veRL / OpenRLHF. ppo_clip and dis compare with
+        the rollout engine's log-probs (the behaviour policy), so from the second step on
+        (and on stale data from the first) their ratios leave 1 and the clip binds.
+        icepop's pi_old is the policy at the start of the step, fixed through the steps.
+        Each minibatch loss is a token mean over that minibatch.
+        """
         rl = self.rl
         mb_batch = dict(batch, advantages=advantages_bt)
         staleness = jnp.maximum(state.step - batch["versions"], 0)
@@ -274,6 +322,35 @@ class Learner:
                     self.sharder,
                 )
             )
+        if rl.ppo_epochs * rl.minibatches == 1:
+            policy, opt, ok, metrics = self._policy_update(
+                state.policy, state.policy_opt, mb_batch, n_tok
+            )
+            return policy, opt, ok, _prefix("policy", metrics)
+
+        rows = batch["tokens"].shape[0]
+        idx_sr = minibatch_indices(key, rows, rl.ppo_epochs, rl.minibatches)  # [E*M, B/M]
+
+        def one_step(carry, idx_r):
+            params, opt = carry
+            take = lambda x: self.sharder.constrain(
+                jnp.take(x, idx_r, axis=0), ("batch",) + (None,) * (x.ndim - 1)
+            )
+            mb = jax.tree.map(take, mb_batch)
+            n_mb = jnp.maximum(jnp.sum(mb["action_mask"]), 1).astype(jnp.float32)
+            params, opt, ok, metrics = self._policy_update(params, opt, mb, n_mb)
+            return (params, opt), (ok, metrics)
+
+        (policy, opt), (oks, per_step) = jax.lax.scan(
+            one_step, (state.policy, state.policy_opt), idx_sr
+        )
+        metrics = jax.tree.map(lambda x: jnp.sum(x, axis=0), per_step)  # (sum, count) pooled
+        return policy, opt, jnp.all(oks), _prefix("policy", metrics)
+
+    def _policy_update(self, params, opt, mb_batch, n_tok):
+        """One policy optimizer step on `mb_batch` (gradients accumulated over
+        rl.microbatches), its loss a token mean with denominator `n_tok`."""
+        rl = self.rl
 
         def loss_fn(params, mb):
             out = P.policy_pass(self.policy_def.bind(params), mb, replay=rl.routing_replay)
@@ -295,37 +372,39 @@ class Learner:
             return loss + out["aux_loss"] / rl.microbatches, metrics
 
         loss, grads, metrics = P.accumulate_grads(
-            loss_fn, state.policy, mb_batch, rl.microbatches, self.sharder
+            loss_fn, params, mb_batch, rl.microbatches, self.sharder
         )
-        updates, opt = self.policy_tx.update(grads, state.policy_opt, state.policy)
-        policy = optax.apply_updates(state.policy, updates)
+        updates, opt = self.policy_tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
         ok = jnp.isfinite(loss) & _all_finite(grads)
         metrics = dict(metrics, grad_norm=_one(optax.tree.norm(grads)), loss=_one(loss))
-        return policy, opt, ok, _prefix("policy", metrics)
+        return params, opt, ok, metrics
 
     def _update_step(self, state: TrainState, batch, key):
         self.traces["update_step"] += 1  # Python side effect: runs once per trace
-        del key  # the update is deterministic; kept for the (state, batch, key) contract
-        rl = self.rl
+        rl = self.rl  # `key` shuffles the minibatches of the PPO loop (_policy_step)
         n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
         critic, copt, ok_c, metrics = state.critic, state.critic_opt, jnp.array(True), {}
         values = self._critic_values(critic, batch) if self.uses_critic else None
+        lr_metrics = {"policy/lr": _one(self.policy_lr(update_count(state.policy_opt)))}
+        if self.uses_critic:
+            lr_metrics["critic/lr"] = _one(self.critic_lr(update_count(state.critic_opt)))
+            mc_bt = monte_carlo_returns(batch["rewards"], batch["action_mask"], rl.gamma)
+            ev_pre = self._honest_ev(values, mc_bt, batch)
         if self.uses_critic and rl.order == "critic_first":
-            critic, copt, ok_c, metrics, targets = self._critic_steps(
-                critic, copt, batch, values, n_tok
-            )
+            critic, copt, ok_c, metrics, _ = self._critic_steps(critic, copt, batch, values, n_tok)
             values = self._critic_values(critic, batch)
-            metrics["critic/ev_after"] = _one(
-                explained_variance(values["values"], targets, batch["action_mask"])
-            )
+            metrics["critic/ev_post_update"] = self._honest_ev(values, mc_bt, batch)
         adv = self._advantages(batch, values, self._policy_lambda(batch), state.baseline)
         advantages_bt = adv.advantages_bt
         if rl.whiten_advantages:
             advantages_bt = adv_lib.whiten_advantages(advantages_bt, batch["action_mask"])
-        policy, popt, ok_p, pmetrics = self._policy_step(state, batch, advantages_bt, n_tok)
+        policy, popt, ok_p, pmetrics = self._policy_step(state, batch, advantages_bt, n_tok, key)
         if self.uses_critic and rl.order == "policy_first":
             critic, copt, ok_c, metrics, _ = self._critic_steps(critic, copt, batch, values, n_tok)
-        metrics = {**metrics, **pmetrics, **_prefix("adv", adv.metrics)}
+        metrics = {**metrics, **pmetrics, **_prefix("adv", adv.metrics), **lr_metrics}
+        if self.uses_critic:
+            metrics["critic/ev_pre_update"] = ev_pre
         if values is not None:
             metrics["critic/value"] = _masked(values["values"], batch["action_mask"])
         new = state.replace(
@@ -338,17 +417,24 @@ class Learner:
         )
         return self._guard(state, new, ok_c & ok_p, metrics, batch)
 
+    def _honest_ev(self, values, mc_bt, batch):
+        return _one(explained_variance(values["values"], mc_bt, batch["action_mask"]))
+
     def _value_step(self, state: TrainState, batch, key):
-        """Critic-only update (warm-up, value pretraining); the policy is untouched."""
+        """Critic-only RL step (rl.critic_only_steps); the policy is untouched."""
         self.traces["value_step"] += 1
         del key
         if not self.uses_critic:
             return state.replace(updates=state.updates + 1), {}
         n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
         values = self._critic_values(state.critic, batch)
+        mc_bt = monte_carlo_returns(batch["rewards"], batch["action_mask"], self.rl.gamma)
+        lr = _one(self.critic_lr(update_count(state.critic_opt)))
         critic, copt, ok, metrics, _ = self._critic_steps(
             state.critic, state.critic_opt, batch, values, n_tok
         )
+        metrics["critic/lr"] = lr
+        metrics["critic/ev_pre_update"] = self._honest_ev(values, mc_bt, batch)
         new = state.replace(critic=critic, critic_opt=copt)
         return self._guard(state, new, ok, metrics, batch)
 
@@ -374,12 +460,4 @@ def _masked(x_bt, m_bt) -> tuple[jax.Array, jax.Array]:
 
 
 def _apply(params, updates, frozen):
-    """optax.apply_updates, leaving frozen leaves bit-identical (not p + 0)."""
-    if frozen is None:
-        return optax.apply_updates(params, updates)
-    return jax.tree.map(
-        lambda lab, p, u: p if lab == "frozen" else (p + u).astype(p.dtype),
-        frozen,
-        params,
-        updates,
-    )
+    return apply_updates(params, updates, frozen)

@@ -26,204 +26,37 @@ Env calls run in a bounded pool of daemon threads (env_calls.py), concurrently a
 slots; `step` applies their results in slot order after waiting for all (deterministic),
 or, with `overlap_env` (the async sampler), parks a slot whose call still runs out of the
 decode batch while the others decode. Waits honour SIGTERM (env_calls.EnvCalls.check).
+The host records (settings, slots, drops) live in slots.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from sao_jax.envs.base import Env, Prompt, StepResult
+from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel.partition import Params
 from sao_jax.sampling.env_calls import EnvCall, EnvCalls, EnvTimeoutError
 from sao_jax.sampling.generate import (
     GenerateFns,
-    SamplingParams,
     bucket_length,
     choose_spans,
-    default_buckets,
     inert_rows,
-    span_buckets,
+)
+from sao_jax.sampling.slots import (  # noqa: F401  (EngineConfig, Drop: the engine's API)
+    DROP_REASONS,
+    TURN_ENDED,
+    Drop,
+    DropError,
+    EngineConfig,
+    Slot,
+    StepOutput,
+    after_turn,
+    checked_step,
 )
 from sao_jax.sampling.trajectory import Trajectory
-
-DROP_REASONS = (
-    "env_error",  # env.reset / env.step raised or returned something invalid
-    "env_timeout",  # env call exceeded env_timeout_s
-    "env_dropped",  # the env asked to drop the episode (info["dropped"], e.g. judge failure)
-    "tokenizer_error",  # encode/decode raised
-    "empty_prompt",  # the rendered prompt has no tokens
-    "prompt_too_long",  # prompt leaves no room for one generated token in max_len
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Rollout engine settings (one engine per sampler worker)."""
-
-    num_slots: int = 4  # S: trajectories decoded together
-    max_len: int = 128  # L: cache length = longest trajectory in tokens
-    max_turn_tokens: int = 64  # a model turn ends after this many tokens
-    prefill_buckets: tuple[int, ...] = ()  # chunk widths; () = powers of two 8..L
-    span_buckets: tuple[int, ...] = ()  # cache read spans; () = powers of two 128..L, L
-    lane_slots: int = 0  # long-lane rows: the longest slots read their own span; 0 = off
-    steps_per_sync: int = 1  # decode steps per host check (overshoot is discarded)
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    record_routing: bool = False  # keep each token's chosen experts (routing replay)
-    add_bos: bool = True  # prepend tokenizer.bos_id (when it has one) to each prompt
-    env_timeout_s: float | None = 120.0  # per env call, then a drop; None = no timeout
-    env_workers: int = 8  # env calls running at once (threads off the decoding thread)
-
-    def __post_init__(self):
-        for name in ("num_slots", "max_len", "max_turn_tokens", "steps_per_sync", "env_workers"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v > 0):
-                raise ValueError(f"EngineConfig.{name}: must be a positive int, got {v!r}")
-        if self.max_len < 2:
-            raise ValueError(f"EngineConfig.max_len: must be >= 2, got {self.max_len}")
-        for name in ("prefill_buckets", "span_buckets"):
-            b = tuple(getattr(self, name))
-            if b and (any(x <= 0 for x in b) or list(b) != sorted(set(b))):
-                raise ValueError(f"EngineConfig.{name}: must be increasing positive ints, got {b}")
-        if not (isinstance(self.lane_slots, int) and 0 <= self.lane_slots < self.num_slots):
-            raise ValueError(
-                f"EngineConfig.lane_slots: must be an int in [0, num_slots), "
-                f"got {self.lane_slots!r}"
-            )
-        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
-            raise ValueError(f"EngineConfig.env_timeout_s: must be > 0, got {self.env_timeout_s}")
-        SamplingParams(self.temperature, self.top_k, self.top_p)  # validates them
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
-
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        return tuple(self.prefill_buckets) or default_buckets(self.max_len)
-
-    @property
-    def spans(self) -> tuple[int, ...]:
-        """Read spans, ending at max_len; `span_buckets=(max_len,)` reads the whole cache."""
-        if not self.span_buckets:
-            return span_buckets(self.max_len)
-        return (*(b for b in self.span_buckets if b < self.max_len), self.max_len)
-
-
-class Drop(NamedTuple):
-    reason: str  # one of DROP_REASONS
-    prompt_uid: str
-    error: BaseException | None
-
-
-class StepOutput(NamedTuple):
-    finished: list[Trajectory]
-    dropped: list[Drop]
-    active: int  # busy slots after this step
-    generated: int  # action tokens kept this step
-
-
-_TURN_ENDED = object()  # _advance: the slot's turn ended; its env.step is due
-
-
-class _DropError(Exception):
-    def __init__(self, reason: str, error: BaseException | None):
-        super().__init__(reason)
-        self.reason, self.error = reason, error
-
-
-class _Slot:
-    """Host record of one in-flight trajectory (arrays preallocated to max_len)."""
-
-    def __init__(self, prompt: Prompt, max_len: int, routing_lk: tuple[int, int] | None):
-        self.prompt = prompt
-        self.tokens = np.zeros(max_len, np.int32)
-        self.action = np.zeros(max_len, np.bool_)
-        self.rollout_logp = np.zeros(max_len, np.float32)
-        self.sampled_logp = np.zeros(max_len, np.float32)
-        self.versions = np.zeros(max_len, np.int32)
-        self.turn_ids = np.full(max_len, -1, np.int32)
-        self.experts = None if routing_lk is None else np.full((max_len, *routing_lk), -1)
-        self.n = 0  # tokens so far
-        self.written = 0  # tokens whose keys/values are in the cache
-        self.turn = 0  # current model turn
-        self.turn_start = 0  # index of its first token
-        self.ended_at_eos = False  # the last finished turn ended with the eos token
-        self.turn_rewards: list[float] = []
-        self.infos: list[dict[str, Any]] = []
-
-    def append_context(self, ids: list[int], version: int) -> None:
-        self.tokens[self.n : self.n + len(ids)] = ids
-        self.versions[self.n : self.n + len(ids)] = version
-        self.n += len(ids)
-        self.turn_start = self.n
-
-    def append_action(self, token: int, sampled_logp: float, rollout_logp: float, version: int):
-        i = self.n
-        self.tokens[i], self.action[i], self.turn_ids[i] = token, True, self.turn
-        self.sampled_logp[i], self.rollout_logp[i], self.versions[i] = (
-            sampled_logp,
-            rollout_logp,
-            version,
-        )
-        self.n += 1
-
-    def finish(self, *, terminated: bool, outcome: float, truncation: str | None) -> Trajectory:
-        n = self.n
-        errors = [i.get("error") for i in self.infos if i.get("error")]
-        info = dict(
-            success=self.infos[-1].get("success") if self.infos else None,
-            errors=errors,
-            truncation=truncation,
-            turn_infos=self.infos,
-            meta=dict(self.prompt.meta),
-        )
-        return Trajectory(
-            tokens=self.tokens[:n].copy(),
-            action_mask=self.action[:n].copy(),
-            rollout_logp=self.rollout_logp[:n].copy(),
-            sampled_logp=self.sampled_logp[:n].copy(),
-            versions=self.versions[:n].copy(),
-            turn_ids=self.turn_ids[:n].copy(),
-            turn_rewards=np.asarray(self.turn_rewards, np.float32),
-            outcome=float(outcome),
-            terminated=terminated,
-            truncated=not terminated,
-            prompt_uid=self.prompt.uid,
-            info=info,
-            experts=None if self.experts is None else self.experts[:n].astype(np.int32),
-        )
-
-
-def _checked(result) -> StepResult:
-    """The env's StepResult, or a drop (env_error) when it is malformed."""
-    ok = (
-        isinstance(result, StepResult)
-        and isinstance(result.observation, str)
-        and isinstance(result.reward, (int, float, np.number))
-        and math.isfinite(float(result.reward))
-        and isinstance(result.info, dict)
-    )
-    if not ok:
-        raise _DropError("env_error", TypeError(f"env.step returned an invalid {result!r}"))
-    return result
-
-
-def _after_turn(observation: str, tokenizer, ended_at_eos: bool) -> str:
-    """The observation text to tokenize after a model turn. A chat observation starts with
-    the end-of-turn token's text (sao_jax/chat_template.py); when the policy emitted that
-    token itself it is already in the trajectory, so only the text after it is new."""
-    eos_text = getattr(tokenizer, "eos_text", None)
-    if ended_at_eos and eos_text and observation.startswith(eos_text):
-        return observation[len(eos_text) :]
-    return observation
 
 
 class Engine:
@@ -259,8 +92,8 @@ class Engine:
         self._envs: list[Env] = [env_factory() for _ in range(cfg.num_slots)]
         self._stops = tuple(getattr(self._envs[0], "stop_strings", ()))
         self._stop_window = 4 * max((len(st) for st in self._stops), default=0) + 8
-        self._slots: list[_Slot | None] = [None] * cfg.num_slots
-        self._parked: dict[int, tuple[_Slot, EnvCall]] = {}  # slots waiting for env.step
+        self._slots: list[Slot | None] = [None] * cfg.num_slots
+        self._parked: dict[int, tuple[Slot, EnvCall]] = {}  # slots waiting for env.step
         self.env_calls = EnvCalls(cfg.env_workers, cfg.env_timeout_s)
         self.overlap_env = False  # True: decode other slots while env calls run
         self._routing = fns.routing_shape if cfg.record_routing else None
@@ -292,7 +125,7 @@ class Engine:
         try:
             ids = [int(i) for i in self.tok.encode(text)]
         except Exception as e:
-            raise _DropError("tokenizer_error", e) from e
+            raise DropError("tokenizer_error", e) from e
         bad = [i for i in ids if not 0 <= i < self.fns.model_cfg.vocab_size]
         if bad:
             raise ValueError(f"tokenizer.encode returned id {bad[0]} outside the model vocab")
@@ -302,7 +135,7 @@ class Engine:
         try:
             return self.tok.decode([int(i) for i in ids])
         except Exception as e:
-            raise _DropError("tokenizer_error", e) from e
+            raise DropError("tokenizer_error", e) from e
 
     def _env_call(self, s: int, fn_name: str, arg):
         """env.<fn_name>(arg) of slot s through the pool, waited for."""
@@ -314,30 +147,30 @@ class Engine:
         """What a finished call returned; a timed-out or failed one is a drop."""
         if isinstance(call.error, EnvTimeoutError):
             self._envs[s] = self._env_factory()  # the old one may still be busy
-            raise _DropError("env_timeout", call.error) from call.error
+            raise DropError("env_timeout", call.error) from call.error
         if isinstance(call.error, Exception):
-            raise _DropError("env_error", call.error) from call.error
+            raise DropError("env_error", call.error) from call.error
         if call.error is not None:  # KeyboardInterrupt, SystemExit in the env thread
             raise call.error
         return call.result
 
-    def _start(self, s: int, prompt: Prompt, version: int) -> _Slot:
+    def _start(self, s: int, prompt: Prompt, version: int) -> Slot:
         text = self._env_call(s, "reset", prompt)
         if not isinstance(text, str):
-            raise _DropError("env_error", TypeError(f"env.reset returned {type(text)}"))
+            raise DropError("env_error", TypeError(f"env.reset returned {type(text)}"))
         ids = self._encode(text)
         bos = getattr(self.tok, "bos_id", None)
         if self.cfg.add_bos and bos is not None:
             ids = [bos, *ids]
         if not ids:
-            raise _DropError("empty_prompt", None)
+            raise DropError("empty_prompt", None)
         if len(ids) >= self.cfg.max_len:
             err = ValueError(
                 f"prompt {prompt.uid!r} has {len(ids)} tokens; max_len={self.cfg.max_len} "
                 "leaves no room to generate"
             )
-            raise _DropError("prompt_too_long", err)
-        slot = _Slot(prompt, self.cfg.max_len, self._routing)
+            raise DropError("prompt_too_long", err)
+        slot = Slot(prompt, self.cfg.max_len, self._routing)
         slot.append_context(ids, version)
         return slot
 
@@ -349,7 +182,7 @@ class Engine:
                     return
                 try:
                     self._slots[s] = self._start(s, prompt, version)
-                except _DropError as d:
+                except DropError as d:
                     dropped.append(Drop(d.reason, prompt.uid, d.error))
 
     # ---- device calls -------------------------------------------------------------------
@@ -404,7 +237,7 @@ class Engine:
 
     # ---- turn logic ---------------------------------------------------------------------
 
-    def _turn_ended(self, sl: _Slot, token: int) -> bool:
+    def _turn_ended(self, sl: Slot, token: int) -> bool:
         if token == getattr(self.tok, "eos_id", None):
             return True
         if sl.n - sl.turn_start >= self.cfg.max_turn_tokens:
@@ -442,7 +275,7 @@ class Engine:
             del self._parked[s]
             try:
                 traj = self._apply_step(s, sl, self._env_result(s, call), version)
-            except _DropError as d:
+            except DropError as d:
                 out.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
                 continue
             if traj is None:
@@ -450,11 +283,11 @@ class Engine:
             out.append((s, traj, None))
         return out
 
-    def _apply_step(self, s: int, sl: _Slot, result, version: int) -> Trajectory | None:
+    def _apply_step(self, s: int, sl: Slot, result, version: int) -> Trajectory | None:
         """Records env.step's result on slot s; returns the trajectory if it is over."""
-        result = _checked(result)
+        result = checked_step(result)
         if result.info.get("dropped"):
-            raise _DropError("env_dropped", RuntimeError(str(result.info.get("error", ""))))
+            raise DropError("env_dropped", RuntimeError(str(result.info.get("error", ""))))
         sl.turn_rewards.append(float(result.reward))
         sl.infos.append(dict(result.info))
         sl.turn += 1
@@ -462,7 +295,7 @@ class Engine:
             return sl.finish(terminated=True, outcome=result.reward, truncation=None)
         if sl.turn >= self._envs[s].max_turns:
             return sl.finish(terminated=False, outcome=0.0, truncation="max_turns")
-        obs = self._encode(_after_turn(result.observation, self.tok, sl.ended_at_eos))
+        obs = self._encode(after_turn(result.observation, self.tok, sl.ended_at_eos))
         if sl.n + len(obs) + 1 > self.cfg.max_len:
             return sl.finish(terminated=False, outcome=0.0, truncation="max_len")
         sl.append_context(obs, version)
@@ -480,7 +313,7 @@ class Engine:
             sl.append_action(token, out.sampled_logp_ns[i, s], out.rollout_logp_ns[i, s], version)
             kept += 1
             if self._turn_ended(sl, token):
-                return _TURN_ENDED, kept
+                return TURN_ENDED, kept
             if sl.n >= self.cfg.max_len:
                 return sl.finish(terminated=False, outcome=0.0, truncation="max_len"), kept
         return None, kept
@@ -518,12 +351,12 @@ class Engine:
             try:
                 traj, kept = self._advance(s, out, version)
                 generated += kept
-                if traj is _TURN_ENDED:
+                if traj is TURN_ENDED:
                     self._end_turn(s)
                 elif traj is not None:
                     ended.append((s, traj, None))
                     self._slots[s] = None
-            except _DropError as d:
+            except DropError as d:
                 ended.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
                 self._slots[s] = None
         # The env steps of this decode call run concurrently; by default all are waited

@@ -261,7 +261,8 @@ class AsyncSampler:
                 if self._finished() and self._queue.empty():
                     self._raise_if_failed()
                     self._held.extendleft(reversed(out))
-                    if not self._exhausted:
+                    if not self._exhausted:  # a stop request ends the workers too
+                        stop.raise_if_requested(f"waiting for {n} trajectories")
                         raise RuntimeError("take: the sampler was stopped")
                     raise PromptsExhausted(
                         f"prompts exhausted: {len(self._held)} trajectories left, asked for {n}"

@@ -13,9 +13,12 @@ recorded command, or whose config.json, differs from what the point builds now i
 refused, never reused nor overwritten. A failure writes `_sweep/<name>.failed.json`
 (exit code, stderr tail) and is retried by the next call.
 
-Shared warm start: with `spec.warm_start`, each seed first gets one SFT-only run
-(`warm_start__<config>__<arg>__seed=<n>`, `train.total_steps=0`) whose
-`<workdir>/warm_start` policy every point of that seed loads (`init.kind=params`).
+Shared warm start: with `spec.warm_start`, each seed first gets one run of SFT and value
+pretraining (`warm_start__<config>__<arg>__seed=<n>`, `train.total_steps=0`) whose
+`<workdir>/warm_start` policy every point of that seed loads (`init.kind=params`), and
+whose `<workdir>/warm_start_critic` every point with a critic that reads the same
+pretraining fields loads (`init.critic_path`; `shares_critic`): the K=1 and no-frozen-
+attention rows start RL from the very critic SAO does, pretrained once per seed.
 
 Pods: `launcher='tpu'|'gpu'` hands each point's command to experiments/launch.py
 (`launcher_argv`); everything else is unchanged.
@@ -24,6 +27,7 @@ Modules: `spec` (SweepSpec, points and their names, the warm-start point), `runn
 (commands, processes, resuming, launcher hand-off), `results` (side files, collect).
 """
 
+from sao_jax.run_settings import WARM_START_CRITIC_SUBDIR
 from sao_jax.sweep.results import (
     FAILED_FILE,
     POINT_FILE,
@@ -47,8 +51,10 @@ from sao_jax.sweep.runner import (
     point_argv,
     point_config,
     point_overrides,
+    pretrains_critic,
     run_jobs,
     run_sweep,
+    shares_critic,
     sweep_env,
     sweep_jobs,
 )
@@ -82,6 +88,7 @@ __all__ = [
     "STDOUT_FILE",
     "SUMMARY_FILE",
     "TRAIN_MODULE",
+    "WARM_START_CRITIC_SUBDIR",
     "WARM_START_OVERRIDES",
     "WARM_START_PREFIX",
     "WARM_START_SECTIONS",
@@ -104,9 +111,11 @@ __all__ = [
     "point_argv",
     "point_config",
     "point_overrides",
+    "pretrains_critic",
     "run_jobs",
     "run_sweep",
     "set_field",
+    "shares_critic",
     "side_file",
     "sweep_env",
     "sweep_jobs",

@@ -23,7 +23,8 @@ from sao_jax import config as config_lib
 from sao_jax.checkpointing.meta import encode_meta
 from sao_jax.checkpointing.workdir import CONFIG_FILE, config_differences
 from sao_jax.cli import entry_module
-from sao_jax.schema import ConfigDict
+from sao_jax.run_settings import WARM_START_CRITIC_SUBDIR, pretraining_fields
+from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.sweep.results import (
     FAILED_FILE,
     POINT_FILE,
@@ -58,11 +59,12 @@ def point_argv(
     workdir: str | os.PathLike,
     *,
     warm_start_dir: str | os.PathLike | None = None,
+    critic: bool = False,
     python: str = sys.executable,
     entry: str = TRAIN_MODULE,
 ) -> list[str]:
     """The command line of one point (a list for subprocess, no shell)."""
-    overrides = point_overrides(point, warm_start_dir)
+    overrides = point_overrides(point, warm_start_dir, critic=critic)
     argv = [
         python,
         "-m",
@@ -75,13 +77,37 @@ def point_argv(
     return argv
 
 
-def point_overrides(point: Point, warm_start_dir: str | os.PathLike | None) -> dict[str, Any]:
-    """Every `--config.<field>` of a point but the seed: fixed, grid, then the warm start."""
+def point_overrides(
+    point: Point, warm_start_dir: str | os.PathLike | None, *, critic: bool = False
+) -> dict[str, Any]:
+    """Every `--config.<field>` of a point but the seed: fixed, grid, then the warm start
+    (the SFT policy; with `critic`, also the value-pretrained critic)."""
     overrides = point.all_overrides()
     if warm_start_dir is not None:
         overrides["init.kind"] = "params"
         overrides["init.params_path"] = str(pathlib.Path(warm_start_dir) / WARM_START_SUBDIR)
+        if critic:
+            path = pathlib.Path(warm_start_dir) / WARM_START_CRITIC_SUBDIR
+            overrides["init.critic_path"] = str(path)
     return overrides
+
+
+def pretrains_critic(config: ConfigDict) -> bool:
+    """Whether a run of `config` value-pretrains a critic (a critic estimator, steps > 0)."""
+    from sao_jax.rl.advantages import estimator
+
+    return estimator(config.rl.advantage).needs_values and config.value_pretrain.steps > 0
+
+
+def shares_critic(warm_start: ConfigDict, point: ConfigDict) -> bool:
+    """Whether a point starts from its warm start's pretrained critic: both pretrain one,
+    reading the same fields (RL-time settings such as rl.k_critic or the RL critic's
+    frozen attention may differ; value pretraining does not read them)."""
+    return (
+        pretrains_critic(warm_start)
+        and pretrains_critic(point)
+        and pretraining_fields(warm_start) == pretraining_fields(point)
+    )
 
 
 def point_config(config_path: str, seed: int, overrides: Mapping[str, Any]) -> ConfigDict:
@@ -122,17 +148,23 @@ class Job:
     argv: list[str]
     workdir: pathlib.Path
     warm_start: bool = False  # done once <workdir>/warm_start holds a checkpoint
+    critic: bool = False  # a warm start that also pretrains the critic (warm_start_critic)
     config: tuple[str, int, dict[str, Any]] | None = None  # (file[:variant], seed, overrides)
 
 
 def has_output(job: Job) -> bool:
     """A point: summary.json. A warm start: a committed step under <workdir>/warm_start
-    (orbax renames a step's tmp dir to the bare step number on commit); this does not
-    depend on the process getting past RL step 0 (see docs/experiments.md)."""
+    (orbax renames a step's tmp dir to the bare step number on commit), and under
+    <workdir>/warm_start_critic when it pretrains the critic; this does not depend on
+    the process getting past RL step 0 (see docs/experiments.md)."""
     if not job.warm_start:
         return (job.workdir / SUMMARY_FILE).is_file()
-    ws = job.workdir / WARM_START_SUBDIR
-    return ws.is_dir() and any(p.is_dir() and p.name.isdigit() for p in ws.iterdir())
+    subdirs = (WARM_START_SUBDIR, WARM_START_CRITIC_SUBDIR) if job.critic else (WARM_START_SUBDIR,)
+    return all(_committed(job.workdir / d) for d in subdirs)
+
+
+def _committed(path: pathlib.Path) -> bool:
+    return path.is_dir() and any(p.is_dir() and p.name.isdigit() for p in path.iterdir())
 
 
 def is_finished(job: Job) -> bool:
@@ -259,6 +291,7 @@ def sweep_jobs(
     """(warm-start jobs, [(point, job)]) of a sweep; commands only, nothing runs."""
     root = pathlib.Path(sweep_dir)
     warm: dict[int, Job] = {}
+    ws_configs: dict[int, ConfigDict | None] = {}
     if spec.warm_start:
         for seed in spec.seeds:
             name = warm_start_name(spec, seed)
@@ -266,15 +299,33 @@ def sweep_jobs(
             argv = point_argv(ws, root / name, python=python, entry=spec.entry)
             config = (ws.config_path, seed, point_overrides(ws, None))
             argv = launcher_argv(launcher, argv, name)
-            warm[seed] = Job(name, argv, root / name, warm_start=True, config=config)
+            try:
+                ws_configs[seed] = point_config(*config)
+                critic = pretrains_critic(ws_configs[seed])
+            except ConfigError:  # the process reports it
+                ws_configs[seed], critic = None, False
+            warm[seed] = Job(name, argv, root / name, warm_start=True, config=config, critic=critic)
     pairs = []
     for p in expand(spec):
         ws = warm[p.seed].workdir if spec.warm_start else None
-        argv = point_argv(p, root / p.name, warm_start_dir=ws, python=python, entry=spec.entry)
-        config = (p.config_path, p.seed, point_overrides(p, ws))
+        critic = spec.warm_start and _shares(ws_configs[p.seed], p, ws)
+        argv = point_argv(
+            p, root / p.name, warm_start_dir=ws, critic=critic, python=python, entry=spec.entry
+        )
+        config = (p.config_path, p.seed, point_overrides(p, ws, critic=critic))
         argv = launcher_argv(launcher, argv, p.name)
         pairs.append((p, Job(p.name, argv, root / p.name, config=config)))
     return list(warm.values()), pairs
+
+
+def _shares(ws_config: ConfigDict | None, point: Point, ws: pathlib.Path) -> bool:
+    """`shares_critic` for a point; False when either config does not build (the point's
+    own process then reports why)."""
+    try:
+        config = point_config(point.config_path, point.seed, point_overrides(point, ws))
+        return ws_config is not None and shares_critic(ws_config, config)
+    except ConfigError:
+        return False
 
 
 def run_sweep(

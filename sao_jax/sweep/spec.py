@@ -2,7 +2,7 @@
 
 A `SweepSpec` (a config file's `get_sweep(arg)`, read by `load_sweep`) expands into
 `Point`s named `<config stem>__<variant>__<field>=<value>...__seed=<n>`; each seed's points
-share one SFT-only warm-start run (`warm_start_point`, `warm_start_name`).
+share one warm-start run (`warm_start_point`, `warm_start_name`): SFT and value pretraining.
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ from typing import Any
 
 from sao_jax.cli import entry_module
 from sao_jax.config import config_module
+from sao_jax.run_settings import PRETRAIN_IGNORES, PRETRAIN_READS
 from sao_jax.schema import ConfigDict, ConfigError
 
 TRAIN_MODULE = entry_module("experiments.train")  # installed: sao_jax.experiments.train
 WARM_START_PREFIX = "warm_start__"
-# Overrides of the shared warm-start run: SFT only (no RL, no value pretraining, a
-# small evaluation, no report).
+# Overrides of the shared warm-start run: SFT and value pretraining, no RL, a small
+# evaluation, no report. Its <workdir>/warm_start (policy) and, when its config pretrains
+# a critic, <workdir>/warm_start_critic are what the seed's points start from.
 WARM_START_OVERRIDES = {
     "train.total_steps": 0,
-    "value_pretrain.steps": 0,
     "env.eval_size": 8,
     "train.eval_every": 0,
     "train.report": False,
@@ -158,10 +159,14 @@ def warm_start_point(spec: SweepSpec, seed: int) -> Point:
 
 
 def affects_warm_start(field: str) -> bool:
-    """Whether a fixed override can change the SFT warm start (model, SFT, init, mesh, and
-    the task: env.* except the evaluation size and the RL group size)."""
+    """Whether a fixed override can change the warm start: the SFT policy (model, SFT,
+    init, mesh, and the task: env.* except the evaluation size and the RL group size) or
+    the value-pretrained critic (what sao_jax.run_settings.PRETRAIN_READS lists)."""
     section = field.split(".", 1)[0]
-    return section in WARM_START_SECTIONS and field not in ("env.eval_size", "env.group_size")
+    if section in WARM_START_SECTIONS and field not in ("env.eval_size", "env.group_size"):
+        return True
+    read = any(field == r or (r.endswith(".") and field.startswith(r)) for r in PRETRAIN_READS)
+    return read and field not in PRETRAIN_IGNORES
 
 
 def warm_start_name(spec: SweepSpec, seed: int) -> str:

@@ -1,0 +1,99 @@
+"""Bookkeeping of the main job (sao_jax/train.py): trajectory counters across resumed
+segments, host-side batch statistics, sampler gauges, wall time, strict-JSON values."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from sao_jax.sampling.trajectory import Trajectory
+
+
+def host_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
+    lags = np.concatenate([version - t.versions[t.action_mask] for t in trajs])
+    return {
+        "train/reward": float(np.mean([t.outcome for t in trajs])),
+        "train/success": float(np.mean([bool(t.info.get("success", False)) for t in trajs])),
+        "train/truncated": float(np.mean([t.truncated for t in trajs])),
+        "train/action_tokens": float(np.mean([t.num_actions for t in trajs])),
+        "train/staleness": float(np.mean(lags)),
+        "train/max_staleness": float(np.max(lags)),
+    }
+
+
+def wall_time(extra: dict) -> float:
+    """Wall time of the whole run: earlier segments (before a resume) + this one."""
+    return extra["prior_wall_time"] + time.time() - extra["t_start"]
+
+
+def machine() -> str:
+    dev = jax.devices()[0]
+    return (
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{jax.device_count()} x {dev.platform} ({dev.device_kind})"
+    )
+
+
+def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+    if not rows:
+        return {}
+    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+
+
+def sampler_scalars(stats: dict[str, Any], base: dict) -> dict[str, float]:
+    """The sampler's gauges (queued, version, ...); generated / taken / dropped are run
+    totals (earlier segments included), so a resumed run continues the curves."""
+    out = {f"sampler/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+    totals = counters(base, stats)
+    out["sampler/generated"] = float(totals["generated"])
+    out["sampler/taken"] = float(totals["trained"])
+    out["sampler/dropped"] = float(totals["dropped_stale"] + totals["dropped_episodes"])
+    return out
+
+
+def nan_from_json(x: Any) -> Any:
+    """None (a non-finite value stored as null) back to NaN."""
+    return math.nan if x is None else x
+
+
+def finite(x: Any) -> Any:
+    """`x` with non-finite floats replaced by None (strict JSON, as in metrics.jsonl)."""
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    return x
+
+
+def resume_counters(saved: dict) -> dict:
+    """Totals of earlier run segments; what was in flight at their save is discarded."""
+    keys = ("generated", "trained", "dropped_stale", "dropped_episodes", "discarded")
+    base = {k: int(saved.get(k, 0)) for k in keys}
+    base["discarded"] += int(saved.get("in_flight", 0))
+    return base
+
+
+def counters(base: dict, stats: dict[str, Any]) -> dict:
+    """Trajectory counters since the run began (`base`: earlier segments, `stats`: the
+    source's). Balance, checked by the tests: generated == trained + dropped_stale +
+    discarded + in_flight (finished, not yet trained); dropped_episodes never finished
+    (env errors, prompts too long, ...)."""
+    dropped = dict(stats.get("dropped", {}))
+    stale = int(dropped.pop("stale", 0))
+    out = {
+        "generated": base["generated"] + int(stats.get("generated", 0)),
+        "trained": base["trained"] + int(stats.get("taken", 0)),
+        "dropped_stale": base["dropped_stale"] + stale,
+        "dropped_episodes": base["dropped_episodes"] + int(sum(dropped.values())),
+        "discarded": base["discarded"],
+        "in_flight": int(stats.get("queued", 0)) + int(stats.get("in_open_groups", 0)),
+    }
+    return out
