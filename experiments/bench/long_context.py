@@ -83,7 +83,7 @@ def memory_section(args) -> None:
     temp_bf: dict[int, int] = {}
     for length in args.lengths:
         rows = []
-        for impl, remat in VARIANTS:
+        for impl, remat in args.variants:
             model = dict(attention_impl=impl, remat=remat, scan_layers=True)
             _, cfg, learner = learner_for(model, 1)
             run = length <= args.run_max_length  # else memory figures only: fast compile
@@ -144,7 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run-max-length", type=int, default=1 << 20, help="compile only above")
     p.add_argument("--compile-length", type=int, default=256)
     p.add_argument("--skip", nargs="*", default=[], choices=("memory", "compile"))
+    p.add_argument(
+        "--variants", nargs="*", default=None, help="attention:remat, e.g. blockwise:full"
+    )
     args = p.parse_args(argv)
+    args.variants = [tuple(v.split(":")) for v in args.variants] if args.variants else VARIANTS
     if args.lengths is None:
         args.lengths = [256, 512, 1024] if args.quick else [1024, 2048, 4096, 16384]
     if args.quick:

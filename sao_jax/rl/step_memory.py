@@ -332,7 +332,7 @@ def step_plan_lines(
         ("total temporaries", a.total),
         ("params + AdamW (above) + temporaries: the update step", state + a.total),
         (f"sampler bf16 policy copy, split over {devices_per_host} devices/host", sampler),
-        (f"KV cache: {slots_per_host} slots/host x T x {kv_token // 1024} KiB/token", kv),
+        (f"KV cache: {slots_per_host} slots/host x T x {kv_token / 1024:g} KiB/token", kv),
         ("sum: update step + sampler (one copy) + KV cache", state + a.total + sampler + kv),
     ]
     for name, value in terms:
