@@ -6,11 +6,15 @@ trajectories per update, K=2 critic steps per policy step, DIS keep band (0.7, 6
 policy lr 1e-6, critic lr 5e-6 with a 10-step warm-up, frozen-attention critic.
 Master weights float32, matmuls bfloat16 (configs/models/qwen3_30b_a3b.py says why).
 
-Meshes (docs/scaling.md has the memory plan of each):
+Meshes (docs/scaling.md has the memory plan of each; figures per device at 32k tokens
+per trajectory, from `experiments.memory_plan`'s analytic update-step model):
   default  64 chips, e.g. a TPU v5p-128 slice (16 hosts x 4 chips): data=1 fsdp=8
-           expert=8 tensor=1; 13.2 GiB/chip of params + AdamW states.
-  gpus=8   8 x H200 (one host): fsdp=8; 84.0 GiB/GPU of params + AdamW states
-           (tight once activations are added); gpus=16 (two hosts): 42.0 GiB/GPU.
+           expert=8 tensor=1; 13.2 GiB/chip of params + AdamW states, 68.9 GiB/chip
+           with the update step's temporaries, the sampler copy and the KV cache (of 95).
+  gpus=16  16 x H200 (two hosts): fsdp=16; 42.0 GiB/GPU of params + AdamW states,
+           119.5 GiB/GPU in all (of 131: raise XLA_PYTHON_CLIENT_MEM_FRACTION).
+  gpus=8   8 x H200 (one host): fsdp=8; 84.0 GiB/GPU of params + AdamW states; the
+           update step does NOT fit (the plan says ~189 GiB/GPU even at 8k tokens).
 
   python -m experiments.launch --target=tpu --tpu_name=<slice> --zone=<zone> \
       --config=configs/qwen3_30b_a3b_sao.py:hf_path=/mnt/models/Qwen3-30B-A3B \
@@ -55,11 +59,11 @@ def get_config(arg=None):
             raise ConfigError(f"config variant gpus={arg.gpus}: one of 8, 16, 32, 64, 128")
         c.mesh.shape = (1, arg.gpus, 1, 1)  # fsdp over every GPU (lowest memory per GPU)
         c.rl.microbatches = 128 // arg.gpus  # 1 row per GPU per pass
-        c.sampling.num_slots = 64  # per host: 64 trajectories in flight
+        c.sampling.num_slots = 16  # per host: 16 x 32k-token KV caches = 48 GiB / 8 GPUs
     else:
         c.mesh.shape = (1, 8, 8, 1)  # 64 chips: fsdp=8 x expert=8 (128 experts -> 16/chip)
         c.rl.microbatches = 2  # 128 rows / (2 x 64 batch shards) = 1 row per chip per pass
-        c.sampling.num_slots = 32  # per host: 16 hosts x 32 = 512 in flight
+        c.sampling.num_slots = 8  # per host: 8 x 32k-token KV caches = 24 GiB / 4 chips
 
     c.rl.batch_size = 128  # finished single trajectories per update (paper)
     c.rl.k_critic = 2  # TTUR: critic steps per policy step (paper)
@@ -73,11 +77,16 @@ def get_config(arg=None):
     c.optim.critic.freeze_attention = True  # SAO's frozen-attention critic
     c.optim.critic.trainable = "moe"  # MoE projections + router + value head train
 
-    # Longest trajectory (prompt + turns + observations). 1024 is what fits today: the
-    # update step keeps every layer's activations, attention scores included (O(T^2)),
-    # ~22 GiB per 1024-token row (docs/scaling.md); longer needs rematerialisation.
-    c.sampling.max_len = 1024
-    c.sampling.max_turn_tokens = 256
+    # Longest trajectory (prompt + turns + observations): 32k tokens. The update step
+    # rematerialises every decoder layer (only its input is kept), scans the 48 layers
+    # (one compiled body), runs a flash kernel (splash on TPU, cuDNN on GPU) and applies
+    # the LM head 1024 tokens at a time; docs/scaling.md has the per-device memory plan.
+    c.model.remat = "full"
+    c.model.scan_layers = True
+    c.model.attention_impl = "auto"
+    c.model.logits_chunk = 1024
+    c.sampling.max_len = 32768
+    c.sampling.max_turn_tokens = 4096
     c.sampling.steps_per_sync = 8  # decode steps between host checks
     c.sampling.queue_size = 256
     c.sampling.record_routing = arg.replay
@@ -103,7 +112,7 @@ def get_config(arg=None):
     c.value_pretrain.heldout_rollouts = 1024  # never trained on [open]
 
     c.train.total_steps = 500  # [open]
-    c.train.length_bucket = 256  # few distinct update-step shapes
+    c.train.length_bucket = 4096  # <= 8 distinct update-step shapes up to 32k
     c.train.eval_every = 50
     c.train.checkpoint_every = 25
     c.train.take_timeout_s = 3600.0

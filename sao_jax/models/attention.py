@@ -6,6 +6,10 @@ a cache, key s is cache slot s, which always holds position s of that row: a row
 tokens are written contiguously from position 0, so stale or padded entries sit at
 positions beyond the query and are masked by causality alone.
 
+Without a cache (training passes) the kernel is chosen by `impl` (attention_backends.py:
+naive, blockwise, cudnn, splash, auto); `grouped_attention` below is the naive form, the
+reference every other kernel is tested against.
+
 Decode cost proportional to context: a cache may carry a static `span`; attention then
 reads only slots [0, span) (the caller guarantees every query that matters sits below
 it), and an optional long lane (`lane_rows_r`, static `lane_span`) gives a few rows a
@@ -19,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sao_jax.models import attention_backends as backends
 from sao_jax.models.layers import RMSNorm, apply_rope, normal, param, rope_tables
 from sao_jax.parallel.mesh import Sharder
 
@@ -103,6 +108,20 @@ def grouped_attention(q_btnh, k_bskh, v_bskh, mask_bts) -> jax.Array:
     return out.reshape(b, t, n, h)
 
 
+def training_attention(
+    q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, *, impl: str, block: int, sharder
+) -> jax.Array:
+    """Self-attention of a whole sequence (no cache) with the kernel `impl` names."""
+    impl = backends.resolve_impl(impl, q_btnh.dtype, length=q_btnh.shape[1], block=block)
+    if impl == "naive":
+        mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt)
+        return grouped_attention(q_btnh, k_btkh, v_btkh, mask)
+    kernel = backends.kernel_for(impl, block)
+    return backends.per_device(
+        kernel, sharder, q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt
+    )
+
+
 class Attention(nnx.Module):
     """Qwen3 attention: q/k/v projections, per-head q/k RMSNorm, RoPE, GQA, output proj.
 
@@ -123,8 +142,12 @@ class Attention(nnx.Module):
         param_dtype,
         sharder: Sharder,
         rngs: nnx.Rngs,
+        impl: str = "naive",
+        block: int = 512,
     ):
         self.head_dim = head_dim
+        self.impl = impl  # training kernel (attention_backends.IMPLS)
+        self.block = block  # its query/key block length
         self.rope_theta = rope_theta
         self.sharder = sharder
         init = normal(init_std)
@@ -170,8 +193,16 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         if cache is None:
-            mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt)
-            out = grouped_attention(q, k, v, mask)
+            out = training_attention(
+                q,
+                k,
+                v,
+                positions_bt,
+                segment_ids_bt,
+                impl=self.impl,
+                block=self.block,
+                sharder=self.sharder,
+            )
         else:
             cache = write_cache(cache, k, v, positions_bt)
             out = cached_attention(q, positions_bt, cache)

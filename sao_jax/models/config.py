@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+ATTENTION_IMPLS = ("auto", "naive", "blockwise", "cudnn", "splash")  # attention_backends.py
+REMAT_POLICIES = ("none", "full", "dots")  # transformer.py REMAT
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -44,6 +46,12 @@ class ModelConfig:
     moe_impl: str = "auto"  # expert compute: 'ragged' (grouped GEMM), 'grouped', 'dense', 'auto'
     dtype: str = "float32"  # activation / matmul dtype
     param_dtype: str = "float32"  # parameter storage dtype
+    # Long-context training (docs/scaling.md). None of these changes a result.
+    attention_impl: str = "auto"  # training attention: auto|naive|blockwise|cudnn|splash
+    attention_block: int = 512  # query/key block of the blockwise and splash kernels
+    remat: str = "none"  # per decoder layer: none|full|dots (jax.checkpoint policies)
+    scan_layers: bool = False  # lax.scan over each run of same-kind layers (compiles once)
+    logits_chunk: int = 1024  # training log-probs: tokens per LM-head chunk (0 = all)
 
     def __post_init__(self):
         _check(self)
@@ -196,6 +204,21 @@ def _check(c: ModelConfig) -> None:
     )
     impls = ("auto", "ragged", "grouped", "dense")
     require(c.moe_impl in impls, "model.moe_impl", f"must be one of {impls}, got {c.moe_impl!r}")
+    require(
+        c.attention_impl in ATTENTION_IMPLS,
+        "model.attention_impl",
+        f"must be one of {ATTENTION_IMPLS}, got {c.attention_impl!r}",
+    )
+    require(
+        c.remat in REMAT_POLICIES,
+        "model.remat",
+        f"must be one of {REMAT_POLICIES}, got {c.remat!r}",
+    )
+    for name in ("attention_block", "logits_chunk"):
+        v = getattr(c, name)
+        require(isinstance(v, int) and v >= 0, f"model.{name}", f"must be an int >= 0, got {v!r}")
+    require(c.attention_block >= 8, "model.attention_block", "must be >= 8")
+    require(isinstance(c.scan_layers, bool), "model.scan_layers", "must be a bool")
     for name in ("dtype", "param_dtype"):
         v = getattr(c, name)
         require(v in _DTYPES, f"model.{name}", f"must be one of {sorted(_DTYPES)}, got {v!r}")

@@ -15,6 +15,7 @@ from flax import nnx
 
 from sao_jax.models.attention import Attention, KVCache, init_cache
 from sao_jax.models.config import ModelConfig
+from sao_jax.models.layer_stack import apply_layers
 from sao_jax.models.layers import DenseMLP, Embed, RMSNorm, normal, param, zeros
 from sao_jax.models.moe.block import MoEBlock
 from sao_jax.models.moe.router import load_balancing_loss
@@ -45,6 +46,8 @@ class DecoderLayer(nnx.Module):
             param_dtype=pd,
             sharder=sharder,
             rngs=rngs,
+            impl=cfg.attention_impl,
+            block=cfg.attention_block,
         )
         self.post_attn_norm = RMSNorm(d, eps=eps, param_dtype=pd, rngs=rngs)
         self.is_moe = cfg.is_moe_layer(layer_idx)
@@ -120,7 +123,8 @@ class Trunk(nnx.Module):
         new_cache, experts, aux = [], [], []
         token_mask_n = (segment_ids_bt != 0).reshape(-1)
         moe_index = 0
-        for i, layer in enumerate(self.layers):
+        # Training passes (no cache) go through apply_layers below: scan and remat.
+        for i, layer in enumerate(self.layers if cache is not None else ()):
             forced = None
             if layer.is_moe and forced_experts_btlk is not None:
                 forced = forced_experts_btlk[:, :, moe_index]
@@ -133,6 +137,18 @@ class Trunk(nnx.Module):
                 moe_index += 1
                 experts.append(routing.experts_nk.reshape(b, t, -1))
                 aux.append(load_balancing_loss(routing, cfg.num_experts, token_mask_n))
+        if cache is None:
+            x, experts, aux = apply_layers(
+                list(self.layers),
+                x,
+                positions_bt,
+                segment_ids_bt,
+                forced_experts_btlk,
+                num_experts=cfg.num_experts,
+                remat=cfg.remat,
+                scan=cfg.scan_layers,
+                sharder=self.sharder,
+            )
         hidden = self.final_norm(x)
         experts_btlk = jnp.stack(experts, axis=2) if experts else None
         aux_loss = cfg.router_aux_loss_coef * (jnp.mean(jnp.stack(aux)) if aux else 0.0)
@@ -171,14 +187,21 @@ class Policy(nnx.Module):
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, **kw) -> ModelOutput:
         hidden, experts, aux, cache = self.trunk(tokens_bt, positions_bt, segment_ids_bt, **kw)
+        return ModelOutput(self.head_logits(hidden), experts, aux, cache)
+
+    def hidden_states(self, tokens_bt, positions_bt=None, segment_ids_bt=None, **kw):
+        """As `__call__` with `out` = the final hidden states [B, T, D] (compute dtype), for
+        passes that apply the LM head in chunks (sao_jax/models/logprobs.py)."""
+        return ModelOutput(*self.trunk(tokens_bt, positions_bt, segment_ids_bt, **kw))
+
+    def head_logits(self, hidden_btd: jax.Array) -> jax.Array:
+        """LM head: hidden states [B, T, D] -> logits [B, T, V] float32."""
         if self.lm_head is None:
-            logits = self.trunk.embed.attend(hidden)
+            logits = self.trunk.embed.attend(hidden_btd)
         else:
-            logits = jnp.einsum("btd,dv->btv", hidden, self.lm_head[...].astype(hidden.dtype))
-        logits = self.sharder.constrain(
-            logits.astype(jnp.float32), ("batch", "length", "act_vocab")
-        )
-        return ModelOutput(logits, experts, aux, cache)
+            w_dv = self.lm_head[...].astype(hidden_btd.dtype)
+            logits = jnp.einsum("btd,dv->btv", hidden_btd, w_dv)
+        return self.sharder.constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
 
 class Critic(nnx.Module):

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sao_jax.models.logprobs import chunked_logp_entropy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.rl import packing
 
@@ -52,11 +53,21 @@ def last_token_index(segment_ids_bt: jax.Array) -> jax.Array:
     return jnp.max(idx_bt, axis=1)
 
 
+def chunked_token_logp_entropy(policy, hidden_btd, tokens_bt) -> tuple[jax.Array, jax.Array]:
+    """`token_logp_entropy(policy.head_logits(hidden), tokens)` with the LM head applied
+    `policy.cfg.logits_chunk` tokens at a time: no [B, T, V] array (models/logprobs.py)."""
+    nxt_bt = jnp.pad(tokens_bt[:, 1:], ((0, 0), (0, 1)))
+    logp_next_bt, entropy_bt = chunked_logp_entropy(
+        policy.head_logits, hidden_btd, nxt_bt, policy.cfg.logits_chunk
+    )
+    return shift_right(logp_next_bt), shift_right(entropy_bt)
+
+
 def policy_pass(policy, batch: Batch, *, replay: bool) -> dict[str, jax.Array]:
     """logp, entropy [B, T] and the MoE aux loss of the policy on `batch`."""
     tokens, positions, segment_ids, forced = packing.model_inputs(batch, replay=replay)
-    out = policy(tokens, positions, segment_ids, forced_experts_btlk=forced)
-    logp, entropy = token_logp_entropy(out.out, tokens)
+    out = policy.hidden_states(tokens, positions, segment_ids, forced_experts_btlk=forced)
+    logp, entropy = chunked_token_logp_entropy(policy, out.out, tokens)
     logp, entropy = packing.to_trajectories(batch, logp), packing.to_trajectories(batch, entropy)
     return dict(logp=logp, entropy=entropy, aux_loss=out.aux_loss)
 
