@@ -42,9 +42,9 @@ from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.rl import advantages as adv_lib
 from sao_jax.rl import gae, losses
 from sao_jax.rl import passes as P
+from sao_jax.rl import step_utils as U
 from sao_jax.rl.batch import check_batch
 from sao_jax.rl.optim import (
-    apply_updates,
     critic_frozen_labels,
     make_optimizer,
     schedule,
@@ -52,67 +52,18 @@ from sao_jax.rl.optim import (
 )
 from sao_jax.rl.settings import loss_params
 from sao_jax.rl.state import TrainState, init_state, state_shardings
+from sao_jax.rl.step_utils import (  # noqa: F401  (part of this module's API)
+    Metrics,
+    explained_variance,
+    minibatch_indices,
+    monte_carlo_returns,
+    reduce_metrics,
+)
 from sao_jax.schema import ConfigDict, ConfigError
-
-Metrics = dict[str, tuple[jax.Array, jax.Array]]
 
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive updates had a non-finite loss or gradient."""
-
-
-def _one(x) -> tuple[jax.Array, jax.Array]:
-    return jnp.asarray(x, jnp.float32), jnp.ones((), jnp.float32)
-
-
-def _all_finite(tree) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
-
-
-def _select(ok, new, old):
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-
-def _prefix(prefix: str, metrics: Metrics) -> Metrics:
-    return {f"{prefix}/{k}": v for k, v in metrics.items()}
-
-
-def explained_variance(values_bt, returns_bt, mask_bt) -> jax.Array:
-    """1 - Var(R - V) / Var(R) over action tokens (0 when Var(R) = 0)."""
-    m = mask_bt.astype(jnp.float32)
-    n = jnp.maximum(jnp.sum(m), 1.0)
-    mean = lambda x: jnp.sum(x * m) / n
-    var = lambda x: mean(jnp.square(x - mean(x)))
-    var_r = var(returns_bt)
-    return jnp.where(var_r > 0, 1.0 - var(returns_bt - values_bt) / jnp.maximum(var_r, 1e-12), 0.0)
-
-
-def monte_carlo_returns(rewards_bt, action_mask_bt, gamma) -> jax.Array:
-    """Observed return of every action token, lambda = 1 and no bootstrap:
-    R_t = sum over action tokens t' >= t of gamma^(number of action tokens in [t, t')) r_t'
-    (observation tokens skipped, docs/method.md section 4); 0 off action tokens."""
-    zeros_bt = jnp.zeros(rewards_bt.shape, jnp.float32)
-    _, returns_bt = gae.skip_observation_gae(
-        rewards_bt, zeros_bt, action_mask_bt, gamma=gamma, lam=1.0, checked=False
-    )
-    return returns_bt
-
-
-def minibatch_indices(key, batch_size: int, epochs: int, minibatches: int) -> jax.Array:
-    """[epochs * minibatches, batch_size // minibatches] int32 row indices: epoch e is the
-    permutation of the rows drawn with fold_in(key, e), cut into `minibatches` parts."""
-    perm = lambda e: jax.random.permutation(jax.random.fold_in(key, e), batch_size)
-    perms_eb = jax.vmap(perm)(jnp.arange(epochs))  # [E, B]
-    return perms_eb.reshape(epochs * minibatches, batch_size // minibatches).astype(jnp.int32)
-
-
-def reduce_metrics(metrics: Metrics) -> dict[str, float]:
-    """Host side: (sum, count) pairs -> means (NaN where count is 0)."""
-    out = {}
-    for k, (s, c) in jax.device_get(metrics).items():
-        out[k] = float(s) / float(c) if float(c) > 0 else float("nan")
-    return out
 
 
 class Learner:
@@ -324,9 +275,9 @@ class Learner:
 
     def _critic_update(self, params, opt, loss, grads, metrics):
         updates, opt = self.critic_tx.update(grads, opt, params)
-        params = _apply(params, updates, self.critic_frozen)
-        ok = jnp.isfinite(loss) & _all_finite(grads)
-        metrics = dict(metrics, grad_norm=_one(optax.tree.norm(grads)), loss=_one(loss))
+        params = U.apply_frozen(params, updates, self.critic_frozen)
+        ok = jnp.isfinite(loss) & U.all_finite(grads)
+        metrics = dict(metrics, grad_norm=U.one(optax.tree.norm(grads)), loss=U.one(loss))
         return params, opt, ok, metrics
 
     def _critic_steps(self, critic, copt, batch, values0, n_tok):
@@ -368,7 +319,7 @@ class Learner:
         # Report the first and last of the K steps' metrics.
         first = jax.tree.map(lambda x: x[0], per_step)
         last = jax.tree.map(lambda x: x[-1], per_step)
-        metrics = {**_prefix("critic_first", first), **_prefix("critic", last)}
+        metrics = {**U.prefixed("critic_first", first), **U.prefixed("critic", last)}
         return critic, copt, jnp.all(oks), metrics, targets, values0
 
     def _policy_step(self, state: TrainState, batch, advantages_bt, n_tok, key):
@@ -401,7 +352,7 @@ class Learner:
             policy, opt, ok, metrics = self._policy_update(
                 state.policy, state.policy_opt, mb_batch, n_tok
             )
-            return policy, opt, ok, _prefix("policy", metrics)
+            return policy, opt, ok, U.prefixed("policy", metrics)
 
         rows = batch["tokens"].shape[0]
         idx_sr = minibatch_indices(key, rows, rl.ppo_epochs, rl.minibatches)  # [E*M, B/M]
@@ -420,7 +371,7 @@ class Learner:
             one_step, (state.policy, state.policy_opt), idx_sr
         )
         metrics = jax.tree.map(lambda x: jnp.sum(x, axis=0), per_step)  # (sum, count) pooled
-        return policy, opt, jnp.all(oks), _prefix("policy", metrics)
+        return policy, opt, jnp.all(oks), U.prefixed("policy", metrics)
 
     def _policy_update(self, params, opt, mb_batch, n_tok):
         """One policy optimizer step on `mb_batch` (gradients accumulated over
@@ -442,8 +393,8 @@ class Learner:
                 **self.loss_kwargs,
             )
             m = mb["action_mask"]
-            metrics = dict(metrics, entropy=_masked(out["entropy"], m))
-            metrics["logp_gap"] = _masked(out["logp"] - mb["rollout_logp"], m)
+            metrics = dict(metrics, entropy=U.masked(out["entropy"], m))
+            metrics["logp_gap"] = U.masked(out["logp"] - mb["rollout_logp"], m)
             return loss + out["aux_loss"] / rl.microbatches, metrics
 
         loss, grads, metrics = P.accumulate_grads(
@@ -451,8 +402,8 @@ class Learner:
         )
         updates, opt = self.policy_tx.update(grads, opt, params)
         params = optax.apply_updates(params, updates)
-        ok = jnp.isfinite(loss) & _all_finite(grads)
-        metrics = dict(metrics, grad_norm=_one(optax.tree.norm(grads)), loss=_one(loss))
+        ok = jnp.isfinite(loss) & U.all_finite(grads)
+        metrics = dict(metrics, grad_norm=U.one(optax.tree.norm(grads)), loss=U.one(loss))
         return params, opt, ok, metrics
 
     def _update_step(self, state: TrainState, batch, key):
@@ -461,12 +412,12 @@ class Learner:
         n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
         critic, copt, ok_c, metrics = state.critic, state.critic_opt, jnp.array(True), {}
         values = critic_run = None
-        lr_metrics = {"policy/lr": _one(self.policy_lr(update_count(state.policy_opt)))}
+        lr_metrics = {"policy/lr": U.one(self.policy_lr(update_count(state.policy_opt)))}
         if self.uses_critic:  # K critic steps; V0 from the first one's forward
             values = self._critic_values(critic, batch) if self.separate_v0_pass else None
             critic_run = self._critic_steps(critic, copt, batch, values, n_tok)
             values = critic_run[-1]
-            lr_metrics["critic/lr"] = _one(self.critic_lr(update_count(state.critic_opt)))
+            lr_metrics["critic/lr"] = U.one(self.critic_lr(update_count(state.critic_opt)))
             mc_bt = monte_carlo_returns(batch["rewards"], batch["action_mask"], rl.gamma)
             ev_pre = self._honest_ev(values, mc_bt, batch)
         if self.uses_critic and rl.order == "critic_first":
@@ -480,11 +431,11 @@ class Learner:
         policy, popt, ok_p, pmetrics = self._policy_step(state, batch, advantages_bt, n_tok, key)
         if self.uses_critic and rl.order == "policy_first":  # computed above, from V0
             critic, copt, ok_c, metrics, _, _ = critic_run
-        metrics = {**metrics, **pmetrics, **_prefix("adv", adv.metrics), **lr_metrics}
+        metrics = {**metrics, **pmetrics, **U.prefixed("adv", adv.metrics), **lr_metrics}
         if self.uses_critic:
             metrics["critic/ev_pre_update"] = ev_pre
         if values is not None:
-            metrics["critic/value"] = _masked(values["values"], batch["action_mask"])
+            metrics["critic/value"] = U.masked(values["values"], batch["action_mask"])
         new = state.replace(
             step=state.step + 1,
             policy=policy,
@@ -496,7 +447,7 @@ class Learner:
         return self._guard(state, new, ok_c & ok_p, metrics, batch)
 
     def _honest_ev(self, values, mc_bt, batch):
-        return _one(explained_variance(values["values"], mc_bt, batch["action_mask"]))
+        return U.one(explained_variance(values["values"], mc_bt, batch["action_mask"]))
 
     def _value_step(self, state: TrainState, batch, key):
         """Critic-only RL step (rl.critic_only_steps); the policy is untouched."""
@@ -507,7 +458,7 @@ class Learner:
         n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
         values = self._critic_values(state.critic, batch) if self.separate_v0_pass else None
         mc_bt = monte_carlo_returns(batch["rewards"], batch["action_mask"], self.rl.gamma)
-        lr = _one(self.critic_lr(update_count(state.critic_opt)))
+        lr = U.one(self.critic_lr(update_count(state.critic_opt)))
         critic, copt, ok, metrics, _, values = self._critic_steps(
             state.critic, state.critic_opt, batch, values, n_tok
         )
@@ -518,7 +469,7 @@ class Learner:
 
     def _guard(self, old: TrainState, new: TrainState, ok, metrics, batch):
         """Keep `new` if everything was finite, else `old`; count skips either way."""
-        state = _select(ok, new, old)
+        state = U.select(ok, new, old)
         skipped = (~ok).astype(jnp.int32)
         state = state.replace(
             updates=old.updates + 1,
@@ -526,16 +477,7 @@ class Learner:
             consecutive_skips=jnp.where(ok, 0, old.consecutive_skips + 1),
         )
         metrics = dict(metrics)
-        metrics["skipped"] = _one(skipped)
-        metrics["batch/outcome"] = _masked(batch["outcome"], jnp.ones_like(batch["outcome"]))
-        metrics["batch/action_tokens"] = _one(jnp.sum(batch["action_mask"]))
+        metrics["skipped"] = U.one(skipped)
+        metrics["batch/outcome"] = U.masked(batch["outcome"], jnp.ones_like(batch["outcome"]))
+        metrics["batch/action_tokens"] = U.one(jnp.sum(batch["action_mask"]))
         return state, metrics
-
-
-def _masked(x_bt, m_bt) -> tuple[jax.Array, jax.Array]:
-    m = m_bt.astype(jnp.float32)
-    return jnp.sum(jnp.where(m_bt, x_bt, 0.0).astype(jnp.float32)), jnp.sum(m)
-
-
-def _apply(params, updates, frozen):
-    return apply_updates(params, updates, frozen)
