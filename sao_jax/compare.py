@@ -28,17 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from sao_jax.tables import finite, fmt_spread
+
 Z = 2.0  # a difference counts when |diff| >= Z * SE(diff)
 
 
 def _finite(values: Sequence[Any]) -> np.ndarray:
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            continue
-        if math.isfinite(v):
-            out.append(float(v))
-    return np.array(out, np.float64)
+    return np.array([v for v in map(finite, values) if v is not None], np.float64)
 
 
 def mean_se(values: Sequence[Any]) -> tuple[float, float, int]:
@@ -51,15 +47,8 @@ def mean_se(values: Sequence[Any]) -> tuple[float, float, int]:
 
 
 def fmt_mean_se(values: Sequence[Any], *, scale: float = 100.0, digits: int = 1) -> str:
-    """'mean ± SE' of scale * values; the bare mean for one value; 'n/a' if none finite;
-    '(n=k)' appended when some values are missing."""
-    mean, se, n = mean_se(values)
-    if n == 0:
-        return "n/a"
-    text = f"{scale * mean:.{digits}f}"
-    if n > 1:
-        text += f" ± {scale * se:.{digits}f}"
-    return text if n == len(values) else f"{text} (n={n})"
+    """'mean ± SE' of scale * values; see `sao_jax.tables.fmt_spread`."""
+    return fmt_spread(mean_se(values), len(values), scale=scale, digits=digits)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,15 +53,22 @@ def mean_std(values: Sequence[Any]) -> tuple[float, float, int]:
 
 
 def fmt_mean_std(values: Sequence[Any], *, scale: float = 100.0, digits: int = 1) -> str:
-    """'mean ± std' of scale * values; the bare value for one run; 'n/a' if none is
-    finite; '(n=k)' appended when some are not."""
-    mean, std, n = mean_std(values)
+    """'mean ± std' of scale * values; see `fmt_spread`."""
+    return fmt_spread(mean_std(values), len(values), scale=scale, digits=digits)
+
+
+def fmt_spread(
+    stats: tuple[float, float, int], n_values: int, *, scale: float = 100.0, digits: int = 1
+) -> str:
+    """'mean ± spread' of (mean, spread, n finite) over `n_values` values, scaled: the bare
+    mean for one finite value; 'n/a' if none; '(n=k)' appended when some are missing."""
+    mean, spread, n = stats
     if n == 0:
         return "n/a"
     text = f"{scale * mean:.{digits}f}"
     if n > 1:
-        text += f" ± {scale * std:.{digits}f}"
-    return text if n == len(values) else f"{text} (n={n})"
+        text += f" ± {scale * spread:.{digits}f}"
+    return text if n == n_values else f"{text} (n={n})"
 
 
 def series(history: History, name: str) -> tuple[np.ndarray, np.ndarray]:

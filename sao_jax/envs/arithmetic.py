@@ -42,6 +42,14 @@ IMPERFECT_KINDS = ("guess", "copy", "typo")
 Tree = int | tuple[str, "Tree", "Tree"]
 
 
+def split_turn(action_text: Any) -> tuple[str, bool, str]:
+    """(the model turn without its final newline, whether it had one, the lead an
+    observation needs to start on a line of its own: "" or "\n")."""
+    text = action_text if isinstance(action_text, str) else repr(action_text)
+    terminated = text.endswith("\n")
+    return (text[:-1] if terminated else text), terminated, ("" if terminated else "\n")
+
+
 @dataclasses.dataclass(frozen=True)
 class ArithmeticParams:
     """Problem difficulty."""
@@ -185,10 +193,7 @@ class ArithmeticEnv:
         if self._target is None or self._done:
             raise RuntimeError("arithmetic env: step() before reset() or after the episode ended")
         self._turn += 1
-        text = action_text if isinstance(action_text, str) else repr(action_text)
-        terminated = text.endswith("\n")
-        line = text[:-1] if terminated else text
-        lead = "" if terminated else "\n"
+        line, terminated, lead = split_turn(action_text)
         info: dict[str, Any] = {"turn": self._turn}
         if len(line) > self.max_turn_chars or "\n" in line:
             return self._error("bad", f"turn is not one line of <= {self.max_turn_chars}", lead)

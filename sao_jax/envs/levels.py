@@ -176,10 +176,7 @@ class LevelsEnv:
         if self._problem is None or self._done:
             raise RuntimeError("arithmetic_levels: step() before reset() or after the end")
         self._turn += 1
-        text = action_text if isinstance(action_text, str) else repr(action_text)
-        terminated = text.endswith("\n")
-        line = text[:-1] if terminated else text
-        lead = "" if terminated else "\n"
+        line, terminated, lead = A.split_turn(action_text)
         if len(line) > self.max_turn_chars or "\n" in line:
             return self._error("bad", f"turn is not one line of <= {self.max_turn_chars}", lead)
         if line.startswith(A.ANSWER):
