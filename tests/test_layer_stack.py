@@ -87,8 +87,9 @@ def test_replay_under_scan_and_sharded():
         return jax.jit(lambda p, f=None: mdef.bind(p)(tokens, pos, seg, forced_experts_btlk=f))
 
     free = fwd(Sharder())(params)
-    # Force the reversed routing: every layer's experts change, so a mix-up would show.
-    forced = free.experts_btlk[..., ::-1]
+    # Force every token to other experts (each id + 1, mod E: the set changes, not only its
+    # order, which the gate weights ignore), so a layer mix-up would show.
+    forced = (free.experts_btlk + 1) % CFG.num_experts
     want = fwd(Sharder())(params, forced)
     np.testing.assert_array_equal(want.experts_btlk, forced)
     assert float(jnp.max(jnp.abs(want.out - free.out))) > 1e-3  # the replay changed the output
