@@ -121,7 +121,7 @@ def compiled_check(config, cfg, mesh, rules, rows) -> list[str]:
         compile_update_step(learner, small, run.rl.batch_size, _C_LENGTH.value, fast=True)
     )
     plan = memory_plan(small, run.optim, mesh, rules)
-    opt = plan.critic_opt_frozen if run.optim.critic.freeze_attention else plan.critic_opt_full
+    opt = plan.critic_opt_trainable if run.optim.critic.freeze_attention else plan.critic_opt_full
     want = analytic_step_bytes(
         small,
         pdef,

@@ -67,7 +67,13 @@ def test_frozen_attention_saves_exactly_its_moments(plan):
     full, frozen = plan.critic_opt_full, plan.critic_opt_frozen
     assert full.global_bytes - frozen.global_bytes == 2 * attn.count * 4
     assert full.device_bytes - frozen.device_bytes == 2 * attn.device_bytes
-    assert plan.total(False).device_bytes - plan.total(True).device_bytes == 2 * attn.device_bytes
+    # The configured set ('moe', the default) also leaves embedding and norms untrained.
+    assert plan.critic_trainable == "moe"
+    trained = plan.critic_opt_trainable
+    assert trained.global_bytes < frozen.global_bytes
+    assert plan.total(False).device_bytes - plan.total(True).device_bytes == (
+        full.device_bytes - trained.device_bytes
+    )
     text = format_plan(plan)
     for row in ("policy params", "critic AdamW state, attention frozen", "attention share"):
         assert row in text
@@ -98,4 +104,30 @@ def test_entry_point_runs_on_the_tiny_model():
         text=True,
         check=True,
     ).stdout
-    assert "total, critic attention frozen" in out and "(8 devices)" in out
+    assert "total, critic trains 'moe'" in out and "(8 devices)" in out
+
+
+@pytest.mark.parametrize(
+    "freeze, trainable", [(True, "moe"), (True, "all_but_attention"), (False, "moe")]
+)
+def test_plan_rows_match_a_live_train_state(freeze, trainable):
+    """The plan's critic AdamW row for the configured set is the live optimizer state's
+    size (experiments.bench.update_step prints this check)."""
+    from configs import sao
+    from experiments.bench import update_parts
+    from sao_jax import config as config_lib
+    from sao_jax.models.factory import critic_def, init_models, policy_def
+    from sao_jax.parallel.mesh import Sharder
+    from sao_jax.rl.update import Learner
+
+    c = sao.get_config("smoke")
+    c.optim.critic.freeze_attention, c.optim.critic.trainable = freeze, trainable
+    c = config_lib.validate(c)
+    cfg, sharder = ModelConfig.from_config(c.model), Sharder()
+    learner = Learner(c, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
+    models = init_models(cfg, sharder, seed=0)
+    state = learner.new_state(models.policy, models.critic, seed=0)
+    sizes, live_ok = update_parts.state_bytes(cfg, c.optim, state)
+    assert live_ok, sizes
+    if freeze and trainable == "moe":  # embedding and norms frozen too: smaller still
+        assert sizes["critic AdamW, live"] < sizes["critic AdamW, attention frozen"]

@@ -189,8 +189,7 @@ def pass_table(passes_useful: dict[str, int], pass_times, step_s: float) -> str:
 def state_bytes(cfg, optim, state) -> tuple[dict[str, int], bool]:
     """Global bytes from the memory plan (one device), the live critic AdamW bytes, and
     whether the live state agrees with the plan where the plan models the configured
-    set: its frozen row is attention frozen exactly (`all_but_attention`); the default
-    `optim.critic.trainable = "moe"` also freezes embedding and norms (smaller still)."""
+    set (`optim.critic.trainable`, or everything when attention is not frozen)."""
     plan = memory_plan(cfg, optim, parse_mesh("", 1))
     out = {
         "policy params": plan.policy_total.global_bytes,
@@ -198,18 +197,16 @@ def state_bytes(cfg, optim, state) -> tuple[dict[str, int], bool]:
         "policy AdamW": plan.policy_opt.global_bytes,
         "critic AdamW, attention frozen": plan.critic_opt_frozen.global_bytes,
         "critic AdamW, all trainable": plan.critic_opt_full.global_bytes,
+        "critic AdamW, configured set": plan.critic_opt_trainable.global_bytes,
         "critic AdamW, live": tree_bytes(state.critic_opt),
     }
-    critic = optim.critic
-    modelled = {"all": "critic AdamW, all trainable"}
-    if critic.freeze_attention:
-        modelled = {"all_but_attention": "critic AdamW, attention frozen"}
-    row = modelled.get(critic.get("trainable", "all_but_attention"))
+    frozen = optim.critic.freeze_attention
+    row = "critic AdamW, configured set" if frozen else "critic AdamW, all trainable"
     live_ok = (
         tree_bytes(state.policy) == out["policy params"]
         and tree_bytes(state.critic) == out["critic params"]
         and tree_bytes(state.policy_opt) == out["policy AdamW"]
-        and (row is None or out["critic AdamW, live"] == out[row])
+        and out["critic AdamW, live"] == out[row]
     )
     return out, live_ok
 

@@ -148,8 +148,10 @@ class Plan:
     policy: dict[str, Usage]  # by parameter category
     critic: dict[str, Usage]
     policy_opt: Usage
-    critic_opt_frozen: Usage  # attention frozen: no moments for it
+    critic_opt_frozen: Usage  # exactly attention frozen: no moments for it
     critic_opt_full: Usage
+    critic_opt_trainable: Usage  # the configured set (optim.critic.trainable) when frozen
+    critic_trainable: str  # its name ('moe' by default)
     active_params: int  # parameters touched per token (top-k of the experts)
 
     @property
@@ -161,7 +163,8 @@ class Plan:
         return sum(self.critic.values(), Usage())
 
     def total(self, frozen: bool) -> Usage:
-        opt = self.critic_opt_frozen if frozen else self.critic_opt_full
+        """Everything; `frozen`: the critic trains its configured set (default 'moe')."""
+        opt = self.critic_opt_trainable if frozen else self.critic_opt_full
         return self.policy_total + self.critic_total + self.policy_opt + opt
 
 
@@ -183,11 +186,13 @@ def memory_plan(
         state = jax.eval_shape(tx.init, shapes)
         return tree_usage(state, shardings).get("all", Usage())
 
-    frozen_optim = optim.critic.copy_and_resolve_references()
-    frozen_optim.freeze_attention = True
-    frozen_optim.trainable = "all_but_attention"  # exactly attention frozen (the default
-    # "moe" set also freezes the embedding and norms: smaller still)
-    labels = critic_frozen_labels(c_shapes, frozen_optim)
+    def frozen_opt(trainable: str) -> Usage:
+        c = optim.critic.copy_and_resolve_references()
+        c.freeze_attention, c.trainable = True, trainable
+        tx = make_optimizer(optim.critic, frozen=critic_frozen_labels(c_shapes, c))
+        return opt_usage(tx, c_shapes, c_shard)
+
+    trainable = optim.critic.get("trainable", "all_but_attention")
     policy = tree_usage(p_shapes, p_shard, by=category)
     experts = policy.get("experts", Usage()).count
     active = policy_total = sum(u.count for u in policy.values())
@@ -200,8 +205,10 @@ def memory_plan(
         policy=policy,
         critic=tree_usage(c_shapes, c_shard, by=category),
         policy_opt=opt_usage(make_optimizer(optim.policy), p_shapes, p_shard),
-        critic_opt_frozen=opt_usage(make_optimizer(optim.critic, frozen=labels), c_shapes, c_shard),
+        critic_opt_frozen=frozen_opt("all_but_attention"),  # what freezing attention saves
         critic_opt_full=opt_usage(make_optimizer(optim.critic), c_shapes, c_shard),
+        critic_opt_trainable=frozen_opt(trainable),
+        critic_trainable=trainable,
         active_params=active,
     )
 
@@ -238,8 +245,9 @@ def format_plan(plan: Plan) -> str:
     row("critic params", plan.critic_total)
     row("policy AdamW state (mu, nu)", plan.policy_opt, count=False)
     row("critic AdamW state, attention frozen", plan.critic_opt_frozen, count=False)
+    row(f"critic AdamW state, trains '{plan.critic_trainable}'", plan.critic_opt_trainable, False)
     row("critic AdamW state, all trainable", plan.critic_opt_full, count=False)
-    row("total, critic attention frozen", plan.total(True), count=False)
+    row(f"total, critic trains '{plan.critic_trainable}'", plan.total(True), count=False)
     row("total, all trainable", plan.total(False), count=False)
     full, frozen = plan.critic_opt_full, plan.critic_opt_frozen
     saved = Usage(

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax.rl import gae
-from sao_jax.rl.optim import apply_updates
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
 
@@ -69,7 +68,3 @@ def reduce_metrics(metrics: Metrics) -> dict[str, float]:
 def masked(x_bt, m_bt) -> tuple[jax.Array, jax.Array]:
     m = m_bt.astype(jnp.float32)
     return jnp.sum(jnp.where(m_bt, x_bt, 0.0).astype(jnp.float32)), jnp.sum(m)
-
-
-def apply_frozen(params, updates, frozen):
-    return apply_updates(params, updates, frozen)

@@ -45,6 +45,7 @@ from sao_jax.rl import passes as P
 from sao_jax.rl import step_utils as U
 from sao_jax.rl.batch import check_batch
 from sao_jax.rl.optim import (
+    apply_updates,
     critic_frozen_labels,
     make_optimizer,
     schedule,
@@ -275,7 +276,7 @@ class Learner:
 
     def _critic_update(self, params, opt, loss, grads, metrics):
         updates, opt = self.critic_tx.update(grads, opt, params)
-        params = U.apply_frozen(params, updates, self.critic_frozen)
+        params = apply_updates(params, updates, self.critic_frozen)
         ok = jnp.isfinite(loss) & U.all_finite(grads)
         metrics = dict(metrics, grad_norm=U.one(optax.tree.norm(grads)), loss=U.one(loss))
         return params, opt, ok, metrics
