@@ -39,7 +39,7 @@ from sao_jax.sampling.sampler import EnvErrorLimit, SamplerConfig, SamplerError
 from tests import train_support as ts
 from tests.sampling_support import MODEL, FakeTokenizer
 
-SLACK_S = 20.0  # start-up and compile time on a loaded 2-core machine
+SLACK_S = 60.0  # start-up and compile time on a loaded 2-core machine (a hang is unbounded)
 JOB_BOUND_S = 420  # one main-job subprocess: compiles, warm start, then the hang
 SIGTERM_BOUND_S = 30.0  # from SIGTERM to exit 0 while an env call hangs
 
