@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-import numpy as np
 from absl import app
 
 from sao_jax import compare, sweep, tables
@@ -47,15 +46,8 @@ KEEP = "policy/keep_rate"  # share of action tokens the policy loss keeps (DIS b
 def keep_rate(rs: Sequence[sweep.PointResult]) -> str:
     """Mean over the run of the logged keep rate (mean ± SE over seeds) and its lowest
     logged value: below 100% means the loss masked (DIS) or clipped (PPO) some tokens."""
-    means, lows = [], []
-    for r in rs:
-        _, k = tables.series(r.history, KEEP)
-        if k.size:
-            means.append(float(np.mean(k)))
-            lows.append(float(np.min(k)))
-    if not means:
-        return "n/a"
-    return f"{compare.fmt_mean_se(means, digits=2)} (min {100 * min(lows):.2f})"
+    text = abl.fmt_run_means(rs, KEEP, digits=2)
+    return "n/a" if text == "-" else text
 
 
 def cell(rs: Sequence[sweep.PointResult]) -> list[str]:
