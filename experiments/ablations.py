@@ -323,9 +323,11 @@ def design_text(
     eval_size = spec.fixed.get("env.eval_size", "?")
     lines.append(
         f"- {n_ref} seeds; each run is scored on {eval_size} held-out prompts (one sampled "
-        "rollout each). Rows of one seed share the SFT warm start, the prompt stream and the "
-        "held-out prompts, so each row's difference from SAO is paired by seed: "
-        "d_s = row_s - SAO_s, SE = std(d) / sqrt(n)."
+        "rollout each). Rows of one seed share the SFT warm start, the prompt stream, the "
+        "held-out prompts and the sampling keys (common random numbers: where two rows' "
+        "policies differ little they draw mostly the same tokens), so each row's difference "
+        "from SAO is paired by seed: d_s = row_s - SAO_s, SE = std(d) / sqrt(n). This is why "
+        "the paired SEs are far below the spread over seeds."
     )
     if mdds:
         lines.append(
