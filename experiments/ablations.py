@@ -14,6 +14,7 @@ The flags defined here are shared by the other experiment scripts.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import pathlib
 import shlex
 import sys
@@ -34,6 +35,9 @@ OUT_DIR = flags.DEFINE_string("out_dir", None, "Tables and plots (default result
 PARALLEL = flags.DEFINE_integer("parallel", 1, "Training runs at the same time.")
 LAUNCHER = flags.DEFINE_enum("launcher", "local", sweep.LAUNCHERS, "Where runs are started.")
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the runs' commands, run nothing.")
+SEEDS = flags.DEFINE_list(
+    "seeds", None, "Seeds to run instead of the mode's (e.g. 0,1,2); the report says which."
+)
 
 # Held-out success, pass@1 sampled at temperature 1: the distribution RL trains. Greedy
 # decoding of a converged SFT policy is already near its ceiling here (90-93%).
@@ -75,6 +79,17 @@ def sweep_dir() -> pathlib.Path:
 
 def out_dir() -> pathlib.Path:
     return pathlib.Path(OUT_DIR.value or f"results/{MODE.value}")
+
+
+def with_seeds(spec: sweep.SweepSpec) -> sweep.SweepSpec:
+    """`spec` with the seeds of --seeds, if given."""
+    if not SEEDS.value:
+        return spec
+    try:
+        seeds = tuple(int(s) for s in SEEDS.value)
+    except ValueError:
+        raise app.UsageError(f"--seeds: integers separated by commas, got {SEEDS.value}") from None
+    return dataclasses.replace(spec, seeds=seeds)
 
 
 def run(spec: sweep.SweepSpec) -> tuple[list[sweep.PointResult], float]:
@@ -424,7 +439,7 @@ def _plots(name, rows, steps, paper) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    spec = ablations_cfg.get_sweep(f"table=table4,mode={MODE.value}")
+    spec = with_seeds(ablations_cfg.get_sweep(f"table=table4,mode={MODE.value}"))
     results, wall_s = run(spec)
     if DRY_RUN.value:
         return

@@ -176,7 +176,7 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    spec = shift_cfg.get_sweep(f"mode={abl.MODE.value}")
+    spec = abl.with_seeds(shift_cfg.get_sweep(f"mode={abl.MODE.value}"))
     results, wall_s = abl.run(spec)
     if abl.DRY_RUN.value:
         return

@@ -22,8 +22,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _experiment(module: str, sweep_dir, out_dir) -> str:
-    argv = [sys.executable, "-m", f"experiments.{module}", "--mode=smoke"]
+def _experiment(module: str, sweep_dir, out_dir, *extra: str) -> str:
+    argv = [sys.executable, "-m", f"experiments.{module}", "--mode=smoke", *extra]
     argv += [f"--sweep_dir={sweep_dir}", f"--out_dir={out_dir}"]
     proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -62,7 +62,9 @@ def test_ablations_gae_and_staleness_share_one_sweep(tmp_path):
     assert text.count("| 1 | 0.0001 |") == 1  # one grid row: S=1, lr=1e-4
 
 
-def test_online_shift(tmp_path):
-    _experiment("online_shift", tmp_path / "sweep", tmp_path / "results")
+def test_online_shift_with_chosen_seeds(tmp_path):
+    _experiment("online_shift", tmp_path / "sweep", tmp_path / "results", "--seeds=1")
     text = _check_report(tmp_path / "results", "online_shift", ["SAO", "moving-average baseline"])
     assert "steps to recover after 1" in text and "steps to recover after 2" in text
+    assert "- mode: smoke; seeds: 1\n" in text  # --seeds replaces the mode's seed 0
+    assert "online_shift__sao__seed=1" in text and "seed=0" not in text
