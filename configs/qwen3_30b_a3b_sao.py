@@ -78,8 +78,9 @@ def get_config(arg=None):
     c.optim.critic.trainable = "moe"  # MoE projections + router + value head train
 
     # Longest trajectory (prompt + turns + observations): 32k tokens. The update step
-    # rematerialises every decoder layer (only its input is kept), scans the 48 layers
-    # (one compiled body), runs a flash kernel (splash on TPU, cuDNN on GPU) and applies
+    # rematerialises every decoder layer (only its input is kept), stores the 48 layers
+    # stacked ([48, ...] params, trunk.stacks.0) and scans them (one compiled body, compile
+    # time independent of depth; HF files unchanged, checkpoints in this layout), runs a flash kernel (splash on TPU, cuDNN on GPU) and applies
     # the LM head 1024 tokens at a time; docs/scaling.md has the per-device memory plan.
     c.model.remat = "full"
     c.model.scan_layers = True

@@ -20,7 +20,7 @@ from configs import base
 from sao_jax import checkpointing as ckpt
 from sao_jax import config as config_lib
 from sao_jax.models import hf
-from sao_jax.models.config import ModelConfig
+from sao_jax.models.config import ModelConfig, run_overrides
 from sao_jax.models.factory import init_models
 from sao_jax.models.layer_stack import layer_runs, stack_params, stacked_key
 from sao_jax.models.transformer import Policy
@@ -220,7 +220,9 @@ def test_hf_round_trip_stacked(tmp_path):
     hf.save_hf_checkpoint(tmp_path / "per", CFG, per, max_shard_bytes=40_000)
     files = lambda d: {f.name: f.read_bytes() for f in sorted((tmp_path / d).iterdir())}
     assert files("st") == files("per")  # the Hugging Face side does not change
-    cfg, _, loaded = hf.load_hf_policy(tmp_path / "st", scan_layers=True)
+    # An init.kind='hf' run takes remat, scan_layers, dtypes, ... from config.model.
+    run = run_overrides(_config(True).model)
+    cfg, _, loaded = hf.load_hf_policy(tmp_path / "st", **run)
     assert cfg.scan_layers and "stacks" in loaded["trunk"]
     _assert_close(loaded, stacked)
     sharder = Sharder(build_mesh((1, 2, 2, 2)))
