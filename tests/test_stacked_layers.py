@@ -21,13 +21,14 @@ from sao_jax import checkpointing as ckpt
 from sao_jax import config as config_lib
 from sao_jax.models import hf
 from sao_jax.models.config import ModelConfig, run_overrides
-from sao_jax.models.factory import init_models
+from sao_jax.models.factory import critic_def, init_models, policy_def
 from sao_jax.models.layer_stack import layer_runs, stack_params, stacked_key
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.memory import memory_plan
 from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.parallel.partition import ModelDef, path_str
 from sao_jax.rl.optim import TRAINABLE_SETS, trainable_labels
+from sao_jax.rl.step_memory import abstract_batch
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner
 from sao_jax.sampling.generate import GenerateFns, SamplingParams
@@ -127,9 +128,9 @@ def test_sharded_equals_unsharded_stacked():
     _assert_close(got_g, want_g, atol=1e-5, rtol=1e-4)
 
 
-def _config(scan: bool):
+def _config(scan: bool, **model):
     c = base.get_config()
-    c.model.update(MODEL, scan_layers=scan)
+    c.model.update(MODEL, scan_layers=scan, **model)
     c.rl.batch_size = 8
     c.optim.policy.lr = 1e-3
     c.optim.critic.lr = 1e-3
@@ -161,6 +162,22 @@ def test_update_step_equals_per_layer_and_opt_state_is_per_run():
     np.testing.assert_array_equal(
         q, _models(STACKED).critic["trunk"]["stacks"][1]["attn"]["q_proj"]
     )
+
+
+def test_update_step_program_does_not_grow_with_depth():
+    """Lowered update step (stacked): the same ops and TrainState leaves at 3 and 7 layers."""
+
+    def program(layers: int):
+        config = _config(True, num_hidden_layers=layers)
+        cfg = ModelConfig.from_config(config.model)
+        learner = Learner(config, policy_def(cfg, Sharder()), critic_def(cfg, Sharder()), Sharder())
+        batch = abstract_batch(8, 16, cfg)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        text = learner.update_step.lower(learner.abstract_state, batch, key).as_text()
+        ops = sum(1 for line in text.splitlines() if " = " in line and "stablehlo." in line)
+        return ops, len(jax.tree.leaves(learner.abstract_state))
+
+    assert program(3) == program(7)
 
 
 @pytest.mark.parametrize("trainable", TRAINABLE_SETS[:2])
@@ -232,6 +249,8 @@ def test_hf_round_trip_stacked(tmp_path):
 
 def test_checkpoint_round_trip_and_layout_error(tmp_path):
     l_st, s_st = _learner(True)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # the frozen-attention critic's state
+    assert any(map(masked, jax.tree.leaves(s_st.critic_opt, is_leaf=masked)))
     with ckpt.Checkpointer(tmp_path / "c", async_save=False) as ck:
         ck.save(1, s_st, {})
         restored, _ = ck.restore(ckpt.abstract_like(l_st.abstract_state, l_st.state_shardings))
@@ -239,9 +258,3 @@ def test_checkpoint_round_trip_and_layout_error(tmp_path):
         l_per, _ = _learner(False)
         with pytest.raises(ConfigError, match=r"model\.scan_layers: .* stacked \(trunk\.stacks\)"):
             ck.restore(ckpt.abstract_like(l_per.abstract_state, l_per.state_shardings))
-
-
-def test_optax_masked_nodes_survive_in_stacked_critic_state():
-    _, s_st = _learner(True)
-    masked = lambda x: isinstance(x, optax.MaskedNode)
-    assert any(map(masked, jax.tree.leaves(s_st.critic_opt, is_leaf=masked)))
