@@ -80,8 +80,9 @@ def get_config(arg=None):
     # Longest trajectory (prompt + turns + observations): 32k tokens. The update step
     # rematerialises every decoder layer (only its input is kept), stores the 48 layers
     # stacked ([48, ...] params, trunk.stacks.0) and scans them (one compiled body, compile
-    # time independent of depth; HF files unchanged, checkpoints in this layout), runs a flash kernel (splash on TPU, cuDNN on GPU) and applies
-    # the LM head 1024 tokens at a time; docs/scaling.md has the per-device memory plan.
+    # time independent of depth; HF files unchanged, checkpoints in this layout), runs a
+    # flash kernel (splash on TPU, cuDNN on GPU) and applies the LM head 1024 tokens at a
+    # time; docs/scaling.md has the per-device memory plan.
     c.model.remat = "full"
     c.model.scan_layers = True
     c.model.attention_impl = "auto"
