@@ -9,10 +9,10 @@ Master weights float32, matmuls bfloat16 (configs/models/qwen3_30b_a3b.py says w
 Meshes (docs/scaling.md has the memory plan of each; figures per device at 32k tokens
 per trajectory, from `experiments.memory_plan`'s analytic update-step model):
   default  64 chips, e.g. a TPU v5p-128 slice (16 hosts x 4 chips): data=1 fsdp=8
-           expert=8 tensor=1; 12.9 GiB/chip of params + AdamW states, 68.6 GiB/chip
+           expert=8 tensor=1; 12.9 GiB/chip of params + AdamW states, 65.5 GiB/chip
            with the update step's temporaries, the sampler copy and the KV cache (of 95).
   gpus=16  16 x H200 (two hosts): fsdp=16; 41.9 GiB/GPU of params + AdamW states,
-           119.4 GiB/GPU in all (of 131: raise XLA_PYTHON_CLIENT_MEM_FRACTION).
+           108.9 GiB/GPU in all (of 131: raise XLA_PYTHON_CLIENT_MEM_FRACTION).
   gpus=8   8 x H200 (one host): fsdp=8; 83.7 GiB/GPU of params + AdamW states; the
            update step does NOT fit (the plan says ~189 GiB/GPU even at 8k tokens).
 
@@ -78,9 +78,11 @@ def get_config(arg=None):
     c.optim.critic.trainable = "moe"  # MoE projections + router + value head train
 
     # Longest trajectory (prompt + turns + observations): 32k tokens. The update step
-    # rematerialises every decoder layer (only its input is kept), scans the 48 layers
-    # (one compiled body), runs a flash kernel (splash on TPU, cuDNN on GPU) and applies
-    # the LM head 1024 tokens at a time; docs/scaling.md has the per-device memory plan.
+    # rematerialises every decoder layer (only its input is kept), stores the 48 layers
+    # stacked ([48, ...] params, trunk.stacks.0) and scans them (one compiled body, compile
+    # time independent of depth; HF files unchanged, checkpoints in this layout), runs a
+    # flash kernel (splash on TPU, cuDNN on GPU) and applies the LM head 1024 tokens at a
+    # time; docs/scaling.md has the per-device memory plan.
     c.model.remat = "full"
     c.model.scan_layers = True
     c.model.attention_impl = "auto"

@@ -28,7 +28,7 @@ import jax
 from sao_jax import checkpointing
 from sao_jax import config as config_lib
 from sao_jax.models import hf
-from sao_jax.models.config import ModelConfig
+from sao_jax.models.config import ModelConfig, run_overrides
 from sao_jax.models.factory import critic_def, policy_def
 from sao_jax.parallel.mesh import Sharder, sharder_from_config
 from sao_jax.rl.update import Learner
@@ -85,7 +85,7 @@ def model_config(config: ConfigDict) -> ModelConfig:
             f"config field init.hf_path: the run started from {config.init.hf_path!r}, whose "
             "config.json gives the model's shapes; it is not there now"
         )
-    return hf.read_hf_config(config.init.hf_path)
+    return hf.read_hf_config(config.init.hf_path, **run_overrides(config.model))
 
 
 def _sharder(config: ConfigDict) -> Sharder:

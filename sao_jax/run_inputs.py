@@ -11,7 +11,7 @@ from sao_jax.chat_template import run_chat_format
 from sao_jax.data.pipeline import run_prompts
 from sao_jax.envs.registry import env_factory
 from sao_jax.models import hf
-from sao_jax.models.config import ModelConfig
+from sao_jax.models.config import ModelConfig, run_overrides
 from sao_jax.models.factory import Models, init_models
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.tokenizer import load_tokenizer
@@ -19,8 +19,9 @@ from sao_jax.tokenizer import load_tokenizer
 
 def build_models(config: ConfigDict, sharder, tokenizer) -> Models:
     if config.init.kind == "hf":
-        cfg, pdef, policy = hf.load_hf_policy(config.init.hf_path, sharder=sharder)
-        _, cdef, critic = hf.load_hf_critic(config.init.hf_path, sharder=sharder)
+        run = run_overrides(config.model)  # remat, scan_layers, dtypes, ...: not in config.json
+        cfg, pdef, policy = hf.load_hf_policy(config.init.hf_path, sharder=sharder, **run)
+        _, cdef, critic = hf.load_hf_critic(config.init.hf_path, sharder=sharder, **run)
         models = Models(cfg, pdef, policy, cdef, critic)
     else:
         models = init_models(ModelConfig.from_config(config.model), sharder, config.seed)

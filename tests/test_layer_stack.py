@@ -1,5 +1,6 @@
-"""Decoder layers under scan and remat: same values and gradients as the plain layer loop,
-routing replay kept, and the compiled program does not grow with the number of layers."""
+"""Decoder layers under scan (stacked layout) and remat: same values and gradients as the
+plain layer loop, routing replay kept, and the compiled program does not grow with the
+number of layers."""
 
 import dataclasses
 
@@ -10,7 +11,7 @@ import pytest
 from flax import nnx
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.layer_stack import runs
+from sao_jax.models.layer_stack import runs, stack_params
 from sao_jax.models.transformer import Critic, Policy
 from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.parallel.partition import ModelDef, init_params
@@ -68,7 +69,11 @@ def test_scan_and_remat_equal_layer_loop(model_cls, scan, remat):
     _, params = init_params(lambda: model_cls(ref_cfg, rngs=nnx.Rngs(0)), Sharder())
     (want, want_e), want_g = _loss_and_grads(ref_cfg, params, model_cls)
     cfg = dataclasses.replace(CFG, scan_layers=scan, remat=remat)
-    (got, got_e), got_g = _loss_and_grads(cfg, params, model_cls)
+    (got, got_e), got_g = _loss_and_grads(
+        cfg, stack_params(CFG, params) if scan else params, model_cls
+    )
+    if scan:  # gradients of the stacked params, mapped back to one subtree per layer
+        got_g = stack_params(CFG, got_g, to_stacked=False)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     np.testing.assert_array_equal(got_e, want_e)  # routing of every MoE layer, in order
     for (path, a), (_, b) in zip(
@@ -77,13 +82,15 @@ def test_scan_and_remat_equal_layer_loop(model_cls, scan, remat):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=str(path))
 
 
-def test_replay_under_scan_and_sharded():
+@pytest.mark.parametrize("scan", [True, False], ids=["stacked", "per-layer"])
+def test_replay_under_scan_and_sharded(scan):
     """Forced experts reach the right layer of the scanned run; 8 devices == 1."""
-    _, params = init_params(lambda: Policy(CFG, rngs=nnx.Rngs(0)), Sharder())
+    cfg = dataclasses.replace(CFG, scan_layers=scan)
+    _, params = init_params(lambda: Policy(cfg, rngs=nnx.Rngs(0)), Sharder())
     tokens, pos, seg = _batch()
 
     def fwd(sharder):
-        mdef = ModelDef.of(lambda: Policy(CFG, sharder=sharder, rngs=nnx.Rngs(0)))
+        mdef = ModelDef.of(lambda: Policy(cfg, sharder=sharder, rngs=nnx.Rngs(0)))
         return jax.jit(lambda p, f=None: mdef.bind(p)(tokens, pos, seg, forced_experts_btlk=f))
 
     free = fwd(Sharder())(params)
@@ -94,7 +101,7 @@ def test_replay_under_scan_and_sharded():
     np.testing.assert_array_equal(want.experts_btlk, forced)
     assert float(jnp.max(jnp.abs(want.out - free.out))) > 1e-3  # the replay changed the output
     sharder = Sharder(build_mesh((2, 2, 2, 1)))
-    _, sparams = init_params(lambda: Policy(CFG, sharder=sharder, rngs=nnx.Rngs(0)), sharder)
+    _, sparams = init_params(lambda: Policy(cfg, sharder=sharder, rngs=nnx.Rngs(0)), sharder)
     got = fwd(sharder)(sparams, forced)
     np.testing.assert_array_equal(got.experts_btlk, forced)
     np.testing.assert_allclose(got.out, want.out, atol=1e-5)

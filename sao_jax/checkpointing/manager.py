@@ -99,7 +99,20 @@ def _leaf_table(tree) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 def _check_compatible(have, want, where: str) -> None:
     """Raises ConfigError naming the first tensor the checkpoint lacks, has in excess, or
     stores with another shape or dtype than the target (a changed model or optimizer
-    config, not a damaged file: no fallback to an older step). Args are `_leaf_table`s."""
+    config, not a damaged file: no fallback to an older step). Args are `_leaf_table`s.
+    Decoder layers saved in the other layout (per layer vs stacked) name model.scan_layers."""
+    have_stacked, want_stacked = (any(".stacks." in n for n in t) for t in (have, want))
+    have_layers, want_layers = (any(".layers." in n for n in t) for t in (have, want))
+    if (have_stacked and want_layers and not want_stacked) or (
+        have_layers and want_stacked and not have_stacked
+    ):
+        saved = "stacked (trunk.stacks)" if have_stacked else "per layer (trunk.layers)"
+        raise ConfigError(
+            f"config field model.scan_layers: checkpoint {where} holds decoder layers "
+            f"{saved}, the target state expects the other layout; restore with "
+            f"model.scan_layers={have_stacked}, or convert the params with "
+            "sao_jax.models.layer_stack.stack_params"
+        )
     for name in sorted(set(have) | set(want)):
         if name not in have:
             raise ConfigError(f"checkpoint {where}: tensor {name} is missing")

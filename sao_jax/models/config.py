@@ -18,6 +18,12 @@ from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 ATTENTION_IMPLS = ("auto", "naive", "blockwise", "cudnn", "splash")  # attention_backends.py
 REMAT_POLICIES = ("none", "full", "dots")  # transformer.py REMAT
+# config.model fields a Hugging Face config.json does not set: how the model runs, not what
+# it is. An init.kind='hf' run takes them from config.model too (`run_overrides`).
+RUN_FIELDS = (
+    "moe_impl", "dtype", "param_dtype", "attention_impl", "attention_block", "remat",
+    "scan_layers", "logits_chunk",
+)  # fmt: skip
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -50,7 +56,9 @@ class ModelConfig:
     attention_impl: str = "auto"  # training attention: auto|naive|blockwise|cudnn|splash
     attention_block: int = 512  # query/key block of the blockwise and splash kernels
     remat: str = "none"  # per decoder layer: none|full|dots (jax.checkpoint policies)
-    scan_layers: bool = False  # lax.scan over each run of same-kind layers (compiles once)
+    scan_layers: bool = False  # params stacked [L_run, ...] per run of same-kind layers and
+    # lax.scan-ned (trunk.stacks.<r>: compile cost independent of depth); False: one subtree
+    # per layer (trunk.layers.<i>, the HF layout). Checkpoints are saved in the layout used.
     logits_chunk: int = 1024  # training log-probs: tokens per LM-head chunk (0 = all)
 
     def __post_init__(self):
@@ -166,6 +174,12 @@ class ModelConfig:
             max_position_embeddings=32768,
             torch_dtype="float32",
         )
+
+
+def run_overrides(section: ConfigDict | Mapping[str, Any]) -> dict[str, Any]:
+    """The RUN_FIELDS of a `config.model` section, as ModelConfig.from_hf overrides."""
+    values = section.to_dict() if isinstance(section, ConfigDict) else dict(section)
+    return {k: values[k] for k in RUN_FIELDS if k in values}
 
 
 def _check(c: ModelConfig) -> None:

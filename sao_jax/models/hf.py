@@ -14,6 +14,9 @@ Layouts (torch Linear stores [out, in]; ours is [in, ..., out] with heads split 
                                     experts.{e}.down_proj.weight [D, M] -> [E, M, D]
   experts, fused (transformers' in-memory layout): experts.gate_up_proj [E, 2M, D] (gate
   rows first) -> gate, up [E, D, M];  experts.down_proj [E, D, M] -> [E, M, D]
+With `model.scan_layers` (stacked decoder layers, `trunk.stacks.<r>.*` of shape [L_run, ...])
+each stacked parameter is read as the per-layer tensors of its run, stacked shard by shard,
+and written back one layer at a time: the Hugging Face side never changes.
 Each MoE layer may use either expert layout (layers may differ); one layer mixing both
 is rejected. transformers 5.x converts its fused experts back to per-expert tensors in
 `save_pretrained`, and `save_hf_checkpoint` writes the per-expert layout by default.
@@ -38,6 +41,7 @@ from jax.sharding import SingleDeviceSharding
 
 from sao_jax.models import safetensors_io as st
 from sao_jax.models.config import ModelConfig
+from sao_jax.models.layer_stack import layer_runs, stacked_key
 from sao_jax.models.transformer import Critic, Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params, check_params
@@ -322,21 +326,35 @@ def load_hf_checkpoint(
             key = _key(path)
             if critic and key[0] != "trunk":  # value head and bias start at zero
                 return jax.device_put(jnp.zeros(sds.shape, sds.dtype), sharding)
-            if key not in smap:
-                raise ValueError(
-                    f"no Hugging Face tensor maps to parameter {'.'.join(map(str, key))}"
-                )
-            src = smap[key]
             dtype = np.dtype(sds.dtype)
-            return put_sharded(
-                sds.shape,
-                sds.dtype,
-                sharding,
-                lambda idx: st.read_target(reader, ckpt.tensors, src, idx, dtype),
-            )
+            if key[:2] == ("trunk", "stacks"):  # [L_run, ...]: the run's layers, stacked
+                start = layer_runs(cfg)[key[2]][0]
+                srcs = [_source(smap, ("trunk", "layers", start + j, *key[3:])) for j in
+                        range(sds.shape[0])]  # fmt: skip
+
+                def read(idx):
+                    return np.stack(
+                        [
+                            st.read_target(reader, ckpt.tensors, srcs[j], idx[1:], dtype)
+                            for j in range(idx[0].start, idx[0].stop)
+                        ]
+                    )
+            else:
+                src = _source(smap, key)
+
+                def read(idx):
+                    return st.read_target(reader, ckpt.tensors, src, idx, dtype)
+
+            return put_sharded(sds.shape, sds.dtype, sharding, read)
 
         params = jax.tree_util.tree_map_with_path(load, shapes, shardings)
     return cfg, mdef, params
+
+
+def _source(smap: Mapping[tuple, st.Source], key: tuple) -> st.Source:
+    if key not in smap:
+        raise ValueError(f"no Hugging Face tensor maps to parameter {'.'.join(map(str, key))}")
+    return smap[key]
 
 
 def load_hf_policy(path: str, *, sharder: Sharder | None = None, **overrides: Any):
@@ -364,6 +382,20 @@ def _host(x, expert: int | None) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def _param(cfg: ModelConfig, params: Params, key: tuple) -> jax.Array:
+    """The parameter at a per-layer `key`; in the stacked layout, its layer's slice."""
+    if key[:2] == ("trunk", "layers") and "stacks" in params["trunk"]:
+        r, j = stacked_key(cfg, key[2])
+        leaf = params["trunk"]["stacks"][r]
+        for k in key[3:]:
+            leaf = leaf[k]
+        return _take(leaf, j)
+    leaf = params
+    for k in key:
+        leaf = leaf[k]
+    return leaf
+
+
 def _entries(cfg: ModelConfig, params: Params, layout: str, dtype) -> list[st.Entry]:
     parts: dict[str, list] = {}
     for key, src in tensor_map(cfg, layout).items():
@@ -373,10 +405,7 @@ def _entries(cfg: ModelConfig, params: Params, layout: str, dtype) -> list[st.En
     def produce(contributors):
         views = []
         for key, src, e in sorted(contributors, key=lambda c: (c[1].select or (0, 0))[1]):
-            leaf = params
-            for k in key:
-                leaf = leaf[k]
-            views.append(st.to_source_view(src, _host(leaf, e)))
+            views.append(st.to_source_view(src, _host(_param(cfg, params, key), e)))
         src = contributors[0][1]
         x = views[0] if len(views) == 1 else np.concatenate(views, axis=src.select[0])
         return x.reshape(src.hf_shape).astype(dtype)

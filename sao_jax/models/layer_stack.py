@@ -1,14 +1,19 @@
-"""Decoder layers of a training pass: `lax.scan` over runs of same-kind layers, remat per layer.
+"""Decoder layers of a pass: one subtree per layer, or stored stacked per run and scanned.
 
-Parameters stay one subtree per layer (`trunk.layers.<i>`, the Hugging Face layout that
-checkpoints, optimizer path patterns and routing replay address). Inside the traced pass
-each maximal run of consecutive layers of one kind (dense MLP or MoE; Qwen3-30B-A3B is
-one run of 48, the tiny model a dense layer 0 then a run of 2) has its parameters cast
-to the compute dtype (every layer casts them at use anyway, so results are unchanged)
-and stacked along a new leading axis, and one `lax.scan` applies the run: XLA compiles
-one layer body per run instead of unrolling every layer. The stacked copy costs one
-compute-dtype copy of the run's parameters on top of the master weights (per device:
-it keeps the parameters' sharding, with the layer axis unsharded).
+Two parameter layouts, chosen by `model.scan_layers`:
+  per layer (False)  `trunk.layers.<i>.*`, the Hugging Face layout; a training pass
+                     applies the layers one after another (XLA unrolls them all).
+  stacked (True)     `trunk.stacks.<r>.*`: each maximal run r of consecutive layers of one
+                     kind (dense MLP or MoE; Qwen3-30B-A3B is one run of 48, the tiny model
+                     a dense layer 0 then a run of MoE layers) is one module whose
+                     parameters have a leading layer axis [L_run, ...], logical name
+                     `layers` (mapped to no mesh axis; the other axes keep their sharding).
+                     A training pass `lax.scan`s the stored stack directly: XLA compiles
+                     one layer body per run, the optimizer holds one leaf per parameter
+                     kind per run, and compile cost no longer grows with depth.
+The stacked model is built per layer and stacked at construction, so one seed gives the
+same weights in both layouts (`stack_params` maps one layout's params to the other's).
+Decoding with a KV cache indexes the stack layer by layer (values identical).
 
 `remat` wraps each layer in `jax.checkpoint` with a policy:
   none  keep every intermediate for the backward pass (fastest, O(L T) big activations)
@@ -28,6 +33,7 @@ from flax import nnx
 from sao_jax.models.moe.router import load_balancing_loss
 from sao_jax.parallel.mesh import Sharder
 
+LAYER_AXIS = "layers"  # logical name of the stacked layout's leading axis (no mesh axis)
 REMAT = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -46,27 +52,74 @@ def runs(kinds: Sequence) -> list[tuple[int, int]]:
     return out
 
 
+def layer_runs(cfg) -> list[tuple[int, int]]:
+    """[start, stop) of each stack of a model config (runs of dense / MoE layers)."""
+    return runs([cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)])
+
+
 def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def stack_states(states: Sequence[nnx.State], dtype, sharder: Sharder) -> nnx.State:
-    """Layer states -> one state whose arrays have a leading layer axis, floating leaves
-    cast to `dtype`, each constrained to its parameter's sharding plus an unsharded axis."""
-
-    def cast(x):
-        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+def stack_modules(layers: Sequence[nnx.Module]) -> nnx.Module:
+    """Same-kind layers -> one module of their graph whose parameters are stacked [L, ...],
+    the leading axis tagged with the logical name `layers`."""
 
     def stack(*variables):
-        arr = jnp.stack([cast(v[...]) for v in variables])
-        axes = variables[0].get_metadata().get("axes") or (None,) * (arr.ndim - 1)
-        return variables[0].replace(sharder.constrain(arr, (None, *axes)))
+        axes = variables[0].get_metadata().get("axes") or (None,) * variables[0][...].ndim
+        return variables[0].replace(
+            jnp.stack([v[...] for v in variables]), axes=(LAYER_AXIS, *axes)
+        )
 
-    return jax.tree.map(stack, *states, is_leaf=_is_var)
+    graphdef, _ = nnx.split(layers[0])
+    states = [nnx.state(layer) for layer in layers]
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_var))
+
+
+def stack_size(stack: nnx.Module) -> int:
+    """L of a stacked module (the leading axis of its parameters)."""
+    return jax.tree.leaves(nnx.state(stack))[0].shape[0]
+
+
+def layer_of(stack: nnx.Module, j: int) -> nnx.Module:
+    """Layer j of a stacked module, as a module (a slice of every parameter)."""
+    graphdef, state = nnx.split(stack)
+    return nnx.merge(graphdef, jax.tree.map(lambda v: v.replace(v[...][j]), state, is_leaf=_is_var))
+
+
+def stack_params(cfg, params: dict, *, to_stacked: bool = True) -> dict:
+    """Pure params dict of one layout -> the other's (per layer <-> stacked).
+
+    Also maps any tree of the same structure (gradients). Everything outside the decoder
+    layers is kept as is.
+    """
+    trunk = dict(params["trunk"])
+    if to_stacked:
+        layers = trunk.pop("layers")
+        trunk["stacks"] = {
+            r: jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(a, b)])
+            for r, (a, b) in enumerate(layer_runs(cfg))
+        }
+    else:
+        stacks = trunk.pop("stacks")
+        trunk["layers"] = {
+            a + j: jax.tree.map(lambda x, j=j: x[j], stacks[r])
+            for r, (a, b) in enumerate(layer_runs(cfg))
+            for j in range(b - a)
+        }
+    return {**params, "trunk": trunk}
+
+
+def stacked_key(cfg, layer: int) -> tuple[int, int]:
+    """(stack r, index j in it) of decoder layer `layer` in the stacked layout."""
+    for r, (a, b) in enumerate(layer_runs(cfg)):
+        if a <= layer < b:
+            return r, layer - a
+    raise ValueError(f"layer {layer}: outside [0, {cfg.num_hidden_layers})")
 
 
 def apply_layers(
-    layers: Sequence[nnx.Module],
+    modules: Sequence[nnx.Module],
     x_btd: jax.Array,
     positions_bt: jax.Array,
     segment_ids_bt: jax.Array,
@@ -74,17 +127,18 @@ def apply_layers(
     *,
     num_experts: int,
     remat: str,
-    scan: bool,
+    stacked: bool,
     sharder: Sharder,
 ):
-    """Applies decoder layers (no KV cache). Returns (x [B, T, D], experts: one [B, T, k]
-    per MoE layer, aux: one load-balancing loss per MoE layer), as the layer loop would."""
+    """Applies decoder layers (no KV cache): one module per layer, or (`stacked`) one per
+    run with stacked parameters, scanned. Returns (x [B, T, D], experts_btlk [B, T, L_moe,
+    k] or None, aux_l [L_moe] load-balancing losses or None), as the layer loop would."""
     if remat not in REMAT:
         raise ValueError(f"config field model.remat: {remat!r} is not one of {tuple(REMAT)}")
     b, t = x_btd.shape[:2]
     token_mask_n = (segment_ids_bt != 0).reshape(-1)
 
-    def layer_fn(graphdef):
+    def layer_fn(graphdef, in_scan: bool):
         def fn(state, x, forced_btk):
             layer = nnx.merge(graphdef, state)
             x, _, routing = layer(x, positions_bt, segment_ids_bt, None, forced_btk)
@@ -96,27 +150,27 @@ def apply_layers(
 
         if remat == "none":
             return fn
-        return jax.checkpoint(fn, policy=REMAT[remat], prevent_cse=not scan)
+        return jax.checkpoint(fn, policy=REMAT[remat], prevent_cse=not in_scan)
 
     experts, aux = [], []
     moe_index = 0
-    kinds = [bool(layer.is_moe) for layer in layers]
-    for start, stop in runs(kinds) if scan else [(i, i + 1) for i in range(len(layers))]:
-        graphdef, _ = nnx.split(layers[start])
-        fn = layer_fn(graphdef)
-        is_moe, n = kinds[start], stop - start
+    for module in modules:
+        is_moe = bool(module.is_moe)
+        n = stack_size(module) if stacked else 1
+        graphdef, state = nnx.split(module)
         forced = None
         if is_moe and forced_experts_btlk is not None:
             forced = forced_experts_btlk[:, :, moe_index : moe_index + n]  # [B, T, n, k]
         if n == 1:
-            state = nnx.state(layers[start])
-            x_btd, e, a = fn(state, x_btd, None if forced is None else forced[:, :, 0])
-            e_list, a_list = ([e], [a]) if is_moe else ([], [])
+            if stacked:
+                state = jax.tree.map(lambda v: v.replace(v[...][0]), state, is_leaf=_is_var)
+            fn = layer_fn(graphdef, in_scan=False)
+            x_btd, e_btk, a = fn(state, x_btd, None if forced is None else forced[:, :, 0])
+            if is_moe:
+                experts.append(e_btk[:, :, None])
+                aux.append(a[None])
         else:
-            dtype = x_btd.dtype
-            stacked = stack_states(
-                [nnx.state(layers[i]) for i in range(start, stop)], dtype, sharder
-            )
+            fn = layer_fn(graphdef, in_scan=True)
             forced_l = None if forced is None else jnp.moveaxis(forced, 2, 0)  # [n, B, T, k]
 
             def body(x, xs, fn=fn):
@@ -124,10 +178,11 @@ def apply_layers(
                 x, e, a = fn(state_l, x, forced_btk)
                 return x, (e, a)
 
-            x_btd, (e_stack, a_stack) = jax.lax.scan(body, x_btd, (stacked, forced_l))
-            e_list = [e_stack[j] for j in range(n)] if is_moe else []
-            a_list = [a_stack[j] for j in range(n)] if is_moe else []
-        experts += e_list
-        aux += a_list
+            x_btd, (e_nbtk, a_n) = jax.lax.scan(body, x_btd, (state, forced_l))
+            if is_moe:
+                experts.append(jnp.moveaxis(e_nbtk, 0, 2))  # [B, T, n, k]
+                aux.append(a_n)
         moe_index += n if is_moe else 0
-    return x_btd, experts, aux
+    if not experts:
+        return x_btd, None, None
+    return x_btd, jnp.concatenate(experts, axis=2), jnp.concatenate(aux)

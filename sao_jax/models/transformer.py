@@ -2,7 +2,8 @@
 
 Policy = trunk + LM head (tied to the embedding or not). Critic = the same trunk + a scalar
 value per token; `Critic.from_policy` copies a policy's trunk. Attention parameters sit
-under `trunk.layers.<i>.attn`, so the critic can freeze them by path.
+under `trunk.layers.<i>.attn` (or `trunk.stacks.<r>.attn`, stacked [L_run, ...], with
+`model.scan_layers`: layer_stack.py), so the critic can freeze them by path.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flax import nnx
 
 from sao_jax.models.attention import Attention, KVCache, init_cache
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.layer_stack import apply_layers
+from sao_jax.models.layer_stack import apply_layers, layer_of, layer_runs, stack_modules, stack_size
 from sao_jax.models.layers import DenseMLP, Embed, RMSNorm, normal, param, zeros
 from sao_jax.models.moe.block import MoEBlock
 from sao_jax.models.moe.router import load_balancing_loss
@@ -95,9 +96,13 @@ class Trunk(nnx.Module):
             param_dtype=cfg.weight_dtype,
             rngs=rngs,
         )
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, i, sharder=sharder, rngs=rngs) for i in range(cfg.num_hidden_layers)]
-        )
+        layers = [
+            DecoderLayer(cfg, i, sharder=sharder, rngs=rngs) for i in range(cfg.num_hidden_layers)
+        ]
+        if cfg.scan_layers:  # one module per run of same-kind layers, params [L_run, ...]
+            self.stacks = nnx.List([stack_modules(layers[a:b]) for a, b in layer_runs(cfg)])
+        else:
+            self.layers = nnx.List(layers)
         self.final_norm = RMSNorm(
             cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype, rngs=rngs
         )
@@ -124,7 +129,7 @@ class Trunk(nnx.Module):
         token_mask_n = (segment_ids_bt != 0).reshape(-1)
         moe_index = 0
         # Training passes (no cache) go through apply_layers below: scan and remat.
-        for i, layer in enumerate(self.layers if cache is not None else ()):
+        for i, layer in enumerate(self._each_layer() if cache is not None else ()):
             forced = None
             if layer.is_moe and forced_experts_btlk is not None:
                 forced = forced_experts_btlk[:, :, moe_index]
@@ -137,27 +142,34 @@ class Trunk(nnx.Module):
                 moe_index += 1
                 experts.append(routing.experts_nk.reshape(b, t, -1))
                 aux.append(load_balancing_loss(routing, cfg.num_experts, token_mask_n))
+        experts_btlk = jnp.stack(experts, axis=2) if experts else None
+        aux_l = jnp.stack(aux) if aux else None
         if cache is None:
-            x, experts, aux = apply_layers(
-                list(self.layers),
+            x, experts_btlk, aux_l = apply_layers(
+                list(self.stacks if cfg.scan_layers else self.layers),
                 x,
                 positions_bt,
                 segment_ids_bt,
                 forced_experts_btlk,
                 num_experts=cfg.num_experts,
                 remat=cfg.remat,
-                scan=cfg.scan_layers,
+                stacked=cfg.scan_layers,
                 sharder=self.sharder,
             )
         hidden = self.final_norm(x)
-        experts_btlk = jnp.stack(experts, axis=2) if experts else None
-        aux_loss = cfg.router_aux_loss_coef * (jnp.mean(jnp.stack(aux)) if aux else 0.0)
+        aux_loss = cfg.router_aux_loss_coef * (jnp.mean(aux_l) if aux_l is not None else 0.0)
         return (
             hidden,
             experts_btlk,
             jnp.asarray(aux_loss, jnp.float32),
             (None if cache is None else tuple(new_cache)),
         )
+
+    def _each_layer(self) -> list[DecoderLayer]:
+        """The decoder layers in order (in the stacked layout: slices of the stacks)."""
+        if not self.cfg.scan_layers:
+            return list(self.layers)
+        return [layer_of(s, j) for s in self.stacks for j in range(stack_size(s))]
 
     def init_cache(self, batch: int, length: int) -> tuple[KVCache, ...]:
         cfg = self.cfg

@@ -37,6 +37,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("router_experts", None),
     ("norm", None),
     ("value_out", None),
+    ("layers", None),  # leading axis of stacked decoder layers (model.scan_layers)
     # activations
     ("batch", ("data", "fsdp", "expert")),
     ("length", None),

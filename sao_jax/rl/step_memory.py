@@ -12,14 +12,11 @@ layers x 128 experts x 32k tokens is slow, and its ragged_dot lowering is not th
 GPU/TPU runs). It is written for the long-context setting (`remat='full'`, a flash
 kernel, chunked log-probs) and the phase that peaks, the policy step:
 
-  temp = critic carry + grads + stacks + saved layer inputs + one layer's working set
-         + LM head
+  temp = critic carry + grads + saved layer inputs + one layer's working set + LM head
 
   critic carry    the critic's params and moments, carried over the K critic steps
   grads           gradients in param dtype (x2 with microbatches: accumulator + the
                   current microbatch's)
-  stacks          the compute-dtype stack of the layer parameters (scan_layers), its
-                  gradient and a pass's copy
   saved inputs    L x tokens x D x compute bytes (remat='full': each layer's input)
   layer working   one layer recomputed and differentiated: the residual stream plus the
                   larger of the attention half (q/k/v projections and the kernel's score
@@ -132,7 +129,6 @@ def buffer_shapes(compiled) -> set[tuple[str, tuple[int, ...]]]:
 # Multiplicities read off XLA's buffer assignment (the `larger` benchmark model at T = 1024
 # and 2048, and a dense-MLP model at T = 1024, remat='full', blockwise attention, layers
 # scanned); tests/test_step_memory.py checks them on other shapes.
-STACK_COPIES = 3  # stacked compute-dtype layer parameters: copies, gradients, passes
 ATTN_COPIES = 10  # q, k, v (and their normed / rotated forms, gradients) per token
 BLOCK_COPIES = 4  # [rows, N, block, block] float32 score / probability blocks, fwd + bwd
 RESID_COPIES = 8  # residual-stream vectors per token in one layer's backward
@@ -199,7 +195,6 @@ class AnalyticStep:
 
     critic_carry: int  # critic params + moments looped over the K critic steps
     grads: int  # param-dtype gradients (x2 with microbatches: accumulator)
-    stacks: int  # stacked compute-dtype layer parameters (scan_layers)
     saved_inputs: int  # remat='full': every layer's input, L x tokens x D x c
     layer_working: int  # one layer recomputed and differentiated
     lm_head: int  # one chunk of logits [rows, C, V] (a few copies) + hidden states
@@ -209,8 +204,9 @@ class AnalyticStep:
         return sum(dataclasses.astuple(self))
 
 
-def _layer_param_bytes(policy_def: ModelDef, sharder: Sharder, cfg: ModelConfig):
-    """(all param bytes, stacked-run layer elements) per device of a model."""
+def _param_bytes(policy_def: ModelDef, sharder: Sharder) -> int:
+    """Param bytes per device of a model (either layer layout: the stacked one's layer axis
+    is unsharded, so both count the same)."""
     shapes = policy_def.shapes()
     shardings = policy_def.shardings(sharder)
     leaves = jax.tree_util.tree_leaves_with_path(shapes)
@@ -219,21 +215,12 @@ def _layer_param_bytes(policy_def: ModelDef, sharder: Sharder, cfg: ModelConfig)
         if shardings is not None
         else [None] * len(leaves)
     )
-    stacked_layers = set()
-    kinds = [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)]
-    for i in range(cfg.num_hidden_layers):
-        prev = i > 0 and kinds[i - 1] == kinds[i]
-        nxt = i + 1 < len(kinds) and kinds[i + 1] == kinds[i]
-        if prev or nxt:
-            stacked_layers.add(str(i))
-    total = stacked = 0
-    for (path, s), sh in zip(leaves, sh_leaves):
-        n = math.prod(sh.shard_shape(s.shape) if sh is not None else s.shape)
-        total += n * s.dtype.itemsize
-        keys = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
-        if len(keys) > 2 and keys[:2] == ["trunk", "layers"] and keys[2] in stacked_layers:
-            stacked += n
-    return total, stacked
+    total = 0
+    for (_, s), sh in zip(leaves, sh_leaves):
+        total += (
+            math.prod(sh.shard_shape(s.shape) if sh is not None else s.shape) * s.dtype.itemsize
+        )
+    return total
 
 
 def analytic_step_bytes(
@@ -255,10 +242,9 @@ def analytic_step_bytes(
     one microbatch.
     """
     c = _itemsize(cfg.compute_dtype)
-    p_bytes, p_stacked = _layer_param_bytes(policy_def, sharder, cfg)
-    c_bytes, c_stacked = _layer_param_bytes(critic_def, sharder, cfg)
+    p_bytes = _param_bytes(policy_def, sharder)
+    c_bytes = _param_bytes(critic_def, sharder)
     grads = max(p_bytes, c_bytes) * (2 if microbatches > 1 else 1)
-    stacks = STACK_COPIES * max(p_stacked, c_stacked) * c if cfg.scan_layers else 0
     tokens = rows_per_device * length
     saved = cfg.num_hidden_layers * tokens * cfg.hidden_size * c
     e_local = cfg.num_experts // max(sharder.axis_size("expert"), 1) if cfg.num_experts else 0
@@ -274,7 +260,7 @@ def analytic_step_bytes(
     vocab_local = cfg.vocab_size // max(sharder.axis_size("act_vocab"), 1)
     lm_head = HEAD_COPIES * rows_per_device * chunk * vocab_local * 4
     lm_head += 2 * tokens * cfg.hidden_size * 4
-    return AnalyticStep(c_bytes + critic_opt_bytes, grads, stacks, saved, working, lm_head)
+    return AnalyticStep(c_bytes + critic_opt_bytes, grads, saved, working, lm_head)
 
 
 def _gib(n: float) -> str:
@@ -325,7 +311,6 @@ def step_plan_lines(
     terms = [
         ("critic params + moments carried over the K critic steps", a.critic_carry),
         ("gradients (x2 with microbatches: accumulator)", a.grads),
-        ("stacked compute-dtype layer params (scan_layers)", a.stacks),
         ("saved layer inputs (remat='full': L x tokens x D)", a.saved_inputs),
         ("one layer recomputed + differentiated", a.layer_working),
         ("LM-head chunk (logits [rows, C, V] f32) + final hidden", a.lm_head),
