@@ -81,10 +81,15 @@ def stack_size(stack: nnx.Module) -> int:
     return jax.tree.leaves(nnx.state(stack))[0].shape[0]
 
 
+def _slice(state: nnx.State, j: int) -> nnx.State:
+    """Layer j of a stacked state (index j of every parameter's leading axis)."""
+    return jax.tree.map(lambda v: v.replace(v[...][j]), state, is_leaf=_is_var)
+
+
 def layer_of(stack: nnx.Module, j: int) -> nnx.Module:
     """Layer j of a stacked module, as a module (a slice of every parameter)."""
     graphdef, state = nnx.split(stack)
-    return nnx.merge(graphdef, jax.tree.map(lambda v: v.replace(v[...][j]), state, is_leaf=_is_var))
+    return nnx.merge(graphdef, _slice(state, j))
 
 
 def stack_params(cfg, params: dict, *, to_stacked: bool = True) -> dict:
@@ -163,7 +168,7 @@ def apply_layers(
             forced = forced_experts_btlk[:, :, moe_index : moe_index + n]  # [B, T, n, k]
         if n == 1:
             if stacked:
-                state = jax.tree.map(lambda v: v.replace(v[...][0]), state, is_leaf=_is_var)
+                state = _slice(state, 0)
             fn = layer_fn(graphdef, in_scan=False)
             x_btd, e_btk, a = fn(state, x_btd, None if forced is None else forced[:, :, 0])
             if is_moe:
