@@ -32,31 +32,51 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @flax.struct.dataclass
 class KVCache:
-    """One layer's cache; slot s of row b holds the key/value of position s.
+    """One layer's cache, or (stacked) a run of layers'; slot s of row b holds the
+    key/value of position s.
 
     Reads: every row attends slots [0, span) (None = all S); the rows `lane_rows_r`
     instead attend [0, lane_span) (no lane when None). Writes always reach the whole
     cache. The spans are static (part of the tree structure: one program per span).
+    Stacked (`model.scan_layers`): k/v carry a leading layer axis [L, B, S, K, H], and
+    `layer` (a traced int32 scalar) names the one layer an attention call reads and
+    writes, in place (a scan carries the whole stack; no per-layer copy of it is made).
     """
 
-    k_bskh: jax.Array  # [B, S, K, H]
-    v_bskh: jax.Array  # [B, S, K, H]
+    k_bskh: jax.Array  # [B, S, K, H]; stacked [L, B, S, K, H]
+    v_bskh: jax.Array  # [B, S, K, H]; stacked [L, B, S, K, H]
     lane_rows_r: jax.Array | None = None  # [R] int32 distinct rows of the long lane
+    layer: jax.Array | None = None  # stacked: the layer index into the leading axis
     span: int | None = flax.struct.field(pytree_node=False, default=None)
     lane_span: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
-def init_cache(batch: int, length: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
+def init_cache(
+    batch: int, length: int, num_kv_heads: int, head_dim: int, dtype, layers: int | None = None
+) -> KVCache:
+    """Zeros [B, S, K, H]; with `layers` = L, one stacked cache [L, B, S, K, H]."""
     shape = (batch, length, num_kv_heads, head_dim)
+    shape = shape if layers is None else (layers, *shape)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
 def write_cache(cache: KVCache, k_btkh, v_btkh, positions_bt) -> KVCache:
-    """Writes new keys/values at their positions (out-of-range positions are dropped)."""
+    """Writes new keys/values at their positions (out-of-range positions are dropped);
+    stacked: into layer `cache.layer` of the stack only."""
     rows_b1 = jnp.arange(k_btkh.shape[0])[:, None]
-    k = cache.k_bskh.at[rows_b1, positions_bt].set(k_btkh.astype(cache.k_bskh.dtype), mode="drop")
-    v = cache.v_bskh.at[rows_b1, positions_bt].set(v_btkh.astype(cache.v_bskh.dtype), mode="drop")
+    idx = (rows_b1, positions_bt) if cache.layer is None else (cache.layer, rows_b1, positions_bt)
+    k = cache.k_bskh.at[idx].set(k_btkh.astype(cache.k_bskh.dtype), mode="drop")
+    v = cache.v_bskh.at[idx].set(v_btkh.astype(cache.v_bskh.dtype), mode="drop")
     return cache.replace(k_bskh=k, v_bskh=v)
+
+
+def _slots(cache: KVCache, x, span: int) -> jax.Array:
+    """Slots [0, span) of the cache's k or v `x`: [B, span, K, H] (stacked: of `layer`)."""
+    if cache.layer is None:
+        return x[:, :span]
+    b, _, kv, h = x.shape[1:]
+    start = (cache.layer, 0, 0, 0, 0)
+    return jax.lax.dynamic_slice(x, start, (1, b, span, kv, h))[0]
 
 
 def attention_mask(q_pos_bt, k_pos_bs, q_seg_bt, k_seg_bs) -> jax.Array:
@@ -77,9 +97,9 @@ def cached_attention(q_btnh, positions_bt, cache: KVCache) -> jax.Array:
     Equals attention over all S slots for every query at a position < its row's span:
     the slots beyond are masked by causality, so they only add exact zeros.
     """
-    s = cache.k_bskh.shape[1]
+    s = cache.k_bskh.shape[-3]
     span = s if cache.span is None else min(cache.span, s)
-    k_bskh, v_bskh = cache.k_bskh[:, :span], cache.v_bskh[:, :span]
+    k_bskh, v_bskh = _slots(cache, cache.k_bskh, span), _slots(cache, cache.v_bskh, span)
     out_btnh = grouped_attention(q_btnh, k_bskh, v_bskh, _causal_over_slots(positions_bt, span))
     if cache.lane_rows_r is None:
         return out_btnh
@@ -88,8 +108,8 @@ def cached_attention(q_btnh, positions_bt, cache: KVCache) -> jax.Array:
     pos_rt = positions_bt[rows_r]
     out_rtnh = grouped_attention(
         q_btnh[rows_r],
-        cache.k_bskh[rows_r, :lane],
-        cache.v_bskh[rows_r, :lane],
+        _slots(cache, cache.k_bskh, lane)[rows_r],
+        _slots(cache, cache.v_bskh, lane)[rows_r],
         _causal_over_slots(pos_rt, lane),
     )
     return out_btnh.at[rows_r].set(out_rtnh)

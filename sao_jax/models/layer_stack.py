@@ -13,7 +13,9 @@ Two parameter layouts, chosen by `model.scan_layers`:
                      kind per run, and compile cost no longer grows with depth.
 The stacked model is built per layer and stacked at construction, so one seed gives the
 same weights in both layouts (`stack_params` maps one layout's params to the other's).
-Decoding with a KV cache indexes the stack layer by layer (values identical).
+Prefill/decode scan the stacks too: the KV cache is stacked per run as well ([L_run, ...]
+per KVCache field, one cache per stack), carried whole by the scan, each layer writing
+and reading its own index in place; the per-layer layout keeps one KVCache per layer.
 
 `remat` wraps each layer in `jax.checkpoint` with a policy:
   none  keep every intermediate for the backward pass (fastest, O(L T) big activations)
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sao_jax.models.attention import KVCache
 from sao_jax.models.moe.router import load_balancing_loss
 from sao_jax.parallel.mesh import Sharder
 
@@ -86,12 +89,6 @@ def _slice(state: nnx.State, j: int) -> nnx.State:
     return jax.tree.map(lambda v: v.replace(v[...][j]), state, is_leaf=_is_var)
 
 
-def layer_of(stack: nnx.Module, j: int) -> nnx.Module:
-    """Layer j of a stacked module, as a module (a slice of every parameter)."""
-    graphdef, state = nnx.split(stack)
-    return nnx.merge(graphdef, _slice(state, j))
-
-
 def stack_params(cfg, params: dict, *, to_stacked: bool = True) -> dict:
     """Pure params dict of one layout -> the other's (per layer <-> stacked).
 
@@ -134,43 +131,55 @@ def apply_layers(
     remat: str,
     stacked: bool,
     sharder: Sharder,
+    cache: Sequence[KVCache] | None = None,
 ):
-    """Applies decoder layers (no KV cache): one module per layer, or (`stacked`) one per
-    run with stacked parameters, scanned. Returns (x [B, T, D], experts_btlk [B, T, L_moe,
-    k] or None, aux_l [L_moe] load-balancing losses or None), as the layer loop would."""
+    """Applies decoder layers: one module per layer, or (`stacked`) one per run with
+    stacked parameters, scanned. Returns (x [B, T, D], experts_btlk [B, T, L_moe, k] or
+    None, aux_l [L_moe] load-balancing losses or None, the updated cache or None), as the
+    layer loop would.
+
+    `cache` (prefill/decode) has one KVCache per module: per layer [B, S, K, H], or
+    stacked [L_run, B, S, K, H], which the scan carries whole while each layer writes and
+    reads its own index in place (attention.KVCache.layer). No remat with a cache."""
     if remat not in REMAT:
         raise ValueError(f"config field model.remat: {remat!r} is not one of {tuple(REMAT)}")
     b, t = x_btd.shape[:2]
     token_mask_n = (segment_ids_bt != 0).reshape(-1)
 
     def layer_fn(graphdef, in_scan: bool):
-        def fn(state, x, forced_btk):
+        def fn(state, x, c, forced_btk):
             layer = nnx.merge(graphdef, state)
-            x, _, routing = layer(x, positions_bt, segment_ids_bt, None, forced_btk)
+            x, c, routing = layer(x, positions_bt, segment_ids_bt, c, forced_btk)
             x = sharder.constrain(x, ("batch", "length", "act_embed"))
             if routing is None:
-                return x, None, None
+                return x, c, None, None
             experts_btk = routing.experts_nk.reshape(b, t, -1)
-            return x, experts_btk, load_balancing_loss(routing, num_experts, token_mask_n)
+            return x, c, experts_btk, load_balancing_loss(routing, num_experts, token_mask_n)
 
-        if remat == "none":
+        if remat == "none" or cache is not None:
             return fn
         return jax.checkpoint(fn, policy=REMAT[remat], prevent_cse=not in_scan)
 
-    experts, aux = [], []
+    def at(c: KVCache | None, j) -> KVCache | None:  # a stacked cache set to layer j, or back
+        return None if c is None else c.replace(layer=j)
+
+    experts, aux, new_cache = [], [], []
     moe_index = 0
-    for module in modules:
+    for m, module in enumerate(modules):
         is_moe = bool(module.is_moe)
         n = stack_size(module) if stacked else 1
         graphdef, state = nnx.split(module)
+        c = None if cache is None else cache[m]
         forced = None
         if is_moe and forced_experts_btlk is not None:
             forced = forced_experts_btlk[:, :, moe_index : moe_index + n]  # [B, T, n, k]
         if n == 1:
             if stacked:
-                state = _slice(state, 0)
+                state, c = _slice(state, 0), at(c, 0)
             fn = layer_fn(graphdef, in_scan=False)
-            x_btd, e_btk, a = fn(state, x_btd, None if forced is None else forced[:, :, 0])
+            forced_btk = None if forced is None else forced[:, :, 0]
+            x_btd, c, e_btk, a = fn(state, x_btd, c, forced_btk)
+            c = at(c, None)
             if is_moe:
                 experts.append(e_btk[:, :, None])
                 aux.append(a[None])
@@ -178,16 +187,20 @@ def apply_layers(
             fn = layer_fn(graphdef, in_scan=True)
             forced_l = None if forced is None else jnp.moveaxis(forced, 2, 0)  # [n, B, T, k]
 
-            def body(x, xs, fn=fn):
-                state_l, forced_btk = xs
-                x, e, a = fn(state_l, x, forced_btk)
-                return x, (e, a)
+            def body(carry, xs, fn=fn):
+                x, c = carry
+                state_l, forced_btk, j = xs
+                x, c, e, a = fn(state_l, x, at(c, j), forced_btk)
+                return (x, at(c, None)), (e, a)
 
-            x_btd, (e_nbtk, a_n) = jax.lax.scan(body, x_btd, (state, forced_l))
+            xs = (state, forced_l, jnp.arange(n, dtype=jnp.int32))
+            (x_btd, c), (e_nbtk, a_n) = jax.lax.scan(body, (x_btd, c), xs)
             if is_moe:
                 experts.append(jnp.moveaxis(e_nbtk, 0, 2))  # [B, T, n, k]
                 aux.append(a_n)
+        new_cache.append(c)
         moe_index += n if is_moe else 0
+    new_cache = None if cache is None else tuple(new_cache)
     if not experts:
-        return x_btd, None, None
-    return x_btd, jnp.concatenate(experts, axis=2), jnp.concatenate(aux)
+        return x_btd, None, None, new_cache
+    return x_btd, jnp.concatenate(experts, axis=2), jnp.concatenate(aux), new_cache

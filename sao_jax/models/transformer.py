@@ -16,10 +16,9 @@ from flax import nnx
 
 from sao_jax.models.attention import Attention, KVCache, init_cache
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.layer_stack import apply_layers, layer_of, layer_runs, stack_modules, stack_size
+from sao_jax.models.layer_stack import apply_layers, layer_runs, stack_modules
 from sao_jax.models.layers import DenseMLP, Embed, RMSNorm, normal, param, zeros
 from sao_jax.models.moe.block import MoEBlock
-from sao_jax.models.moe.router import load_balancing_loss
 from sao_jax.parallel.mesh import Sharder
 
 
@@ -27,7 +26,7 @@ class ModelOutput(NamedTuple):
     out: jax.Array  # policy: logits [B, T, V] float32; critic: values [B, T] float32
     experts_btlk: jax.Array | None  # chosen experts per MoE layer [B, T, L_moe, k] int32
     aux_loss: jax.Array  # load-balancing loss (already scaled by router_aux_loss_coef)
-    cache: tuple[KVCache, ...] | None  # updated per-layer KV cache when one was given
+    cache: tuple[KVCache, ...] | None  # updated KV cache (per layer, or per stack) if given
 
 
 class DecoderLayer(nnx.Module):
@@ -125,57 +124,33 @@ class Trunk(nnx.Module):
         x = self.sharder.constrain(
             self.embed(tokens_bt, cfg.compute_dtype), ("batch", "length", "act_embed")
         )
-        new_cache, experts, aux = [], [], []
-        token_mask_n = (segment_ids_bt != 0).reshape(-1)
-        moe_index = 0
-        # Training passes (no cache) go through apply_layers below: scan and remat.
-        for i, layer in enumerate(self._each_layer() if cache is not None else ()):
-            forced = None
-            if layer.is_moe and forced_experts_btlk is not None:
-                forced = forced_experts_btlk[:, :, moe_index]
-            x, layer_cache, routing = layer(
-                x, positions_bt, segment_ids_bt, None if cache is None else cache[i], forced
-            )
-            x = self.sharder.constrain(x, ("batch", "length", "act_embed"))
-            new_cache.append(layer_cache)
-            if routing is not None:
-                moe_index += 1
-                experts.append(routing.experts_nk.reshape(b, t, -1))
-                aux.append(load_balancing_loss(routing, cfg.num_experts, token_mask_n))
-        experts_btlk = jnp.stack(experts, axis=2) if experts else None
-        aux_l = jnp.stack(aux) if aux else None
-        if cache is None:
-            x, experts_btlk, aux_l = apply_layers(
-                list(self.stacks if cfg.scan_layers else self.layers),
-                x,
-                positions_bt,
-                segment_ids_bt,
-                forced_experts_btlk,
-                num_experts=cfg.num_experts,
-                remat=cfg.remat,
-                stacked=cfg.scan_layers,
-                sharder=self.sharder,
-            )
+        x, experts_btlk, aux_l, cache = apply_layers(
+            list(self.stacks if cfg.scan_layers else self.layers),
+            x,
+            positions_bt,
+            segment_ids_bt,
+            forced_experts_btlk,
+            num_experts=cfg.num_experts,
+            remat=cfg.remat,
+            stacked=cfg.scan_layers,
+            sharder=self.sharder,
+            cache=cache,
+        )
         hidden = self.final_norm(x)
         aux_loss = cfg.router_aux_loss_coef * (jnp.mean(aux_l) if aux_l is not None else 0.0)
-        return (
-            hidden,
-            experts_btlk,
-            jnp.asarray(aux_loss, jnp.float32),
-            (None if cache is None else tuple(new_cache)),
-        )
-
-    def _each_layer(self) -> list[DecoderLayer]:
-        """The decoder layers in order (in the stacked layout: slices of the stacks)."""
-        if not self.cfg.scan_layers:
-            return list(self.layers)
-        return [layer_of(s, j) for s in self.stacks for j in range(stack_size(s))]
+        return hidden, experts_btlk, jnp.asarray(aux_loss, jnp.float32), cache
 
     def init_cache(self, batch: int, length: int) -> tuple[KVCache, ...]:
+        """Zeros: one KVCache [B, S, K, H] per layer, or (`scan_layers`) one per stack,
+        [L_run, B, S, K, H]."""
         cfg = self.cfg
+        kw = dict(num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+        if cfg.scan_layers:
+            sizes = [b - a for a, b in layer_runs(cfg)]
+        else:
+            sizes = [None] * cfg.num_hidden_layers
         return tuple(
-            init_cache(batch, length, cfg.num_key_value_heads, cfg.head_dim, cfg.compute_dtype)
-            for _ in range(cfg.num_hidden_layers)
+            init_cache(batch, length, dtype=cfg.compute_dtype, layers=n, **kw) for n in sizes
         )
 
 

@@ -189,21 +189,18 @@ class GenerateFns:
         return (len(c.moe_layers), c.num_experts_per_tok) if c.moe_layers else None
 
     def init_cache(self, params: Params):
-        """An empty cache: per-layer KVCache of [S, L, K, H]."""
+        """An empty cache: a KVCache [S, L, K, H] per layer (stacked layout: per stack,
+        [L_run, S, L, K, H])."""
         return self.mdef.bind(params).trunk.init_cache(self.num_slots, self.max_len)
 
     @staticmethod
     def _reading(cache, lane_rows_r, span, lane_span):
-        """Caches that read [0, span) (lane rows: [0, lane_span)). Works on a tuple of
-        per-layer caches or on layer-stacked ones (lane rows broadcast over the stack)."""
-
-        def one(c: KVCache) -> KVCache:
-            rows = lane_rows_r
-            if rows is not None:
-                rows = jnp.broadcast_to(rows, c.k_bskh.shape[:-4] + rows.shape)
-            return c.replace(lane_rows_r=rows, span=span, lane_span=lane_span)
-
-        return jax.tree.map(one, cache, is_leaf=lambda x: isinstance(x, KVCache))
+        """Caches that read [0, span) (lane rows: [0, lane_span)); per layer or stacked."""
+        return jax.tree.map(
+            lambda c: c.replace(lane_rows_r=lane_rows_r, span=span, lane_span=lane_span),
+            cache,
+            is_leaf=lambda x: isinstance(x, KVCache),
+        )
 
     @staticmethod
     def _plain(cache):
