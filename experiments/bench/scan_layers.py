@@ -117,8 +117,10 @@ def _row(name, times: dict, first: dict | None = None) -> str:
     wall = {k: statistics.median(w for _, w in v) for k, v in times.items()}
     cells = [f"{cpu[k]:.3f} / {wall[k]:.3f}" for k in (False, True)]
     ratio = cpu[True] / cpu[False]
+    pairs = sorted(t / f for (t, _), (f, _) in zip(times[True], times[False], strict=True))
+    spread = f"{ratio:.2f}x ({pairs[0]:.2f}-{pairs[-1]:.2f})"  # range of the paired repeats
     comp = "" if first is None else f" | {first[False]:.1f} / {first[True]:.1f}"
-    return f"| {name} | {cells[0]} | {cells[1]} | {ratio:.2f}x{comp} |"
+    return f"| {name} | {cells[0]} | {cells[1]} | {spread}{comp} |"
 
 
 def main(argv=None):
@@ -159,7 +161,8 @@ def main(argv=None):
                 if r:
                     times[prog][scan].append((c / n, w / n))
     print(f"# load average at end: {os.getloadavg()}")
-    print("| program | False: CPU / wall s | True: CPU / wall s | CPU True/False | compile CPU s |")
+    head = "False: CPU / wall s | True: CPU / wall s | CPU True/False (range) | compile CPU s"
+    print(f"| program | {head} |")
     print("|---|---|---|---|---|")
     print(_row("update step", times["update"], first))
     for prog in ("decode", "prefill"):
