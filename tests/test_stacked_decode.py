@@ -60,17 +60,26 @@ def test_cache_layout():
     assert [c.k_bskh.shape for c in st_c] == [(1, S, L_MAX, 2, 8), (3, S, L_MAX, 2, 8)]
 
 
-def _rollout(cfg, spans, forced=None):
-    """Prefill 5 tokens (routing replayed from `forced` if given), then 2 x 3 decode steps."""
+@functools.cache
+def _rollout(cfg, lane: bool = False, replay: bool = False):
+    """Prefill 5 tokens, then 2 x 3 greedy decode steps; `lane`: read span 16 with a long
+    lane for row 2; `replay`: prefill with forced experts (the per-layer run's, shifted)."""
     m = _models(cfg)
     fns = GenerateFns(
         m.policy_def, num_slots=S, max_len=L_MAX, steps=3, record_routing=True, return_logits=True
     )
+    spans = Spans(16, np.asarray([2], np.int32), L_MAX) if lane else None
+    forced = None
+    if replay:
+        forced = (_rollout(CFG)[0].experts_btlk + 1) % CFG.num_experts  # still distinct
     tokens = jax.random.randint(jax.random.key(3), (S, 5), 0, CFG.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(5), (S, 5))
-    cache = fns.init_cache(m.policy)
-    model = m.policy_def.bind(m.policy)
-    out = model(tokens, positions, jnp.ones_like(tokens), cache=cache, forced_experts_btlk=forced)
+    prefill = jax.jit(
+        lambda p, c, f: m.policy_def.bind(p)(
+            tokens, positions, jnp.ones_like(tokens), cache=c, forced_experts_btlk=f
+        )
+    )
+    out = prefill(m.policy, fns.init_cache(m.policy), forced)
     cache, decoded = out.cache, []
     last, pos = out.out[:, -1].argmax(-1), positions[:, -1] + 1
     for i in range(2):
@@ -82,10 +91,10 @@ def _rollout(cfg, spans, forced=None):
     return out, decoded, cache
 
 
-@pytest.mark.parametrize("spans", [None, Spans(16, np.asarray([2], np.int32), L_MAX)])
-def test_prefill_and_decode_equal_per_layer(spans):
-    want_out, want, want_cache = _rollout(CFG, spans)
-    got_out, got, got_cache = _rollout(STACKED, spans)
+@pytest.mark.parametrize("lane", [False, True])
+def test_prefill_and_decode_equal_per_layer(lane):
+    want_out, want, want_cache = _rollout(CFG, lane)
+    got_out, got, got_cache = _rollout(STACKED, lane)
     np.testing.assert_allclose(got_out.out, want_out.out, atol=1e-5)  # prefill logits
     np.testing.assert_array_equal(got_out.experts_btlk, want_out.experts_btlk)
     assert want_out.experts_btlk.shape == (S, 5, 3, 2)  # every MoE layer recorded
@@ -105,10 +114,9 @@ def test_prefill_and_decode_equal_per_layer(spans):
 def test_forced_experts_through_the_cache_path():
     """Routing replay during prefill: the forced experts are used and recorded, per layer and
     stacked alike, and they change the output (the mechanism fires)."""
-    free, _, _ = _rollout(CFG, None)
-    forced = (free.experts_btlk + 1) % CFG.num_experts  # different, still distinct per token
-    want, _, _ = _rollout(CFG, None, forced)
-    got, _, _ = _rollout(STACKED, None, forced)
+    free = _rollout(CFG)[0]
+    want, got = _rollout(CFG, replay=True)[0], _rollout(STACKED, replay=True)[0]
+    forced = (free.experts_btlk + 1) % CFG.num_experts
     np.testing.assert_array_equal(want.experts_btlk, forced)
     np.testing.assert_array_equal(got.experts_btlk, forced)
     np.testing.assert_allclose(got.out, want.out, atol=1e-5)
@@ -119,11 +127,11 @@ def _engine_run(cfg):
     m = _models(cfg)
     ecfg = EngineConfig(
         num_slots=S, max_len=64, max_turn_tokens=10, record_routing=True, top_k=20, top_p=0.9,
-        steps_per_sync=3, span_buckets=(8, 16, 32), lane_slots=1,
+        steps_per_sync=3, span_buckets=(8, 32), lane_slots=1,
     )  # fmt: skip
     eng = Engine.create(m.policy_def, FakeTokenizer(), TurnEnv, ecfg, seed=3)
-    trajs, drops = eng.run(m.policy, prompts(9, seed=1, turns=3), version=2)
-    assert not drops and len(trajs) == 9
+    trajs, drops = eng.run(m.policy, prompts(6, seed=1, turns=3), version=2)
+    assert not drops and len(trajs) == 6
     return sorted(trajs, key=lambda t: t.prompt_uid), eng
 
 

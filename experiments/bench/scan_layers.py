@@ -3,6 +3,7 @@
     python -m experiments.bench.scan_layers                 # 8 timed repeats of each
     python -m experiments.bench.scan_layers --repeats 3
     python -m experiments.bench.scan_layers --depths 3,24,48   # decode compile vs depth only
+    python -m experiments.bench.scan_layers --cache-len 4096   # decode cost by span only
 
 On configs/sao.py (the README's demo: the tiny model, rl.batch_size rows of length
 sampling.max_len, the sampler's slots, cache length and steps per sync) with the random
@@ -17,7 +18,9 @@ init, in one process, interleaved (False, True, False, True, ...):
 
 With --depths, only the lower + compile CPU seconds of the decode step (the demo's
 model at each depth, both layouts) are printed: the stacked decode is one layer body per
-stack, so its compile time should not grow with depth.
+stack, so its compile time should not grow with depth. With --cache-len L, only a decode call at
+position 64 reading span 128 vs one at L/2 reading the whole cache, both layouts: the
+stacked cache must keep the decode cost proportional to the span read.
 
 Process CPU time counts every thread of this process, so other processes' load changes
 it less than wall time; both are printed, with the load average.
@@ -41,7 +44,7 @@ from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner
-from sao_jax.sampling.generate import GenerateFns, SamplingParams
+from sao_jax.sampling.generate import GenerateFns, SamplingParams, Spans
 from sao_jax.sampling.sampler import configs_from_section
 
 
@@ -55,9 +58,10 @@ def _timed(fn):
 class Variant:
     """One scan_layers setting: its learner state, batch, decode and prefill programs."""
 
-    def __init__(self, scan: bool, **model):
+    def __init__(self, scan: bool, cache_len: int = 0, **model):
         c = sao.get_config()
         c.model.update(model, scan_layers=scan)
+        c.sampling.max_len = cache_len or c.sampling.max_len
         self.config = config = config_lib.validate(c)
         models = init_models(ModelConfig.from_config(config.model), Sharder(), config.seed)
         self.learner = Learner(config, models.policy_def, models.critic_def, Sharder())
@@ -86,9 +90,15 @@ class Variant:
         self.state, m = self.learner.update_step(self.state, self.batch, jax.random.key(i))
         return m
 
-    def decode(self, i: int):
+    def decode(self, i: int, spans: Spans | None = None):
         self.cache, out = self.fns.decode(
-            self.params, self.cache, self.tokens, self.positions, jax.random.key(i), self.sampling
+            self.params,
+            self.cache,
+            self.tokens,
+            self.positions,
+            jax.random.key(i),
+            self.sampling,
+            spans,
         )
         return out
 
@@ -123,10 +133,38 @@ def _row(name, times: dict, first: dict | None = None) -> str:
     return f"| {name} | {cells[0]} | {cells[1]} | {spread}{comp} |"
 
 
+def span_costs(args) -> None:
+    """Decode call at position 64 reading span 128 vs at position L/2 reading the whole
+    cache of length L = --cache-len, both layouts, interleaved (median CPU s per call)."""
+    n, big = args.decode_calls, args.cache_len // 2
+    variants = {scan: Variant(scan, cache_len=args.cache_len) for scan in (False, True)}
+    cases = {"pos 64, span 128": (64, Spans(128)), f"pos {big}, whole cache": (big, None)}
+    times = {(scan, c): [] for scan in variants for c in cases}
+    for r in range(args.repeats + 1):
+        for scan, x in variants.items():
+            for case, (pos, spans) in cases.items():
+                x.positions = jnp.full((x.s,), pos, jnp.int32)
+                fn = lambda x=x, r=r, spans=spans: [x.decode(r * n + i, spans) for i in range(n)]
+                _, c, _ = _timed(lambda fn=fn: fn()[-1])
+                if r:
+                    times[scan, case].append(c / n)
+    print(f"# load average at end: {os.getloadavg()}; cache length {args.cache_len}")
+    print("| decode call | False: CPU ms | True: CPU ms | True/False |")
+    print("|---|---:|---:|---:|")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for c in cases:
+        print(f"| {c} | {med[False, c] * 1e3:.2f} | {med[True, c] * 1e3:.2f} | "
+              f"{med[True, c] / med[False, c]:.2f}x |")  # fmt: skip
+    short, whole = cases
+    for scan in variants:
+        print(f"scan_layers={scan}: {short} / {whole} = {med[scan, short] / med[scan, whole]:.2f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=8, help="timed calls per variant and program")
     p.add_argument("--decode-calls", type=int, default=20, help="decode calls per timed repeat")
+    p.add_argument("--cache-len", type=int, default=0, help="e.g. 4096: decode cost by span only")
     p.add_argument("--depths", default="", help="e.g. 3,48: decode compile time vs depth only")
     args = p.parse_args(argv)
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  {platform.node()}  {platform.machine()}")
@@ -139,6 +177,8 @@ def main(argv=None):
             c = [Variant(s, num_hidden_layers=n).compile_seconds()["decode"] for s in (False, True)]
             print(f"| {n} | {c[0]:.1f} | {c[1]:.1f} |")
         return
+    if args.cache_len:
+        return span_costs(args)
     variants = {scan: Variant(scan) for scan in (False, True)}
     v = variants[False]
     print(
