@@ -19,7 +19,8 @@ DIS loss, frozen critic attention) on a synthetic multi-turn batch, in two forms
 
 `--attention IMPL[:BLOCK] ...` adds one more after form per entry, with that
 `model.attention_impl` (and `model.attention_block`), timed in the same rounds: e.g.
-`naive_literal naive` is the heads-major attention's before / after within one run.
+`naive_literal naive` is the heads-major attention's before / after within one run. (A
+blockwise form skips the masked blocks, but its useful FLOPs still count the full square.)
 
 The machine may be shared, so everything is timed in INTERLEAVED rounds: each round
 runs the fp32 (or --dtype) matmul peak (a chained n x n @ n x n `jnp.dot`), each matmul
