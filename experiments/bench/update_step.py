@@ -3,15 +3,24 @@
     python -m experiments.bench.update_step                     # tiny 64 x 128, larger 4 x 512
     python -m experiments.bench.update_step --quick             # tiny 16 x 64, larger 4 x 128
     python -m experiments.bench.update_step --dtype bfloat16    # bf16 activations / matmuls
+    python -m experiments.bench.update_step --models larger --attention naive blockwise:128
+                                  # + one after form per attention impl[:block], same rounds
 
 Two models: the embedded tiny MoE (configs/models/tiny.py) and a larger one (LARGER
 below), each run with SAO's defaults (configs/base.py: critic_first, K = 2 critic steps,
 DIS loss, frozen critic attention) on a synthetic multi-turn batch, in two forms:
 
-  before  moe_impl 'dense' (every expert on every token) and V0 by its own critic
-          forward (`Learner(separate_v0_pass=True)`): the update step before issue 16;
-  after   moe_impl 'auto' (on CPU: 'grouped', matmuls over tiles of each expert's group) and V0
-          from the first critic step's own forward.
+  before  moe_impl 'dense' (every expert on every token), V0 by its own critic forward
+          (`Learner(separate_v0_pass=True)`) and attention_impl 'naive_literal' (the
+          naive attention in its input layout, which 'auto' ran at these lengths): the
+          update step before issue 16;
+  after   moe_impl 'auto' (on CPU: 'grouped', matmuls over tiles of each expert's group), V0
+          from the first critic step's own forward, attention_impl 'auto'.
+
+`--attention IMPL[:BLOCK] ...` adds one more after form per entry, with that
+`model.attention_impl` (and `model.attention_block`), timed in the same rounds: e.g.
+`naive_literal naive` is the heads-major attention's before / after within one run. (A
+blockwise form skips the masked blocks, but its useful FLOPs still count the full square.)
 
 The machine may be shared, so everything is timed in INTERLEAVED rounds: each round
 runs the fp32 (or --dtype) matmul peak (a chained n x n @ n x n `jnp.dot`), each matmul
@@ -49,7 +58,8 @@ from sao_jax.experiments.bench import update_parts as parts
 from sao_jax import config as config_lib
 from sao_jax import flops
 from sao_jax.configs import base
-from sao_jax.models.config import ModelConfig
+from sao_jax.models import attention_backends
+from sao_jax.models.config import ATTENTION_IMPLS, ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.models.moe.dispatch import resolve_impl
 from sao_jax.parallel.mesh import Sharder
@@ -75,7 +85,24 @@ MODELS = (
     ("tiny", {}, (64, 128), (16, 64)),
     ("larger", LARGER, (4, 512), (4, 128)),
 )
-FORMS = {"before": dict(moe_impl="dense", separate_v0=True), "after": dict(moe_impl="auto")}
+FORMS = {
+    "before": dict(moe_impl="dense", separate_v0=True, attention_impl="naive_literal"),
+    "after": dict(moe_impl="auto"),
+}
+
+
+def attention_forms(entries: list[str]) -> dict[str, dict]:
+    """`--attention` entries 'impl' or 'impl:block' -> extra after forms by name."""
+    forms = {}
+    for entry in entries:
+        impl, _, block = entry.partition(":")
+        if impl not in ATTENTION_IMPLS or (block and not block.isdigit()):
+            raise SystemExit(
+                f"--attention: {entry!r} is not IMPL[:BLOCK], IMPL in {ATTENTION_IMPLS}"
+            )
+        extra = {"attention_block": int(block)} if block else {}
+        forms[f"after, attention {entry}"] = dict(moe_impl="auto", attention_impl=impl, **extra)
+    return forms
 
 
 @dataclasses.dataclass
@@ -92,12 +119,13 @@ class Form:
     pass_fns: dict[str, object]
     times: list[float] = dataclasses.field(default_factory=list)
     pass_times: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    attention: str = ""  # the training attention as resolved at this length, with its block
 
 
-def run_config(overrides: dict, batch: int, args, moe_impl: str):
+def run_config(overrides: dict, batch: int, args, moe_impl: str, **model):
     c = base.get_config()
     c.model.update(overrides)
-    c.model.update(dtype=args.dtype, param_dtype=args.param_dtype, moe_impl=moe_impl)
+    c.model.update(dtype=args.dtype, param_dtype=args.param_dtype, moe_impl=moe_impl, **model)
     c.rl.batch_size = batch
     return config_lib.validate(c)
 
@@ -120,7 +148,8 @@ def matmul_peak_fn(dtype: str, n: int, inner: int):
 
 
 def build_form(name, spec, overrides, b, t, args, host_batch, routing) -> Form:
-    config = run_config(overrides, b, args, spec["moe_impl"])
+    attn = {k: spec[k] for k in ("attention_impl", "attention_block") if k in spec}
+    config = run_config(overrides, b, args, spec["moe_impl"], **attn)
     cfg = ModelConfig.from_config(config.model)
     sharder = Sharder()
     separate = spec.get("separate_v0", False)
@@ -151,8 +180,20 @@ def build_form(name, spec, overrides, b, t, args, host_batch, routing) -> Form:
     executed = flops.update_step_flops(cfg, b, t, rl.k_critic, expert_factor=factor, **kw)
     factor /= useful_factor  # MoE rows computed per useful row
     pass_fns = {} if args.no_passes else parts.pass_programs(learner, holder, batch)
+    attn_impl = attention_backends.resolve_impl(
+        cfg.attention_impl, cfg.dtype, length=t, block=cfg.attention_block
+    )
+    attention = attn_impl if attn_impl.startswith("naive") else f"{attn_impl}:{cfg.attention_block}"
     return Form(
-        name, resolve_impl(cfg.moe_impl), useful, factor, executed, compile_s, step, pass_fns
+        name,
+        resolve_impl(cfg.moe_impl),
+        useful,
+        factor,
+        executed,
+        compile_s,
+        step,
+        pass_fns,
+        attention=attention,
     )
 
 
@@ -162,8 +203,9 @@ def bench_model(name, overrides, b, t, args, peak_fn):
     models = init_models(cfg, Sharder(), seed=args.seed)
     host_batch = synthetic_batch(b, t, cfg.vocab_size, seed=args.seed)
     routing = parts.policy_routing(models, host_batch)
+    specs = {**FORMS, **attention_forms(args.attention)}
     forms = [
-        build_form(k, spec, overrides, b, t, args, host_batch, routing) for k, spec in FORMS.items()
+        build_form(k, spec, overrides, b, t, args, host_batch, routing) for k, spec in specs.items()
     ]
     moe = parts.moe_kernel_times(cfg, b * t, args.rounds) if cfg.num_experts else {}
     shapes = parts.shape_programs(cfg, b, t)
@@ -213,7 +255,7 @@ def print_model(name, b, t, cfg, forms, peaks, load, routing, moe, shapes, args)
         mfu_x = [f.executed / s / p for s, p in zip(f.times, peaks)]
         n_scores = sum(3 if "fwd+bwd" in k else 1 for k in f.passes_useful)
         v0 = "its own forward" if "critic forward (targets)" in f.passes_useful else "fused"
-        print(f"\n### {f.name}: moe_impl {f.moe_impl}, V0 {v0}")
+        print(f"\n### {f.name}: moe_impl {f.moe_impl}, V0 {v0}, attention {f.attention}")
         print(
             f"  compile + first call {f.compile_s:.1f} s; step {_med_range(f.times, '{:.3f}')} s; "
             f"tokens/s {b * t / statistics.median(f.times):,.0f}"
@@ -226,9 +268,16 @@ def print_model(name, b, t, cfg, forms, peaks, load, routing, moe, shapes, args)
         print(f"  useful-FLOP MFU   {_med_range(mfu_u)}")
         print(f"  executed-FLOP MFU {_med_range(mfu_x)}")
         print(parts.pass_table(f.passes_useful, f.pass_times, statistics.median(f.times)))
-    before, after = forms
+    before, after = forms[:2]
     speed = [a / c for a, c in zip(before.times, after.times)]
     print(f"\nspeedup after / before (per round): {_med_range(speed, '{:.2f}x')}")
+    for f in forms[2:]:
+        vs_before = [a / c for a, c in zip(before.times, f.times)]
+        vs_after = [a / c for a, c in zip(after.times, f.times)]
+        print(
+            f"speedup {f.name}: / before {_med_range(vs_before, '{:.2f}x')}, "
+            f"/ after {_med_range(vs_after, '{:.2f}x')}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,6 +289,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="*", default=[m[0] for m in MODELS], help="subset")
     p.add_argument("--peak-size", type=int, default=None, help="n of the n x n matmul peak")
     p.add_argument("--no-passes", action="store_true", help="skip the per-pass programs")
+    p.add_argument(
+        "--attention",
+        nargs="*",
+        default=[],
+        metavar="IMPL[:BLOCK]",
+        help="extra after forms with this model.attention_impl (and attention_block)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     unknown = set(args.models) - {m[0] for m in MODELS}

@@ -7,8 +7,9 @@ tokens are written contiguously from position 0, so stale or padded entries sit 
 positions beyond the query and are masked by causality alone.
 
 Without a cache (training passes) the kernel is chosen by `impl` (attention_backends.py:
-naive, blockwise, cudnn, splash, auto); `grouped_attention` below is the naive form, the
-reference every other kernel is tested against.
+naive, blockwise, cudnn, splash, auto, naive_literal); `grouped_attention` below is the
+naive form, the reference every other kernel is tested against, and it is itself tested
+against `grouped_attention_literal`, the same formula in the input layout.
 
 Decode cost proportional to context: a cache may carry a static `span`; attention then
 reads only slots [0, span) (the caller guarantees every query that matters sits below
@@ -116,7 +117,32 @@ def cached_attention(q_btnh, positions_bt, cache: KVCache) -> jax.Array:
 
 
 def grouped_attention(q_btnh, k_bskh, v_bskh, mask_bts) -> jax.Array:
-    """softmax(q k^T / sqrt(H) + mask) v with N query heads sharing K key/value heads."""
+    """softmax(q k^T / sqrt(H) + mask) v with N = K G query heads sharing K key/value heads.
+
+    Heads-major: q moves to [B, K, G*T, H] and k, v to [B, K, S, H] before the products, so
+    both contract with their batch dims (b, k) leading, and the output moves back once.
+    Equals `grouped_attention_literal` up to float summation order; on XLA:CPU it is
+    1.3-1.8x faster forward and forward + backward (docs/benchmarks.md).
+    """
+    b, t, n, h = q_btnh.shape
+    s, kv = k_bskh.shape[1], k_bskh.shape[2]
+    g = n // kv
+    dt = q_btnh.dtype
+    q_bkxh = jnp.transpose(q_btnh.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4)).reshape(b, kv, g * t, h)
+    k_bksh = jnp.transpose(k_bskh.astype(dt), (0, 2, 1, 3))
+    v_bksh = jnp.transpose(v_bskh.astype(dt), (0, 2, 1, 3))
+    logits_bkxs = jnp.einsum("bkxh,bksh->bkxs", q_bkxh, k_bksh)
+    logits_bkgts = logits_bkxs.reshape(b, kv, g, t, s).astype(jnp.float32) * (h**-0.5)
+    logits_bkgts = jnp.where(mask_bts[:, None, None], logits_bkgts, _MASKED)
+    probs_bkxs = jax.nn.softmax(logits_bkgts, axis=-1).astype(dt).reshape(b, kv, g * t, s)
+    out_bkgth = jnp.einsum("bkxs,bksh->bkxh", probs_bkxs, v_bksh).reshape(b, kv, g, t, h)
+    return jnp.transpose(out_bkgth, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+
+
+def grouped_attention_literal(q_btnh, k_bskh, v_bskh, mask_bts) -> jax.Array:
+    """`grouped_attention` written literally, in the input layout: the slow reference of the
+    tests and the `naive_literal` impl (the before of benchmarks). Its products'
+    batch dims (b, k) are not leading, which XLA:CPU runs ~4x slower per FLOP."""
     b, t, n, h = q_btnh.shape
     kv = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, kv, n // kv, h)
@@ -133,13 +159,17 @@ def training_attention(
 ) -> jax.Array:
     """Self-attention of a whole sequence (no cache) with the kernel `impl` names."""
     impl = backends.resolve_impl(impl, q_btnh.dtype, length=q_btnh.shape[1], block=block)
-    if impl == "naive":
+    if impl in NAIVE_IMPLS:
         mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt)
-        return grouped_attention(q_btnh, k_btkh, v_btkh, mask)
+        return NAIVE_IMPLS[impl](q_btnh, k_btkh, v_btkh, mask)
     kernel = backends.kernel_for(impl, block)
     return backends.per_device(
         kernel, sharder, q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt
     )
+
+
+# The materialised-score impls by name (attention_backends.py lists every impl).
+NAIVE_IMPLS = {"naive": grouped_attention, "naive_literal": grouped_attention_literal}
 
 
 class Attention(nnx.Module):

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-ATTENTION_IMPLS = ("auto", "naive", "blockwise", "cudnn", "splash")  # attention_backends.py
+# attention_backends.py; naive_literal: the naive form before heads-major (benchmarks)
+ATTENTION_IMPLS = ("auto", "naive", "blockwise", "cudnn", "splash", "naive_literal")
 REMAT_POLICIES = ("none", "full", "dots")  # transformer.py REMAT
 # config.model fields a Hugging Face config.json does not set: how the model runs, not what
 # it is. An init.kind='hf' run takes them from config.model too (`run_overrides`).
@@ -53,7 +54,7 @@ class ModelConfig:
     dtype: str = "float32"  # activation / matmul dtype
     param_dtype: str = "float32"  # parameter storage dtype
     # Long-context training (docs/scaling.md). None of these changes a result.
-    attention_impl: str = "auto"  # training attention: auto|naive|blockwise|cudnn|splash
+    attention_impl: str = "auto"  # training attention: ATTENTION_IMPLS above
     attention_block: int = 512  # query/key block of the blockwise and splash kernels
     remat: str = "none"  # per decoder layer: none|full|dots (jax.checkpoint policies)
     scan_layers: bool = False  # params stacked [L_run, ...] per run of same-kind layers and

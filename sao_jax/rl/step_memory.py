@@ -326,7 +326,7 @@ def step_plan_lines(
         "not included: XLA's own scratch and fragmentation, the collectives' buffers, "
         "the 2 extra sampler copies while a publish is in flight"
     )
-    if cfg.remat != "full" or cfg.attention_impl == "naive":
+    if cfg.remat != "full" or cfg.attention_impl.startswith("naive"):
         lines.append(
             "warning: the model assumes remat='full' and a flash kernel; with "
             f"remat={cfg.remat!r}, attention_impl={cfg.attention_impl!r} it undercounts "
