@@ -1,7 +1,7 @@
 r"""Table 4: SAO against its ablations and baselines on the embedded agentic task.
 
-  python -m experiments.ablations --mode=quick     # one seed, 20 steps (< 20 min)
-  python -m experiments.ablations --mode=full      # 3 seeds, 60 steps
+  python -m experiments.ablations --mode=quick     # one seed, 40 steps
+  python -m experiments.ablations --mode=full      # 5 seeds, 60 steps
   python -m experiments.ablations --mode=smoke --sweep_dir=/tmp/s --out_dir=/tmp/r
 
 Runs the `table4` sweep of configs/ablations.py (every row x seed its own process, one

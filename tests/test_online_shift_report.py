@@ -45,3 +45,17 @@ def test_phase_means_and_score_match_a_loop():
     hist = _history(shift.METRIC, steps, reward)
     np.testing.assert_allclose(shift.phase_means(hist, SWITCHES, TOTAL), [0.8, 0.2, 0.5])
     assert math.isclose(shift.recovery_score(hist, SWITCHES, TOTAL), 0.35)
+
+
+def test_verdict_states_direction_interval_and_power():
+    from sao_jax.compare import Difference
+
+    # d = moving average - SAO, in reward fractions.
+    opposite = shift.shift_verdict(Difference(0.060, 0.023, 5, True))
+    assert opposite.startswith("**No, the opposite**")
+    assert "[-10.6, -1.4] points" in opposite and "detects differences of 4.6" in opposite
+    yes = shift.shift_verdict(Difference(-0.05, 0.01, 5, True))
+    assert yes.startswith("**Yes**") and "5.0 ± 1.0" in yes
+    assert shift.shift_verdict(Difference(0.01, 0.02, 5, True)).startswith("**Not shown**")
+    assert shift.shift_verdict(Difference(0.01, math.nan, 1, True)).startswith("**Not decidable")
+    assert shift.shift_verdict(None).startswith("**Not decidable")
