@@ -13,7 +13,8 @@ experts, not the embedding table (a gather; it counts once as the LM head when t
 not the RMSNorm scales or the value bias (elementwise). Attention scores are
 2 x 2 x B x T^2 x N x H per layer (q k^T, then probs @ v) over the full T x T square,
 which is what `grouped_attention` computes (a masked square, no causal skipping);
-`causal=True` halves them to the useful work of a causal mask. Softmaxes, norms, RoPE,
+`causal=True` halves them to the useful work of a causal mask; `attention_block` counts
+the blocks the causal blockwise kernel computes (the diagonal ones whole). Softmaxes, norms, RoPE,
 the router's top-k and the MoE sort/gather are not counted. B x T counts every
 position of the padded batch, since the model computes on all of them.
 
@@ -107,12 +108,20 @@ def matmul_params(cfg: ModelConfig, head: str = "policy") -> int:
     return n + (d * cfg.vocab_size if head == "policy" else d)
 
 
-def attention_score_flops(cfg: ModelConfig, batch: int, length: int, *, causal: bool = False):
+def attention_score_flops(
+    cfg: ModelConfig, batch: int, length: int, *, causal: bool = False, block: int | None = None
+):
     """Forward FLOPs of q k^T and probs @ v over all layers: L x 2 x 2 B T^2 N H
-    (halved when `causal`: only the lower triangle is useful work)."""
+    (halved when `causal`: only the lower triangle is useful work). `block`: what the
+    causal blockwise kernel executes instead, the n (n + 1) / 2 blocks of b x b on or
+    below the diagonal, n = ceil(T / b): L x 2 x 2 B N H b^2 n (n + 1) / 2."""
     _check_positive(batch=batch, length=length)
-    per_layer = 2 * 2 * batch * length * length * cfg.num_attention_heads * cfg.head_dim
-    total = cfg.num_hidden_layers * per_layer
+    per_pair = 2 * 2 * batch * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    if block is not None:
+        _check_positive(block=block)
+        n = -(-length // block)
+        return per_pair * block * block * n * (n + 1) // 2
+    total = per_pair * length * length
     return total // 2 if causal else total
 
 
@@ -132,6 +141,7 @@ def model_pass_flops(
     head: str = "policy",
     frozen_attention: bool = False,
     causal: bool = False,
+    attention_block: int | None = None,
     expert_factor: float = 1.0,
 ) -> int:
     """FLOPs of one pass of the policy (or critic) over a [batch, length] batch.
@@ -144,7 +154,7 @@ def model_pass_flops(
     _check_positive(batch=batch, length=length)
     tokens = batch * length
     forward = 2 * matmul_params(cfg, head) * tokens
-    forward += attention_score_flops(cfg, batch, length, causal=causal)
+    forward += attention_score_flops(cfg, batch, length, causal=causal, block=attention_block)
     forward += round((expert_factor - 1) * expert_forward_flops(cfg, batch, length))
     if not backward:
         return forward
@@ -164,6 +174,7 @@ def update_step_passes(
     frozen_attention: bool = True,
     old_logp: bool = False,
     causal: bool = False,
+    attention_block: int | None = None,
     separate_v0: bool = False,
     expert_factor: float = 1.0,
 ) -> dict[str, int]:
@@ -175,13 +186,13 @@ def update_step_passes(
     `separate_v0`: V0 by its own critic forward first (`Learner(separate_v0_pass=True)`,
     the form before issue 16). `old_logp`: one more policy forward for pi_old (losses
     that need it, e.g. ppo_clip). `expert_factor`: see the module docstring.
+    `causal` / `attention_block`: the attention scores' count (attention_score_flops).
     """
     _check_positive(k_critic=k_critic)
     if order not in ORDERS:
         raise ConfigError(f"argument order: must be one of {ORDERS}, got {order!r}")
-    fwd = dict(
-        batch=batch, length=length, causal=causal, backward=False, expert_factor=expert_factor
-    )
+    fwd = dict(batch=batch, length=length, causal=causal, backward=False)
+    fwd.update(attention_block=attention_block, expert_factor=expert_factor)
     bwd = dict(fwd, backward=True)
     critic_fwd = model_pass_flops(cfg, head="critic", **fwd)
     critic_step = model_pass_flops(cfg, head="critic", frozen_attention=frozen_attention, **bwd)

@@ -173,7 +173,13 @@ def test_dispatch_picks_backend_kernels():
     assert r("auto", jnp.float32, "gpu") == "blockwise"  # cuDNN has no fp32 flash kernel
     assert r("auto", jnp.bfloat16, "tpu") == "splash"
     assert r("auto", jnp.float32, "cpu", length=1024, block=512) == "blockwise"
-    assert r("auto", jnp.float32, "cpu", length=512, block=512) == "naive"  # one block
+    assert r("auto", jnp.float32, "gpu", length=512, block=512) == "naive"  # one block
+    # CPU: small blocks (measured fastest), naive only when T fits one of them.
+    assert backends.resolve("auto", jnp.float32, "cpu", length=96, block=512) == ("blockwise", 32)
+    assert backends.resolve("auto", jnp.float32, "cpu", length=96, block=16) == ("blockwise", 16)
+    assert backends.resolve("auto", jnp.float32, "cpu", length=32, block=512) == ("naive", 32)
+    assert backends.resolve("blockwise", jnp.float32, "cpu", block=512) == ("blockwise", 512)
+    assert backends.resolve("auto", jnp.bfloat16, "tpu", block=512) == ("splash", 512)
     assert r("auto", jnp.bfloat16, "tpu", length=64, block=512) == "splash"
     assert r("naive", jnp.float32, "tpu") == "naive"
     with pytest.raises(ConfigError, match="model.attention_impl"):

@@ -112,6 +112,15 @@ def test_dense_by_hand():
     assert frozen == 3 * 8448 - 2 * 192 * 6
 
 
+def test_blockwise_attention_flops_count_the_blocks_on_or_below_the_diagonal():
+    per_pair = flops.attention_score_flops(DENSE, 2, 1)  # one (query, key) pair per row
+    for t, b in [(3, 1), (3, 2), (3, 3), (96, 32), (100, 32), (512, 128)]:
+        n = -(-t // b)  # blocks, the last one padded
+        pairs = sum(b * b for i in range(n) for j in range(n) if j <= i)  # literal loop
+        assert flops.attention_score_flops(DENSE, 2, t, block=b) == per_pair * pairs
+    assert flops.attention_score_flops(DENSE, 2, 3, block=3) == 576  # one block: the square
+
+
 def test_moe_by_hand():
     cfg = dataclasses.replace(DENSE, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=8)
     counts = flops.param_counts(cfg)

@@ -4,6 +4,7 @@
     python -m experiments.bench.scan_layers --repeats 3
     python -m experiments.bench.scan_layers --depths 3,24,48   # decode compile vs depth only
     python -m experiments.bench.scan_layers --cache-len 4096   # decode cost by span only
+    python -m experiments.bench.scan_layers --attention naive blockwise:32 blockwise:64
 
 On configs/sao.py (the README's demo: the tiny model, rl.batch_size rows of length
 sampling.max_len, the sampler's slots, cache length and steps per sync) with the random
@@ -20,7 +21,10 @@ With --depths, only the lower + compile CPU seconds of the decode step (the demo
 model at each depth, both layouts) are printed: the stacked decode is one layer body per
 stack, so its compile time should not grow with depth. With --cache-len L, only a decode call at
 position 64 reading span 128 vs one at L/2 reading the whole cache, both layouts: the
-stacked cache must keep the decode cost proportional to the span read.
+stacked cache must keep the decode cost proportional to the span read. With --attention
+IMPL[:BLOCK] ..., only the demo's update step (scan_layers False) with each training
+attention (`model.attention_impl`, `model.attention_block`), interleaved: compile CPU s and
+the median process CPU s per step, with the ratio to the first one.
 
 Process CPU time counts every thread of this process, so other processes' load changes
 it less than wall time; both are printed, with the load average.
@@ -160,12 +164,37 @@ def span_costs(args) -> None:
         print(f"scan_layers={scan}: {short} / {whole} = {med[scan, short] / med[scan, whole]:.2f}")
 
 
+def attention_costs(args) -> None:
+    """The demo's update step with each --attention IMPL[:BLOCK], interleaved."""
+    variants = {}
+    for spec in args.attention:
+        impl, _, block = spec.partition(":")
+        kw = {"attention_impl": impl} | ({"attention_block": int(block)} if block else {})
+        variants[spec] = Variant(False, **kw)
+    first, times = {}, {k: [] for k in variants}
+    for r in range(args.repeats + 1):  # call 0 compiles
+        for k, x in variants.items():
+            _, c, _ = _timed(lambda x=x, r=r: x.update(r))
+            if r:
+                times[k].append(c)
+            else:
+                first[k] = c
+    print(f"# load average at end: {os.getloadavg()}")
+    print("| training attention | update step CPU s (median) | vs first | compile CPU s |")
+    print("|---|---:|---:|---:|")
+    base = statistics.median(times[args.attention[0]])
+    for k, v in times.items():
+        med = statistics.median(v)
+        print(f"| {k} | {med:.3f} | {med / base:.2f}x | {first[k]:.1f} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=8, help="timed calls per variant and program")
     p.add_argument("--decode-calls", type=int, default=20, help="decode calls per timed repeat")
     p.add_argument("--cache-len", type=int, default=0, help="e.g. 4096: decode cost by span only")
     p.add_argument("--depths", default="", help="e.g. 3,48: decode compile time vs depth only")
+    p.add_argument("--attention", nargs="*", default=[], help="IMPL[:BLOCK]: update step only")
     args = p.parse_args(argv)
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  {platform.node()}  {platform.machine()}")
     print(f"# jax {jax.__version__} backend={jax.default_backend()} devices={jax.device_count()}")
@@ -179,6 +208,8 @@ def main(argv=None):
         return
     if args.cache_len:
         return span_costs(args)
+    if args.attention:
+        return attention_costs(args)
     variants = {scan: Variant(scan) for scan in (False, True)}
     v = variants[False]
     print(

@@ -19,8 +19,10 @@ DIS loss, frozen critic attention) on a synthetic multi-turn batch, in two forms
 
 `--attention IMPL[:BLOCK] ...` adds one more after form per entry, with that
 `model.attention_impl` (and `model.attention_block`), timed in the same rounds: e.g.
-`naive_literal naive` is the heads-major attention's before / after within one run. (A
-blockwise form skips the masked blocks, but its useful FLOPs still count the full square.)
+`naive_literal naive` is the heads-major attention's before / after within one run.
+Useful FLOPs count the attention scores of the causal lower triangle only (the work a
+causal mask needs); executed FLOPs count the whole square for the naive forms and the
+blocks on or below the diagonal for the blockwise kernel.
 
 The machine may be shared, so everything is timed in INTERLEAVED rounds: each round
 runs the fp32 (or --dtype) matmul peak (a chained n x n @ n x n `jnp.dot`), each matmul
@@ -31,10 +33,11 @@ round's peak, then the median and range over rounds are printed, with the load a
 before and after.
 
 FLOPs (sao_jax/flops.py): USEFUL = the analytic matmul work of every pass (2 x active
-params x tokens forward, 3x that forward + backward, attention scores over the full
-T x T square the code computes) over every position of the padded batch, except that
-the routed experts count for real (non-padding) tokens only; EXECUTED = the same with
-the expert rows an implementation multiplies (dense: E / k x every position's; grouped:
+params x tokens forward, 3x that forward + backward, attention scores over the causal
+lower triangle) over every position of the padded batch, except that the routed experts
+count for real (non-padding) tokens only; EXECUTED = the same with the attention the
+kernel computes (naive: the whole T x T square; blockwise: its blocks on or below the
+diagonal) and the expert rows an implementation multiplies (dense: E / k x every position's; grouped:
 the rows of the tiles the real tokens' routing needs, measured per MoE layer on the
 policy's routing of this batch; ragged on XLA:CPU: E x every position's). Shares: of the
 useful FLOPs per pass, and of the time of the separately jitted passes (their sum is
@@ -176,14 +179,21 @@ def build_form(name, spec, overrides, b, t, args, host_batch, routing) -> Form:
         old_logp=learner.loss_entry.needs_old_logp,
         separate_v0=separate,
     )
-    useful = flops.update_step_passes(cfg, b, t, rl.k_critic, expert_factor=useful_factor, **kw)
-    executed = flops.update_step_flops(cfg, b, t, rl.k_critic, expert_factor=factor, **kw)
-    factor /= useful_factor  # MoE rows computed per useful row
-    pass_fns = {} if args.no_passes else parts.pass_programs(learner, holder, batch)
-    attn_impl = attention_backends.resolve_impl(
+    attn_impl, block = attention_backends.resolve(
         cfg.attention_impl, cfg.dtype, length=t, block=cfg.attention_block
     )
-    attention = attn_impl if attn_impl.startswith("naive") else f"{attn_impl}:{cfg.attention_block}"
+    naive = attn_impl.startswith("naive")
+    # Useful attention: the causal lower triangle. Executed: the naive forms' whole masked
+    # square, the blockwise kernel's blocks on or below the diagonal.
+    useful = flops.update_step_passes(
+        cfg, b, t, rl.k_critic, expert_factor=useful_factor, causal=True, **kw
+    )
+    executed = flops.update_step_flops(
+        cfg, b, t, rl.k_critic, expert_factor=factor, attention_block=None if naive else block, **kw
+    )
+    factor /= useful_factor  # MoE rows computed per useful row
+    pass_fns = {} if args.no_passes else parts.pass_programs(learner, holder, batch)
+    attention = attn_impl if naive else f"{attn_impl}:{block}"
     return Form(
         name,
         resolve_impl(cfg.moe_impl),

@@ -158,7 +158,7 @@ def training_attention(
     q_btnh, k_btkh, v_btkh, positions_bt, segment_ids_bt, *, impl: str, block: int, sharder
 ) -> jax.Array:
     """Self-attention of a whole sequence (no cache) with the kernel `impl` names."""
-    impl = backends.resolve_impl(impl, q_btnh.dtype, length=q_btnh.shape[1], block=block)
+    impl, block = backends.resolve(impl, q_btnh.dtype, length=q_btnh.shape[1], block=block)
     if impl in NAIVE_IMPLS:
         mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt)
         return NAIVE_IMPLS[impl](q_btnh, k_btkh, v_btkh, mask)

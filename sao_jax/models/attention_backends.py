@@ -9,8 +9,9 @@
              attention on NVIDIA GPUs (bfloat16 / float16)
   splash     Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`)
              on TPUs; elsewhere it runs in Pallas interpret mode (slow; for tests)
-  auto       cudnn on GPU with a 16-bit dtype, splash on TPU; on CPU naive while the
-             sequence fits in one block (T <= model.attention_block), blockwise beyond
+  auto       cudnn on GPU with a 16-bit dtype, splash on TPU (blocks of
+             model.attention_block); on CPU blockwise in blocks of
+             min(model.attention_block, CPU_BLOCK = 32), naive while T fits one block
 
 The fused kernels see a simpler mask than the reference rule (attention.py): cuDNN gets
 causal-by-index plus per-row lengths, splash causal-by-index plus segment ids. Each call
@@ -43,22 +44,36 @@ _SPLASH_MIN_BLOCK = 128  # TPU lane width: splash blocks are multiples of it
 Kernel = Callable[..., jax.Array]  # (q_btnh, k_bskh, v_bskh, pos_bt, seg_bt) -> [B, T, N, H]
 
 
-def resolve_impl(impl: str, dtype, backend: str | None = None, *, length=None, block=None):
-    """'auto' -> the backend's fused kernel; on CPU 'blockwise', or 'naive' when the whole
-    sequence fits in one block (`length <= block`: the blockwise kernel would then compute
-    the same [T, T] block, a little slower). Unknown names are an error."""
+# XLA:CPU runs the blockwise kernel fastest with small blocks: 32 was the fastest block
+# measured at the demo's update step (T = 96), the tiny bench (4 x 512) and the larger
+# bench model (4 x 512), ahead of 64, 128 and the naive form (docs/benchmarks.md).
+CPU_BLOCK = 32
+
+
+def resolve(impl: str, dtype, backend: str | None = None, *, length=None, block=512):
+    """(kernel, block) that `impl` runs. 'auto' -> the backend's fused kernel: cuDNN on GPU
+    in 16 bits, splash on TPU, at `block`; on CPU (or GPU fp32) 'blockwise' at
+    min(block, CPU_BLOCK) on CPU, or 'naive' when the whole sequence fits in that one
+    block. Any other name runs as named, at `block`. Unknown names are an error."""
     if impl not in IMPLS:
         raise ConfigError(f"config field model.attention_impl: {impl!r} is not one of {IMPLS}")
     if impl != "auto":
-        return impl
+        return impl, block
     backend = backend or jax.default_backend()
     if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-        return "cudnn"
+        return "cudnn", block
     if backend == "tpu":
-        return "splash"
-    if length is not None and block is not None and length <= block:
-        return "naive"
-    return "blockwise"
+        return "splash", block
+    if backend == "cpu":
+        block = min(block, CPU_BLOCK)
+    if length is not None and length <= block:
+        return "naive", block
+    return "blockwise", block
+
+
+def resolve_impl(impl: str, dtype, backend: str | None = None, *, length=None, block=512):
+    """The kernel name of `resolve`."""
+    return resolve(impl, dtype, backend, length=length, block=block)[0]
 
 
 def prefix_rows(positions_bt, segment_ids_bt) -> jax.Array:
