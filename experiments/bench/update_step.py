@@ -37,11 +37,12 @@ params x tokens forward, 3x that forward + backward, attention scores over the c
 lower triangle) over every position of the padded batch, except that the routed experts
 count for real (non-padding) tokens only; EXECUTED = the same with the attention the
 kernel computes (naive: the whole T x T square; blockwise: its blocks on or below the
-diagonal) and the expert rows an implementation multiplies (dense: E / k x every position's; grouped:
-the rows of the tiles the real tokens' routing needs, measured per MoE layer on the
-policy's routing of this batch; ragged on XLA:CPU: E x every position's). Shares: of the
-useful FLOPs per pass, and of the time of the separately jitted passes (their sum is
-printed against the whole step: XLA fuses across passes inside the step, so the two need not agree).
+diagonal) and the expert rows an implementation multiplies (dense: E / k x every
+position's; grouped: the rows of the tiles the real tokens' routing needs, measured per
+MoE layer on the policy's routing of this batch; ragged on XLA:CPU: E x every
+position's). Shares: of the useful FLOPs per pass, and of the time of the separately
+jitted passes (their sum is printed against the whole step: XLA fuses across passes
+inside the step, so the two need not agree).
 """
 
 from __future__ import annotations
