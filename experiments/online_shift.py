@@ -258,7 +258,7 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
     text += pairs_text(scores)
     text += critic_text(rows, switches, total)
     text += signal_text(rows, switches, total)
-    text += "\n" + abl.mechanisms_text(rows)
+    text += "\n" + abl.mechanisms_text(rows, labels=LABELS)
     text += f"\n## Plots\n\n![{path.stem}](plots/{path.name})\n"
     text += abl.failures(results)
     text += "\n## Every run\n\n" + tables.points_table(results, rule=None)
