@@ -98,6 +98,13 @@ def test_online_shift_sync_rows_differ_only_in_the_rollout_mode(row, base):
         assert shares_critic(a, b)
 
 
+def test_online_shift_runs_the_synchronous_pair_in_full_mode_only():
+    variants = {m: sweep.expand(online_shift.get_sweep(f"mode={m}")) for m in online_shift.MODES}
+    assert {p.variant for p in variants["full"]} == set(online_shift.VARIANTS)
+    for mode in ("smoke", "quick"):
+        assert {p.variant for p in variants[mode]} == {"sao", "moving_average"}
+
+
 def _point_config(point: sweep.Point):
     return config_lib.validate(
         sweep.point_config(point.config_path, point.seed, point.all_overrides())
