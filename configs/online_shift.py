@@ -8,14 +8,19 @@ trained on the current one: consecutive styles share 3 of their 12 marker words,
 about one line in eight of the old style already scores under the new one, and the SFT
 warm start imitates all three styles. Rows: sao (configs/sao.py's algorithm) and
 moving_average (rl.advantage = 'moving_average', R - mean of the last 128 rewards, no
-critic); nothing else differs. Every seed's rows share the warm start, so the table's
-SAO - moving-average differences are paired by seed.
+critic); nothing else differs. sao_sync and moving_average_sync are the same two rows
+with synchronous rollouts (train.rollouts = 'sync': every batch sampled from the current
+policy, staleness 0), which removes the staleness confound of the async pair (SAO's
+slower steps train on staler rollouts); the sweep runs them in full mode only. Every
+seed's rows share the warm start (and its pretrained critic), so the table's differences
+from SAO are paired by seed.
 
   python -m experiments.online_shift --mode=quick
   python -m experiments.train --config=configs/online_shift.py:moving_average \
       --workdir=workdirs/shift_ma
 
-Variant keys (`:a,b=1`): sao | moving_average, smoke, sync, seed=N.
+Variant keys (`:a,b=1`): sao | moving_average | sao_sync | moving_average_sync, smoke,
+sync, seed=N.
 `get_sweep('mode=smoke|quick|full')` is the experiment's sao_jax.sweep.SweepSpec.
 """
 
@@ -30,6 +35,14 @@ from sao_jax.sweep import SweepSpec, set_field
 VARIANTS: dict[str, dict[str, Any]] = {
     "sao": {},
     "moving_average": {"rl.advantage": "moving_average"},
+    "sao_sync": {"train.rollouts": "sync"},
+    "moving_average_sync": {"rl.advantage": "moving_average", "train.rollouts": "sync"},
+}
+# Rows each mode runs: the synchronous pair only in full mode (quick keeps its budget).
+MODE_VARIANTS = {
+    "smoke": ("sao", "moving_average"),
+    "quick": ("sao", "moving_average"),
+    "full": tuple(VARIANTS),
 }
 MODES = ("smoke", "quick", "full")
 # Per mode: seeds, RL steps and the two switch steps of the target style. Phases of 50
@@ -74,7 +87,7 @@ def get_sweep(arg=None) -> SweepSpec:
     return SweepSpec(
         name="online_shift",
         config="configs/online_shift.py",
-        variants=tuple(VARIANTS),
+        variants=MODE_VARIANTS[arg.mode],
         seeds=b["seeds"],
         fixed={
             "train.total_steps": b["steps"],

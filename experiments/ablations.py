@@ -295,15 +295,19 @@ MECHANISMS = (  # (column, metric, scale, digits): does each row's mechanism fir
 )
 
 
-def mechanisms_text(rows: Mapping[str, Sequence[sweep.PointResult]]) -> str:
+def mechanisms_text(
+    rows: Mapping[str, Sequence[sweep.PointResult]], labels: Mapping[str, str] | None = None
+) -> str:
     """Per row, whether its mechanism fired: mean over seeds of each run's mean of the
     DIS / PPO keep rate, the PPO clip fraction, the critic's pre-update EV, staleness;
-    and the value-pretrained critic every critic row starts from (held-out EV)."""
+    and the value-pretrained critic every critic row starts from (held-out EV). Rows
+    are named by `labels` (default: this table's LABELS)."""
+    labels = LABELS if labels is None else labels
     headers = ["row", *(c for c, *_ in MECHANISMS)]
     body = []
     for row, rs in rows.items():
         rs = [r for r in rs if r.status in ("done", "failed")]
-        line = [LABELS.get(rs[0].point.variant, row) if rs else row]
+        line = [labels.get(rs[0].point.variant, row) if rs else row]
         line += [fmt_run_means(rs, m, scale=sc, digits=d) for _, m, sc, d in MECHANISMS]
         body.append(line)
     ev = {}

@@ -26,7 +26,21 @@ RECOVER_FRACTION = 0.8  # recovered: reward back to 0.8 x its pre-switch level
 MIN_LEVEL = 0.1  # a pre-switch reward below this leaves nothing to recover
 EV_METRIC = "critic/ev_pre_update"  # the critic's EV on each fresh batch before its update
 EARLY_STEPS = 10  # the critic EV table splits each phase into its first 10 steps and the rest
-LABELS = {"sao": "SAO", "moving_average": "moving-average baseline"}
+ADV_METRICS = ("adv/advantage", "adv/advantage_std", "policy/grad_norm")  # the policy signal
+LABELS = {
+    "sao": "SAO",
+    "moving_average": "moving-average baseline",
+    "sao_sync": "SAO, synchronous rollouts",
+    "moving_average_sync": "moving-average baseline, synchronous rollouts",
+}
+# (row, its reference) compared in the verdicts, paired by seed: the async pair, and the
+# synchronous pair (no staleness: any gap left is the advantage estimator alone).
+PAIRS = (("moving_average", "sao"), ("moving_average_sync", "sao_sync"))
+PAIR_QUESTIONS = {
+    "moving_average": "does laptop scale reproduce the paper's claim?",
+    "moving_average_sync": "with the staleness confound removed (both rows synchronous, "
+    "SAO vs the moving average paired by seed)?",
+}
 
 
 # --------------------------------------------------------------------------- report
@@ -68,6 +82,58 @@ def phase_ev(history, switches: tuple[int, ...], total: int) -> list[float | Non
     return out
 
 
+def window_mean(history, metric: str, lo: int, hi: int) -> float | None:
+    """Mean of `metric` over the logged steps lo <= step < hi (None if none logged)."""
+    steps, v = tables.series(history, metric)
+    sel = v[(steps >= lo) & (steps < hi)]
+    return float(np.mean(sel)) if sel.size else None
+
+
+def signal_windows(switches: tuple[int, ...], total: int) -> list[tuple[str, int, int]]:
+    """(label, lo, hi) of the advantage table, in step order: for each phase after a
+    switch, its first `EARLY_STEPS` steps (does the baseline lag?), then the rest."""
+    out = []
+    for _, a, b in phases(switches, total)[1:]:
+        e = min(a + EARLY_STEPS, b)
+        out += [(f"steps {a}-{e - 1}", a, e), (f"steps {e}-{b - 1}", e, b)]
+    return out
+
+
+def signal_text(rows, switches: tuple[int, ...], total: int) -> str:
+    """How large and how centred each row's policy signal is around the switches: mean
+    and std of the advantages of action tokens and the policy gradient norm per window."""
+    windows = signal_windows(switches, total)
+    what = {
+        "adv/advantage": "mean advantage",
+        "adv/advantage_std": "advantage std",
+        "policy/grad_norm": "policy grad norm",
+    }
+    headers = ["row", "quantity", *(w[0] for w in windows)]
+    body = []
+    for metric in ADV_METRICS:
+        for row, rs in rows.items():
+            per_window = [
+                [window_mean(r.history, metric, lo, hi) for r in rs] for _, lo, hi in windows
+            ]
+            if all(x is None for w in per_window for x in w):
+                continue  # the row does not log it
+            cells = [compare.fmt_mean_se(w, scale=1.0, digits=3) for w in per_window]
+            body.append([LABELS.get(rs[0].point.variant, row), what[metric], *cells])
+    if not body:
+        return ""
+    return (
+        "\n## The policy signal around the switches\n\n"
+        + tables.markdown_table(headers, body)
+        + f"\n- Each cell: mean ± SE over seeds of the run's mean of the logged "
+        f"`{'`, `'.join(ADV_METRICS)}` (advantages over the action tokens of each batch) in "
+        f"the window: the first {EARLY_STEPS} steps after each switch, then the rest of the "
+        "phase. A negative mean after a switch is a baseline (critic value or reward "
+        "average) still at the old style's level; the std and the gradient norm are the "
+        "size of the signal the policy step gets at the same learning rate (the DIS and "
+        "policy-gradient losses do not normalise advantages).\n"
+    )
+
+
 def critic_text(rows, switches: tuple[int, ...], total: int) -> str:
     """Does the critic see the switches? Its pre-update EV per phase, early vs late."""
     headers = ["row"]
@@ -92,7 +158,8 @@ def critic_text(rows, switches: tuple[int, ...], total: int) -> str:
         "variance of the critic's values on each fresh batch, before the critic trains on "
         f"it) over the first {EARLY_STEPS} steps of a phase and over the rest. EV <= 0: "
         "the critic's values explain none of the returns, so SAO's advantages are noise "
-        "plus a shift, while the moving average re-centres within two batches.\n"
+        "plus a shift (the moving average's 128-reward window also lags; compare their "
+        "mean advantages after each switch in the next table).\n"
     )
 
 
@@ -113,7 +180,7 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
         for rs in rows.values()
     }
     ref = scores.get("sao", {})
-    body, diffs = [], {}
+    body = []
     for row, rs in rows.items():
         variant = rs[0].point.variant
         n_done = sum(r.status == "done" for r in rs)
@@ -126,7 +193,6 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
             line += ["(reference)", "-"]
         else:
             d = compare.paired_difference(scores[variant], ref)
-            diffs[variant] = d
             line += [compare.fmt_difference(d), compare.verdict(d)]
         dips = []
         for i, s in enumerate(switches):
@@ -189,40 +255,58 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
         "old style (here 128 rewards = 2 batches). The paper gives no number for the gap. "
         "GRPO cannot run here (one trajectory per prompt).\n"
     )
-    verdict = shift_verdict(diffs.get("moving_average"))
-    text += f"- does laptop scale reproduce the paper's claim? {verdict}\n"
+    text += pairs_text(scores)
     text += critic_text(rows, switches, total)
-    text += "\n" + abl.mechanisms_text(rows)
+    text += signal_text(rows, switches, total)
+    text += "\n" + abl.mechanisms_text(rows, labels=LABELS)
     text += f"\n## Plots\n\n![{path.stem}](plots/{path.name})\n"
     text += abl.failures(results)
     text += "\n## Every run\n\n" + tables.points_table(results, rule=None)
     return text
 
 
-def shift_verdict(d: compare.Difference | None) -> str:
+def pairs_text(scores: dict[str, dict[int, float | None]]) -> str:
+    """One verdict line per `PAIRS` entry whose two rows ran (row - reference, paired)."""
+    out = ""
+    for row, ref in PAIRS:
+        if row in scores and ref in scores:
+            d = compare.paired_difference(scores[row], scores[ref])
+            sao, ma = (
+                ("SAO", "the moving average")
+                if ref == "sao"
+                else ("synchronous SAO", "the synchronous moving average")
+            )
+            out += f"- {PAIR_QUESTIONS[row]} {shift_verdict(d, sao=sao, ma=ma)}\n"
+    return out
+
+
+def shift_verdict(
+    d: compare.Difference | None, *, sao: str = "SAO", ma: str = "the moving average"
+) -> str:
     """SAO vs the moving average after the switches (d = moving average - SAO, paired):
-    yes / the opposite / not shown at compare.Z SE, with what the design detects."""
+    yes / the opposite / not shown at compare.Z SE, with what the design detects.
+    `sao` / `ma` name the two rows (e.g. their synchronous versions)."""
     if d is None or d.n < 2 or d.se != d.se:
         return "**Not decidable**: fewer than two paired seeds."
     if d.diff <= -compare.Z * d.se:
         return (
-            f"**Yes**: SAO's score is {100 * -d.diff:.1f} ± {100 * d.se:.1f} points above "
-            f"the moving average's ({-d.z:.1f} SE); this design detects differences of "
+            f"**Yes**: {sao}'s score is {100 * -d.diff:.1f} ± {100 * d.se:.1f} points above "
+            f"{ma}'s ({-d.z:.1f} SE); this design detects differences of "
             f"{100 * d.mdd:.1f} points or more."
         )
     if d.diff >= compare.Z * d.se:
         return (
-            f"**No, the opposite**: the moving average scores {100 * d.diff:.1f} ± "
-            f"{100 * d.se:.1f} points above SAO ({d.z:.1f} SE, {d.n} seeds; this design "
+            f"**No, the opposite**: {ma} scores {100 * d.diff:.1f} ± "
+            f"{100 * d.se:.1f} points above {sao} ({d.z:.1f} SE, {d.n} seeds; this design "
             f"detects differences of {100 * d.mdd:.1f} points or more). Its {compare.Z:g}-SE "
-            f"interval for SAO minus the moving average, [{100 * (-d.diff - d.mdd):.1f}, "
+            f"interval for {sao} minus {ma}, [{100 * (-d.diff - d.mdd):.1f}, "
             f"{100 * (-d.diff + d.mdd):.1f}] points, excludes every gain in the "
-            "paper's direction: the claim is absent here, not unmeasured; the table below "
-            "shows why."
+            "paper's direction: the claim is absent here, not unmeasured; the tables below "
+            "show why."
         )
     return (
         f"**Not shown**: the difference ({100 * -d.diff:+.1f} ± {100 * d.se:.1f} points "
-        f"for SAO) is inside {compare.Z:g} SE; this design detects differences of "
+        f"for {sao}) is inside {compare.Z:g} SE; this design detects differences of "
         f"{100 * d.mdd:.1f} points or more."
     )
 

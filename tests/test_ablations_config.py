@@ -82,6 +82,29 @@ def test_online_shift_rows_differ_only_in_the_estimator():
     config_lib.validate(online_shift.get_config("moving_average,smoke"))
 
 
+@pytest.mark.parametrize(
+    ("row", "base"), [("sao_sync", "sao"), ("moving_average_sync", "moving_average")]
+)
+def test_online_shift_sync_rows_differ_only_in_the_rollout_mode(row, base):
+    from sao_jax.sweep.runner import shares_critic
+
+    a, b = online_shift.get_config(base), online_shift.get_config(row)
+    assert _differing(_flat(a), _flat(b)) == {"train.rollouts"}
+    assert a.train.rollouts == "async" and b.train.rollouts == "sync"
+    assert _flat(online_shift.get_config(f"{row},smoke")) == _flat(
+        online_shift.get_config(f"{base},smoke,sync")
+    )
+    if row == "sao_sync":  # the pair starts from the seed's shared pretrained critic
+        assert shares_critic(a, b)
+
+
+def test_online_shift_runs_the_synchronous_pair_in_full_mode_only():
+    variants = {m: sweep.expand(online_shift.get_sweep(f"mode={m}")) for m in online_shift.MODES}
+    assert {p.variant for p in variants["full"]} == set(online_shift.VARIANTS)
+    for mode in ("smoke", "quick"):
+        assert {p.variant for p in variants[mode]} == {"sao", "moving_average"}
+
+
 def _point_config(point: sweep.Point):
     return config_lib.validate(
         sweep.point_config(point.config_path, point.seed, point.all_overrides())

@@ -67,5 +67,6 @@ def test_online_shift_with_chosen_seeds(tmp_path):
     text = _check_report(tmp_path / "results", "online_shift", ["SAO", "moving-average baseline"])
     assert "steps to recover after 1" in text and "steps to recover after 2" in text
     assert "## The critic around the switches" in text and "## Do the mechanisms fire?" in text
+    assert "## The policy signal around the switches" in text
     assert "- mode: smoke; seeds: 1\n" in text  # --seeds replaces the mode's seed 0
     assert "online_shift__sao__seed=1" in text and "seed=0" not in text

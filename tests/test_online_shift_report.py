@@ -59,3 +59,56 @@ def test_verdict_states_direction_interval_and_power():
     assert shift.shift_verdict(Difference(0.01, 0.02, 5, True)).startswith("**Not shown**")
     assert shift.shift_verdict(Difference(0.01, math.nan, 1, True)).startswith("**Not decidable")
     assert shift.shift_verdict(None).startswith("**Not decidable")
+
+
+def test_window_mean_and_signal_windows_match_a_loop():
+    rng = np.random.default_rng(1)
+    steps = np.arange(0, TOTAL + 1, 2)
+    hist = _history("adv/advantage", steps, rng.normal(size=steps.size))
+    windows = shift.signal_windows(SWITCHES, TOTAL)
+    e = shift.EARLY_STEPS
+    want = [(20, 20 + e), (20 + e, 40), (40, 40 + e), (40 + e, TOTAL + 1)]
+    assert [(lo, hi) for _, lo, hi in windows] == want
+    assert windows[0][0] == f"steps 20-{20 + e - 1}" and windows[-1][0] == f"steps {40 + e}-60"
+    for _, lo, hi in windows:
+        got = shift.window_mean(hist, "adv/advantage", lo, hi)
+        assert math.isclose(got, _slow_mean(hist, "adv/advantage", lo, hi), rel_tol=1e-12)
+    assert shift.window_mean(hist, "adv/advantage", 61, 70) is None
+    assert shift.window_mean(hist, "policy/grad_norm", 0, 60) is None
+
+
+def test_pairs_text_has_one_paired_verdict_per_pair_that_ran():
+    rng = np.random.default_rng(2)
+    seeds = range(5)
+    scores = {v: {s: float(rng.uniform()) for s in seeds} for v in shift.shift_cfg.VARIANTS}
+    text = shift.pairs_text(scores)
+    lines = text.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("- does laptop scale reproduce the paper's claim?")
+    assert lines[1].startswith("- with the staleness confound removed")
+    assert "synchronous SAO" in lines[1] and "synchronous SAO" not in lines[0]
+    for line, (row, ref) in zip(lines, shift.PAIRS, strict=True):
+        d = [scores[row][s] - scores[ref][s] for s in seeds]  # literal paired difference
+        mean = sum(d) / len(d)
+        se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+        if abs(mean) < 2 * se:
+            assert f"({100 * -mean:+.1f} ± {100 * se:.1f} points" in line
+        else:
+            assert f"{100 * abs(mean):.1f} ± {100 * se:.1f} points above" in line
+    only_async = {k: scores[k] for k in ("sao", "moving_average")}
+    assert shift.pairs_text(only_async).count("\n") == 1
+    assert shift.pairs_text({"sao": scores["sao"]}) == ""
+
+
+def test_verdict_names_the_rows_it_compares():
+    from sao_jax.compare import Difference
+
+    text = shift.shift_verdict(Difference(0.06, 0.02, 5, True), sao="S", ma="M")
+    assert "M scores 6.0 ± 2.0 points above S" in text and "interval for S minus M" in text
+    assert "S's score is 5.0" in shift.shift_verdict(Difference(-0.05, 0.01, 5, True), sao="S")
+
+
+def test_every_row_has_a_label_and_every_pair_names_rows():
+    assert set(shift.LABELS) == set(shift.shift_cfg.VARIANTS)
+    for row, ref in shift.PAIRS:
+        assert {row, ref} <= set(shift.shift_cfg.VARIANTS) and row in shift.PAIR_QUESTIONS
