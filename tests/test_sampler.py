@@ -57,7 +57,9 @@ def make(model, fns, prompts=None, env=TurnEnv, **cfg):
     )  # fmt: skip
 
 
-def wait_until(cond, timeout=20.0):
+def wait_until(cond, timeout=180.0):
+    """Poll `cond` until true; the generous bound only matters on a loaded machine (the first
+    condition waits for a compile)."""
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -110,7 +112,7 @@ def test_model_exception_reaches_the_learner_chained(model, fns):
         s.take(1, timeout=60)
     assert time.monotonic() - t0 < 30
     assert info.value.__cause__ is not None and info.value.__cause__.__traceback__ is not None
-    assert s.stop(10) and not sampler_threads()
+    assert s.stop(60) and not sampler_threads()
 
 
 class FlakyEnv(TurnEnv):
@@ -162,7 +164,7 @@ def test_backpressure_stop_timeout_and_exhaustion(model, fns):
     time.sleep(0.2)
     assert s.stats()["generated"] == 2, "a full queue blocks the worker"
     t0 = time.monotonic()
-    assert s.stop(10) and time.monotonic() - t0 < 5
+    assert s.stop(60) and time.monotonic() - t0 < 30  # prompt, with slack for a loaded box
     assert not sampler_threads()
     prompts = [Prompt(f"p{i}", "bc", None, {"turns": 1}) for i in range(5)]
     with make(model, fns, prompts=prompts) as s:
@@ -170,7 +172,7 @@ def test_backpressure_stop_timeout_and_exhaustion(model, fns):
         assert len(s.take(3, timeout=60)) == 3
         with pytest.raises(PromptsExhausted, match="2 trajectories left"):
             s.take(3, timeout=60)
-        assert len(s.take(2, timeout=5)) == 2
+        assert len(s.take(2, timeout=60)) == 2
 
 
 def run_lockstep(model, fns, steps=3, n=4):
