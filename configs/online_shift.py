@@ -47,8 +47,8 @@ MODE_VARIANTS = {
 MODES = ("smoke", "quick", "full")
 # Per mode: seeds, RL steps and the two switch steps of the target style. Phases of 50
 # steps: at 30, no row got back to its pre-switch reward within a phase (results/full of
-# the previous task). Full: 5 seeds x (a 600-step style SFT + SAO and moving-average runs
-# of 150 steps) ~ 30 min on an idle 2-core machine (docs/experiments.md, "Budgets").
+# the previous task). Full: 5 seeds x (a 600-step style SFT + four runs of 150 steps: SAO,
+# moving average and their synchronous pair); docs/experiments.md, "Budgets", has the times.
 BUDGETS = {
     "smoke": dict(seeds=(0,), steps=4, switch_steps=(1, 2)),
     "quick": dict(seeds=(0, 1), steps=90, switch_steps=(30, 60)),
