@@ -17,6 +17,36 @@ from sao_jax.parallel.mesh import Sharder
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
+# True: `token_einsum` merges the two token dims into one before the product (the form that
+# XLA:CPU differentiates fast). False: the plain two-token-dim einsum, kept only as the
+# "before" of side-by-side benchmarks (experiments/bench/update_step.py); the values are
+# the same either way.
+FLAT_TOKENS = True
+
+
+def token_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """jnp.einsum(spec, x, w) for a per-token product such as "btd,dnh->btnh": x's first two
+    dims (B, T) and the output's first two are the tokens, and w has no token dim.
+
+    The product runs over the B T tokens as ONE dim: x [B, T, ...] -> [B T, ...], then the
+    result back to [B, T, ...]. Same values. Why: the weight gradient of the two-token-dim
+    form contracts over (b, t), and XLA:CPU lays that out as a transposing fusion of the
+    whole [B T, F] activation gradient (with the SwiGLU backward fused into it), which ran a
+    SwiGLU MLP's forward + backward 2.1x slower than the one-token-dim form (D = 256,
+    F = 1024, 4 x 512 tokens; docs/benchmarks.md). On GPU / TPU the merge is a bitcast.
+    """
+    ins, out = spec.split("->")
+    x_spec, w_spec = ins.split(",")
+    tok = x_spec[:2]
+    if out[:2] != tok or tok[0] in w_spec or tok[1] in w_spec or x.ndim != len(x_spec):
+        raise ValueError(f"token_einsum: {spec!r} is not a per-token product of x {x.shape}")
+    if not FLAT_TOKENS:
+        return jnp.einsum(spec, x, w)
+    b, t = x.shape[:2]
+    flat = f"{tok[1]}{x_spec[2:]},{w_spec}->{tok[1]}{out[2:]}"
+    y = jnp.einsum(flat, x.reshape(b * t, *x.shape[2:]), w)
+    return y.reshape(b, t, *y.shape[1:])
+
 
 def param(
     rngs: nnx.Rngs,
@@ -70,7 +100,7 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding[...], tokens_bt, axis=0).astype(dtype)  # [B, T, D]
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
-        return jnp.einsum("btd,vd->btv", x_btd, self.embedding[...].astype(x_btd.dtype))
+        return token_einsum("btd,vd->btv", x_btd, self.embedding[...].astype(x_btd.dtype))
 
 
 def rope_tables(positions_bt: jax.Array, head_dim: int, theta: float):
@@ -111,9 +141,9 @@ class DenseMLP(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dt = x_btd.dtype
-        gate_btf = jnp.einsum("btd,df->btf", x_btd, self.gate_proj[...].astype(dt))
-        up_btf = jnp.einsum("btd,df->btf", x_btd, self.up_proj[...].astype(dt))
+        gate_btf = token_einsum("btd,df->btf", x_btd, self.gate_proj[...].astype(dt))
+        up_btf = token_einsum("btd,df->btf", x_btd, self.up_proj[...].astype(dt))
         h_btf = self.sharder.constrain(
             jax.nn.silu(gate_btf) * up_btf, ("batch", "length", "act_mlp")
         )
-        return jnp.einsum("btf,fd->btd", h_btf, self.down_proj[...].astype(dt))
+        return token_einsum("btf,fd->btd", h_btf, self.down_proj[...].astype(dt))
