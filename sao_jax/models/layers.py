@@ -7,6 +7,7 @@ B batch, T length, D model width, V vocab, F MLP width, N query heads, H head wi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -18,10 +19,21 @@ from sao_jax.parallel.mesh import Sharder
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
 # True: `token_einsum` merges the two token dims into one before the product (the form that
-# XLA:CPU differentiates fast). False: the plain two-token-dim einsum, kept only as the
-# "before" of side-by-side benchmarks (experiments/bench/update_step.py); the values are
-# the same either way.
+# XLA:CPU differentiates fast). False (only inside `flat_tokens(False)`): the plain
+# two-token-dim einsum, kept as the "before" of side-by-side benchmarks
+# (experiments/bench/update_step.py). The values are the same either way.
 FLAT_TOKENS = True
+
+
+@contextlib.contextmanager
+def flat_tokens(on: bool):
+    """Functions traced inside run `token_einsum` flat (on) or as the plain einsum (off)."""
+    global FLAT_TOKENS
+    saved, FLAT_TOKENS = FLAT_TOKENS, on
+    try:
+        yield
+    finally:
+        FLAT_TOKENS = saved
 
 
 def token_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
