@@ -44,7 +44,7 @@ def token_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     result back to [B, T, ...]. Same values. Why: the weight gradient of the two-token-dim
     form contracts over (b, t), and XLA:CPU lays that out as a transposing fusion of the
     whole [B T, F] activation gradient (with the SwiGLU backward fused into it), which ran a
-    SwiGLU MLP's forward + backward 2.1x slower than the one-token-dim form (D = 256,
+    SwiGLU MLP's forward + backward 2.2x slower than the one-token-dim form (D = 256,
     F = 1024, 4 x 512 tokens; docs/benchmarks.md). On GPU / TPU the merge is a bitcast.
     """
     ins, out = spec.split("->")
