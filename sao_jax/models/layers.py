@@ -1,4 +1,5 @@
-"""Small building blocks: logically-named parameters, RMSNorm, embeddings, RoPE, SwiGLU MLP.
+"""Small building blocks: logically-named parameters, per-token products (`token_einsum`),
+RMSNorm, embeddings, RoPE, SwiGLU MLP.
 
 Every parameter carries its logical dimension names in the `axes` metadata; the rules
 table (parallel/mesh.py) turns them into shardings. Shapes are in names and comments:
