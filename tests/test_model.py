@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sao_jax.models import layers
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.moe.dispatch import dense_local_moe, local_moe, moe_dispatch
 from sao_jax.models.moe.experts import reference_moe
@@ -175,3 +176,40 @@ def test_check_params_names_tensor():
     del bad["lm_head"]
     with pytest.raises(ConfigError, match="missing parameter lm_head"):
         check_params(bad, mdef)
+
+
+@pytest.mark.parametrize(
+    "spec, x_shape, w_shape",
+    [
+        ("btd,df->btf", (3, 5, 8), (8, 6)),
+        ("btd,dnh->btnh", (3, 5, 8), (8, 4, 2)),
+        ("btnh,nhd->btd", (3, 5, 4, 2), (4, 2, 8)),
+        ("btd,vd->btv", (3, 5, 8), (7, 8)),
+        ("btd,d->bt", (3, 5, 8), (8,)),
+    ],
+)
+def test_token_einsum_equals_einsum(spec, x_shape, w_shape):
+    """One merged token dim: the same values and gradients as the two-token-dim einsum."""
+    kx, kw, kc = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    ct = jax.random.normal(kc, jnp.einsum(spec, x, w).shape)
+
+    def value_and_grads(flat):
+        with layers.flat_tokens(flat):
+            loss = lambda x, w: jnp.sum(layers.token_einsum(spec, x, w) * ct)
+            return layers.token_einsum(spec, x, w), jax.grad(loss, argnums=(0, 1))(x, w)
+
+    (got, got_g), (want, want_g) = value_and_grads(True), value_and_grads(False)
+    np.testing.assert_allclose(got, jnp.einsum(spec, x, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for g, wg in zip(got_g, want_g):
+        np.testing.assert_allclose(g, wg, rtol=1e-5, atol=1e-5)
+    assert layers.FLAT_TOKENS  # the context restores the default
+
+
+def test_token_einsum_rejects_non_token_products():
+    x = jnp.ones((2, 3, 4))
+    with pytest.raises(ValueError, match="not a per-token product"):
+        layers.token_einsum("btd,bd->bt", x, jnp.ones((2, 4)))  # w has a token dim
+    with pytest.raises(ValueError, match="not a per-token product"):
+        layers.token_einsum("btd,df->tbf", x, jnp.ones((4, 5)))  # tokens reordered

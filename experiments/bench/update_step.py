@@ -5,6 +5,8 @@
     python -m experiments.bench.update_step --dtype bfloat16    # bf16 activations / matmuls
     python -m experiments.bench.update_step --models larger --attention naive blockwise:128
                                   # + one after form per attention impl[:block], same rounds
+    python -m experiments.bench.update_step --models larger --two-token-dims
+                                  # + the after form with two-token-dim einsums, same rounds
 
 Two models: the embedded tiny MoE (configs/models/tiny.py) and a larger one (LARGER
 below), each run with SAO's defaults (configs/base.py: critic_first, K = 2 critic steps,
@@ -12,10 +14,14 @@ DIS loss, frozen critic attention) on a synthetic multi-turn batch, in two forms
 
   before  moe_impl 'dense' (every expert on every token), V0 by its own critic forward
           (`Learner(separate_v0_pass=True)`) and attention_impl 'naive_literal' (the
-          naive attention in its input layout, which 'auto' ran at these lengths): the
-          update step before issue 16;
+          naive attention in its input layout, which 'auto' ran at these lengths) and the
+          per-token products as two-token-dim einsums: the update step before issue 16;
   after   moe_impl 'auto' (on CPU: 'grouped', matmuls over tiles of each expert's group), V0
-          from the first critic step's own forward, attention_impl 'auto'.
+          from the first critic step's own forward, attention_impl 'auto', and the per-token
+          products over one merged token dim (sao_jax/models/layers.py `token_einsum`).
+
+`--two-token-dims` adds the after form with the per-token products as two-token-dim
+einsums (`layers.flat_tokens(False)`): the after step before `token_einsum`, same rounds.
 
 `--attention IMPL[:BLOCK] ...` adds one more after form per entry, with that
 `model.attention_impl` (and `model.attention_block`), timed in the same rounds: e.g.
@@ -62,7 +68,7 @@ from sao_jax.experiments.bench import update_parts as parts
 from sao_jax import config as config_lib
 from sao_jax import flops
 from sao_jax.configs import base
-from sao_jax.models import attention_backends
+from sao_jax.models import attention_backends, layers
 from sao_jax.models.config import ATTENTION_IMPLS, ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.models.moe.dispatch import resolve_impl
@@ -90,9 +96,14 @@ MODELS = (
     ("larger", LARGER, (4, 512), (4, 128)),
 )
 FORMS = {
-    "before": dict(moe_impl="dense", separate_v0=True, attention_impl="naive_literal"),
+    "before": dict(
+        moe_impl="dense", separate_v0=True, attention_impl="naive_literal", flat_tokens=False
+    ),
     "after": dict(moe_impl="auto"),
 }
+# `--two-token-dims`: the after step with the per-token products as two-token-dim einsums
+# (models/layers.token_einsum off), i.e. the after step before they were merged.
+TWO_TOKEN_DIMS = {"after, two-token-dim einsums": dict(moe_impl="auto", flat_tokens=False)}
 
 
 def attention_forms(entries: list[str]) -> dict[str, dict]:
@@ -152,6 +163,12 @@ def matmul_peak_fn(dtype: str, n: int, inner: int):
 
 
 def build_form(name, spec, overrides, b, t, args, host_batch, routing) -> Form:
+    # Everything of the form is traced (first called) here, so the flag holds for it.
+    with layers.flat_tokens(spec.get("flat_tokens", True)):
+        return _build_form(name, spec, overrides, b, t, args, host_batch, routing)
+
+
+def _build_form(name, spec, overrides, b, t, args, host_batch, routing) -> Form:
     attn = {k: spec[k] for k in ("attention_impl", "attention_block") if k in spec}
     config = run_config(overrides, b, args, spec["moe_impl"], **attn)
     cfg = ModelConfig.from_config(config.model)
@@ -214,7 +231,8 @@ def bench_model(name, overrides, b, t, args, peak_fn):
     models = init_models(cfg, Sharder(), seed=args.seed)
     host_batch = synthetic_batch(b, t, cfg.vocab_size, seed=args.seed)
     routing = parts.policy_routing(models, host_batch)
-    specs = {**FORMS, **attention_forms(args.attention)}
+    specs = {**FORMS, **(TWO_TOKEN_DIMS if args.two_token_dims else {})}
+    specs.update(attention_forms(args.attention))
     forms = [
         build_form(k, spec, overrides, b, t, args, host_batch, routing) for k, spec in specs.items()
     ]
@@ -306,6 +324,11 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         metavar="IMPL[:BLOCK]",
         help="extra after forms with this model.attention_impl (and attention_block)",
+    )
+    p.add_argument(
+        "--two-token-dims",
+        action="store_true",
+        help="also the after step with two-token-dim einsums (before models.layers.token_einsum)",
     )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

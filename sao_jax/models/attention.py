@@ -25,7 +25,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sao_jax.models import attention_backends as backends
-from sao_jax.models.layers import RMSNorm, apply_rope, normal, param, rope_tables
+from sao_jax.models.layers import (
+    RMSNorm,
+    apply_rope,
+    normal,
+    param,
+    rope_tables,
+    token_einsum,
+)
 from sao_jax.parallel.mesh import Sharder
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -233,9 +240,9 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, KVCache | None]:
         dt = x_btd.dtype
         c = self.sharder.constrain
-        q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dt))
-        k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj[...].astype(dt))
-        v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj[...].astype(dt))
+        q = token_einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dt))
+        k = token_einsum("btd,dkh->btkh", x_btd, self.k_proj[...].astype(dt))
+        v = token_einsum("btd,dkh->btkh", x_btd, self.v_proj[...].astype(dt))
         q = c(self.q_norm(q), ("batch", "length", "act_heads", None))
         k = c(self.k_norm(k), ("batch", "length", "act_kv_heads", None))
         v = c(v, ("batch", "length", "act_kv_heads", None))
@@ -257,5 +264,5 @@ class Attention(nnx.Module):
             cache = write_cache(cache, k, v, positions_bt)
             out = cached_attention(q, positions_bt, cache)
         out = c(out, ("batch", "length", "act_heads", None))
-        y = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt))
+        y = token_einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt))
         return y, cache

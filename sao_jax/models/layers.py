@@ -1,4 +1,5 @@
-"""Small building blocks: logically-named parameters, RMSNorm, embeddings, RoPE, SwiGLU MLP.
+"""Small building blocks: logically-named parameters, per-token products (`token_einsum`),
+RMSNorm, embeddings, RoPE, SwiGLU MLP.
 
 Every parameter carries its logical dimension names in the `axes` metadata; the rules
 table (parallel/mesh.py) turns them into shardings. Shapes are in names and comments:
@@ -7,6 +8,7 @@ B batch, T length, D model width, V vocab, F MLP width, N query heads, H head wi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -16,6 +18,47 @@ from flax import nnx
 from sao_jax.parallel.mesh import Sharder
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
+
+# True: `token_einsum` merges the two token dims into one before the product (the form that
+# XLA:CPU differentiates fast). False (only inside `flat_tokens(False)`): the plain
+# two-token-dim einsum, kept as the "before" of side-by-side benchmarks
+# (experiments/bench/update_step.py). The values are the same either way.
+FLAT_TOKENS = True
+
+
+@contextlib.contextmanager
+def flat_tokens(on: bool):
+    """Functions traced inside run `token_einsum` flat (on) or as the plain einsum (off)."""
+    global FLAT_TOKENS
+    saved, FLAT_TOKENS = FLAT_TOKENS, on
+    try:
+        yield
+    finally:
+        FLAT_TOKENS = saved
+
+
+def token_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """jnp.einsum(spec, x, w) for a per-token product such as "btd,dnh->btnh": x's first two
+    dims (B, T) and the output's first two are the tokens, and w has no token dim.
+
+    The product runs over the B T tokens as ONE dim: x [B, T, ...] -> [B T, ...], then the
+    result back to [B, T, ...]. Same values. Why: the weight gradient of the two-token-dim
+    form contracts over (b, t), and XLA:CPU lays that out as a transposing fusion of the
+    whole [B T, F] activation gradient (with the SwiGLU backward fused into it), which ran a
+    SwiGLU MLP's forward + backward 2.2x slower than the one-token-dim form (D = 256,
+    F = 1024, 4 x 512 tokens; docs/benchmarks.md). On GPU / TPU the merge is a bitcast.
+    """
+    ins, out = spec.split("->")
+    x_spec, w_spec = ins.split(",")
+    tok = x_spec[:2]
+    if out[:2] != tok or tok[0] in w_spec or tok[1] in w_spec or x.ndim != len(x_spec):
+        raise ValueError(f"token_einsum: {spec!r} is not a per-token product of x {x.shape}")
+    if not FLAT_TOKENS:
+        return jnp.einsum(spec, x, w)
+    b, t = x.shape[:2]
+    flat = f"{tok[1]}{x_spec[2:]},{w_spec}->{tok[1]}{out[2:]}"
+    y = jnp.einsum(flat, x.reshape(b * t, *x.shape[2:]), w)
+    return y.reshape(b, t, *y.shape[1:])
 
 
 def param(
@@ -70,7 +113,7 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding[...], tokens_bt, axis=0).astype(dtype)  # [B, T, D]
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
-        return jnp.einsum("btd,vd->btv", x_btd, self.embedding[...].astype(x_btd.dtype))
+        return token_einsum("btd,vd->btv", x_btd, self.embedding[...].astype(x_btd.dtype))
 
 
 def rope_tables(positions_bt: jax.Array, head_dim: int, theta: float):
@@ -111,9 +154,9 @@ class DenseMLP(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dt = x_btd.dtype
-        gate_btf = jnp.einsum("btd,df->btf", x_btd, self.gate_proj[...].astype(dt))
-        up_btf = jnp.einsum("btd,df->btf", x_btd, self.up_proj[...].astype(dt))
+        gate_btf = token_einsum("btd,df->btf", x_btd, self.gate_proj[...].astype(dt))
+        up_btf = token_einsum("btd,df->btf", x_btd, self.up_proj[...].astype(dt))
         h_btf = self.sharder.constrain(
             jax.nn.silu(gate_btf) * up_btf, ("batch", "length", "act_mlp")
         )
-        return jnp.einsum("btf,fd->btd", h_btf, self.down_proj[...].astype(dt))
+        return token_einsum("btf,fd->btd", h_btf, self.down_proj[...].astype(dt))

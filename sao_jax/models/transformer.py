@@ -17,7 +17,7 @@ from flax import nnx
 from sao_jax.models.attention import Attention, KVCache, init_cache
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.layer_stack import apply_layers, layer_runs, stack_modules
-from sao_jax.models.layers import DenseMLP, Embed, RMSNorm, normal, param, zeros
+from sao_jax.models.layers import DenseMLP, Embed, RMSNorm, normal, param, token_einsum, zeros
 from sao_jax.models.moe.block import MoEBlock
 from sao_jax.parallel.mesh import Sharder
 
@@ -187,7 +187,7 @@ class Policy(nnx.Module):
             logits = self.trunk.embed.attend(hidden_btd)
         else:
             w_dv = self.lm_head[...].astype(hidden_btd.dtype)
-            logits = jnp.einsum("btd,dv->btv", hidden_btd, w_dv)
+            logits = token_einsum("btd,dv->btv", hidden_btd, w_dv)
         return self.sharder.constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
 
@@ -208,7 +208,7 @@ class Critic(nnx.Module):
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, **kw) -> ModelOutput:
         hidden, experts, aux, cache = self.trunk(tokens_bt, positions_bt, segment_ids_bt, **kw)
-        values = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), self.value_head[...])
+        values = token_einsum("btd,d->bt", hidden.astype(jnp.float32), self.value_head[...])
         return ModelOutput(values + self.value_bias[...], experts, aux, cache)
 
 
