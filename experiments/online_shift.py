@@ -26,7 +26,11 @@ RECOVER_FRACTION = 0.8  # recovered: reward back to 0.8 x its pre-switch level
 MIN_LEVEL = 0.1  # a pre-switch reward below this leaves nothing to recover
 EV_METRIC = "critic/ev_pre_update"  # the critic's EV on each fresh batch before its update
 EARLY_STEPS = 10  # the critic EV table splits each phase into its first 10 steps and the rest
-ADV_METRICS = ("adv/advantage", "adv/advantage_std", "policy/grad_norm")  # the policy signal
+ADV_METRICS = {  # the policy signal: metric -> its name in the report
+    "adv/advantage": "mean advantage",
+    "adv/advantage_std": "advantage std",
+    "policy/grad_norm": "policy grad norm",
+}
 LABELS = {
     "sao": "SAO",
     "moving_average": "moving-average baseline",
@@ -103,14 +107,9 @@ def signal_text(rows, switches: tuple[int, ...], total: int) -> str:
     """How large and how centred each row's policy signal is around the switches: mean
     and std of the advantages of action tokens and the policy gradient norm per window."""
     windows = signal_windows(switches, total)
-    what = {
-        "adv/advantage": "mean advantage",
-        "adv/advantage_std": "advantage std",
-        "policy/grad_norm": "policy grad norm",
-    }
     headers = ["row", "quantity", *(w[0] for w in windows)]
     body = []
-    for metric in ADV_METRICS:
+    for metric, name in ADV_METRICS.items():
         for row, rs in rows.items():
             per_window = [
                 [window_mean(r.history, metric, lo, hi) for r in rs] for _, lo, hi in windows
@@ -118,7 +117,7 @@ def signal_text(rows, switches: tuple[int, ...], total: int) -> str:
             if all(x is None for w in per_window for x in w):
                 continue  # the row does not log it
             cells = [compare.fmt_mean_se(w, scale=1.0, digits=3) for w in per_window]
-            body.append([LABELS.get(rs[0].point.variant, row), what[metric], *cells])
+            body.append([LABELS.get(rs[0].point.variant, row), name, *cells])
     if not body:
         return ""
     return (
