@@ -27,25 +27,32 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             server.in_flight += 1
             server.max_in_flight = max(server.max_in_flight, server.in_flight)
         try:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            assert self.path.endswith("/v1/chat/completions")
-            assert body["model"] == "judge" and body["messages"][0]["role"] == "system"
-            server.requests.append(body)
-            if mode == "slow":
-                time.sleep(1.0)
-            if mode == "busy":
-                time.sleep(0.1)
-            if mode == "flaky" and hit <= 2:
-                return self._send(500, b"oops")
-            if mode == "missing":
-                return self._send(404, b"no such model")
-            content = {"garbage": "I think it is great!", "fenced": f"```json\n{GOOD}\n```"}
-            reply = {"choices": [{"message": {"role": "assistant", "content": GOOD}}]}
-            reply["choices"][0]["message"]["content"] = content.get(mode, GOOD)
-            self._send(200, b"not json" if mode == "badbody" else json.dumps(reply).encode())
+            code, payload = self._reply(mode, hit)
         finally:
+            # Leave the in-flight count before the reply goes out: the client frees its slot
+            # once it has read the reply, and its next request may reach this server before
+            # this handler thread runs again.
             with server.lock:
                 server.in_flight -= 1
+        self._send(code, payload)
+
+    def _reply(self, mode, hit):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path.endswith("/v1/chat/completions")
+        assert body["model"] == "judge" and body["messages"][0]["role"] == "system"
+        self.server.requests.append(body)
+        if mode == "slow":
+            time.sleep(1.0)
+        if mode == "busy":
+            time.sleep(0.1)
+        if mode == "flaky" and hit <= 2:
+            return 500, b"oops"
+        if mode == "missing":
+            return 404, b"no such model"
+        content = {"garbage": "I think it is great!", "fenced": f"```json\n{GOOD}\n```"}
+        reply = {"choices": [{"message": {"role": "assistant", "content": GOOD}}]}
+        reply["choices"][0]["message"]["content"] = content.get(mode, GOOD)
+        return 200, (b"not json" if mode == "badbody" else json.dumps(reply).encode())
 
     def _send(self, code, payload):
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # client timed out
