@@ -132,6 +132,40 @@ def expert_forward_flops(cfg: ModelConfig, batch: int, length: int) -> int:
     return len(cfg.moe_layers) * per_token * batch * length
 
 
+TRAINABLE = ("all", "all_but_attention", "moe")  # = sao_jax.rl.optim.TRAINABLE_SETS
+
+
+def first_layer_skipped_backward(
+    cfg: ModelConfig,
+    batch: int,
+    length: int,
+    *,
+    causal: bool = False,
+    attention_block: int | None = None,
+    expert_factor: float = 1.0,
+) -> int:
+    """Backward FLOPs that a critic training only the "moe" set never computes.
+
+    With the embedding, every norm and every attention frozen, no gradient flows below
+    the first layer's feed-forward block: that layer's attention has no backward at all
+    (the input gradients of its q/k/v/o projections, 2 P_attn B T, and of its scores,
+    2 x one layer's scores), and its feed-forward block needs no gradient with respect to
+    its input (dense: gate and up, 2 x 2 D F B T; MoE: the router, 2 D E B T, and the
+    experts' gate and up, 2 x 2 k D F_e B T, times `expert_factor` rows).
+    """
+    tokens = batch * length
+    d = cfg.hidden_size
+    skipped = 2 * attention_proj_params(cfg) * tokens
+    scores = attention_score_flops(cfg, batch, length, causal=causal, block=attention_block)
+    skipped += 2 * scores // cfg.num_hidden_layers
+    if 0 in cfg.moe_layers:
+        experts = 2 * 2 * cfg.num_experts_per_tok * d * cfg.moe_intermediate_size * tokens
+        skipped += 2 * d * cfg.num_experts * tokens + round(expert_factor * experts)
+    else:
+        skipped += 2 * 2 * d * cfg.intermediate_size * tokens
+    return skipped
+
+
 def model_pass_flops(
     cfg: ModelConfig,
     batch: int,
@@ -139,7 +173,7 @@ def model_pass_flops(
     *,
     backward: bool,
     head: str = "policy",
-    frozen_attention: bool = False,
+    trainable: str = "all",
     causal: bool = False,
     attention_block: int | None = None,
     expert_factor: float = 1.0,
@@ -147,20 +181,29 @@ def model_pass_flops(
     """FLOPs of one pass of the policy (or critic) over a [batch, length] batch.
 
     forward = 2 P B T + S with P = matmul_params(cfg, head), S = attention scores;
-    with `backward`, 3 x forward; a frozen attention (stop_gradient on its weights)
-    skips the weight gradients of the q/k/v/o projections: - 2 L P_attn B T.
+    with `backward`, 3 x forward, less what the `trainable` set (sao_jax/rl/optim.py
+    TRAINABLE_SETS; frozen leaves are stop_gradient'ed) never computes: a frozen
+    attention ("all_but_attention", "moe") skips the weight gradients of the q/k/v/o
+    projections, - 2 L P_attn B T; "moe" also skips `first_layer_skipped_backward`.
     `expert_factor` != 1 adds (factor - 1) x the expert FLOPs (executed, not useful).
     """
     _check_positive(batch=batch, length=length)
+    if trainable not in TRAINABLE:
+        raise ConfigError(f"argument trainable: must be one of {TRAINABLE}, got {trainable!r}")
     tokens = batch * length
+    scores = dict(causal=causal, attention_block=attention_block)
     forward = 2 * matmul_params(cfg, head) * tokens
     forward += attention_score_flops(cfg, batch, length, causal=causal, block=attention_block)
     forward += round((expert_factor - 1) * expert_forward_flops(cfg, batch, length))
     if not backward:
         return forward
     total = 3 * forward
-    if frozen_attention:
+    if trainable != "all":
         total -= 2 * cfg.num_hidden_layers * attention_proj_params(cfg) * tokens
+    if trainable == "moe":
+        total -= first_layer_skipped_backward(
+            cfg, batch, length, expert_factor=expert_factor, **scores
+        )
     return total
 
 
@@ -171,7 +214,7 @@ def update_step_passes(
     k_critic: int,
     *,
     order: str = "critic_first",
-    frozen_attention: bool = True,
+    critic_trainable: str = "moe",
     old_logp: bool = False,
     causal: bool = False,
     attention_block: int | None = None,
@@ -185,8 +228,10 @@ def update_step_passes(
     backward. policy_first: the policy step, then the K critic steps.
     `separate_v0`: V0 by its own critic forward first (`Learner(separate_v0_pass=True)`,
     the form before issue 16). `old_logp`: one more policy forward for pi_old (losses
-    that need it, e.g. ppo_clip). `expert_factor`: see the module docstring.
-    `causal` / `attention_block`: the attention scores' count (attention_score_flops).
+    that need it, e.g. ppo_clip). `critic_trainable`: what the critic trains during RL
+    (`sao_jax.rl.optim.critic_trainable`; "moe", SAO's default, see model_pass_flops).
+    `expert_factor`: see the module docstring. `causal` / `attention_block`: the attention
+    scores' count (attention_score_flops).
     """
     _check_positive(k_critic=k_critic)
     if order not in ORDERS:
@@ -195,7 +240,7 @@ def update_step_passes(
     fwd.update(attention_block=attention_block, expert_factor=expert_factor)
     bwd = dict(fwd, backward=True)
     critic_fwd = model_pass_flops(cfg, head="critic", **fwd)
-    critic_step = model_pass_flops(cfg, head="critic", frozen_attention=frozen_attention, **bwd)
+    critic_step = model_pass_flops(cfg, head="critic", trainable=critic_trainable, **bwd)
     passes = {"critic forward (targets)": critic_fwd} if separate_v0 else {}
     critic_steps = {f"critic step {i + 1} (fwd+bwd)": critic_step for i in range(k_critic)}
     policy = {}

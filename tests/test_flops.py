@@ -4,16 +4,20 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from configs import base
 from configs.models import tiny
 from sao_jax import flops
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.factory import critic_def, policy_def
+from sao_jax.models.factory import critic_def, init_models, policy_def
 from sao_jax.parallel.memory import category, memory_plan, parse_mesh
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import path_str
+from sao_jax.rl.optim import TRAINABLE_SETS, trainable_labels
+from sao_jax.rl.passes import critic_pass
+from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.schema import ConfigError
 
 TINY = ModelConfig.from_config(tiny.get_config())
@@ -108,8 +112,13 @@ def test_dense_by_hand():
     assert flops.model_pass_flops(DENSE, 2, 3, backward=False) == 8448
     assert flops.model_pass_flops(DENSE, 2, 3, backward=True) == 3 * 8448
     # frozen attention: no weight gradients of the 192 projection params, 6 tokens.
-    frozen = flops.model_pass_flops(DENSE, 2, 3, backward=True, frozen_attention=True)
+    frozen = flops.model_pass_flops(DENSE, 2, 3, backward=True, trainable="all_but_attention")
     assert frozen == 3 * 8448 - 2 * 192 * 6
+    # "moe": nothing below layer 0's MLP trains, so no backward of its attention (input
+    # gradients 2 * 192 * 6, scores 2 * 576) and no input gradient of its gate and up
+    # projections (2 * 2 * 8 * 16 * 6).
+    moe = flops.model_pass_flops(DENSE, 2, 3, backward=True, trainable="moe")
+    assert frozen - moe == 2 * 192 * 6 + 2 * 576 + 2 * 2 * 8 * 16 * 6
 
 
 def test_blockwise_attention_flops_count_the_blocks_on_or_below_the_diagonal():
@@ -134,7 +143,7 @@ def test_moe_by_hand():
 def test_update_step_counts_every_pass():
     b, t = 4, 16
     fwd_c = flops.model_pass_flops(TINY, b, t, backward=False, head="critic")
-    step_c = flops.model_pass_flops(TINY, b, t, backward=True, head="critic", frozen_attention=True)
+    step_c = flops.model_pass_flops(TINY, b, t, backward=True, head="critic", trainable="moe")
     step_p = flops.model_pass_flops(TINY, b, t, backward=True)
     passes = flops.update_step_passes(TINY, b, t, 2)  # V0 from the first critic step
     assert list(passes.values()) == [step_c, step_c, fwd_c, step_p]
@@ -148,10 +157,57 @@ def test_update_step_counts_every_pass():
     assert experts == len(TINY.moe_layers) * 6 * 2 * 64 * 64 * b * t
     dense = flops.update_step_flops(TINY, b, t, 2, expert_factor=4.0)
     assert dense - flops.update_step_flops(TINY, b, t, 2) == 3 * experts * (1 + 2 * 3 + 3)
-    full = flops.update_step_flops(TINY, b, t, 2, frozen_attention=False)
-    assert full - flops.update_step_flops(TINY, b, t, 2) == 2 * (
+    full = flops.update_step_flops(TINY, b, t, 2, critic_trainable="all")
+    wide = flops.update_step_flops(TINY, b, t, 2, critic_trainable="all_but_attention")
+    assert full - wide == 2 * (
         2 * TINY.num_hidden_layers * flops.attention_proj_params(TINY) * b * t
     )
+    assert wide - flops.update_step_flops(TINY, b, t, 2) == 2 * (
+        flops.first_layer_skipped_backward(TINY, b, t)
+    )
+
+
+@pytest.mark.parametrize("first", ["dense", "moe"])
+def test_critic_backward_matches_what_xla_compiles(first):
+    """The trainable sets' backward FLOPs against XLA's own count of the compiled gradient
+    (naive attention and the dense MoE path, so XLA executes exactly the counted work: the
+    differences between sets are matmuls; elementwise work (softmax, norm, RoPE gradients)
+    keeps them within 4%). Widened so that matmuls dominate the elementwise work."""
+    cfg = dataclasses.replace(
+        TINY, attention_impl="naive", moe_impl="dense", logits_chunk=0,
+        mlp_only_layers=(0,) if first == "dense" else (),
+        hidden_size=256, head_dim=64, intermediate_size=512, moe_intermediate_size=128,
+    )  # fmt: skip
+    assert (0 in cfg.moe_layers) == (first == "moe")
+    b, t = 2, 32
+    models = init_models(cfg, Sharder(), seed=0)
+    batch = jax.device_put(synthetic_batch(b, t, cfg.vocab_size, seed=0))
+
+    def xla_flops(trainable):
+        labels = trainable_labels(models.critic, trainable)
+
+        def loss(params):
+            if labels is not None:
+                sg = lambda lab, p: jax.lax.stop_gradient(p) if lab == "frozen" else p
+                params = jax.tree.map(sg, labels, params)
+            return jnp.sum(critic_pass(models.critic_def.bind(params), batch)["values"] ** 2)
+
+        cost = jax.jit(jax.grad(loss)).lower(models.critic).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    factor = cfg.num_experts / cfg.num_experts_per_tok  # the dense path: every expert
+    analytic = {
+        k: flops.model_pass_flops(
+            cfg, b, t, backward=True, head="critic", trainable=k, expert_factor=factor
+        )
+        for k in flops.TRAINABLE
+    }
+    xla = {k: xla_flops(k) for k in flops.TRAINABLE}
+    assert set(flops.TRAINABLE) == set(TRAINABLE_SETS)
+    for wider, narrower in [("all", "all_but_attention"), ("all_but_attention", "moe")]:
+        want = analytic[wider] - analytic[narrower]
+        assert want > 0
+        assert xla[wider] - xla[narrower] == pytest.approx(want, rel=0.04), (wider, narrower)
 
 
 def test_bad_arguments_named():

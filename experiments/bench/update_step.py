@@ -73,6 +73,7 @@ from sao_jax.models.config import ATTENTION_IMPLS, ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.models.moe.dispatch import resolve_impl
 from sao_jax.parallel.mesh import Sharder
+from sao_jax.rl.optim import critic_trainable
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner
 
@@ -193,7 +194,7 @@ def _build_form(name, spec, overrides, b, t, args, host_batch, routing) -> Form:
     useful_factor, factor = parts.expert_factors(resolve_impl(cfg.moe_impl), cfg, routing)
     kw = dict(
         order=rl.order,
-        frozen_attention=learner.critic_frozen is not None,
+        critic_trainable=critic_trainable(config.optim.critic),
         old_logp=learner.loss_entry.needs_old_logp,
         separate_v0=separate,
     )
