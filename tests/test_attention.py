@@ -145,7 +145,10 @@ def test_attention_layer_blockwise_equals_naive_with_qk_norm():
     for (path, a), (_, b) in zip(
         jax.tree_util.tree_leaves_with_path(gb), jax.tree_util.tree_leaves_with_path(gn)
     ):
-        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4, err_msg=str(path))
+        # Gradients reach |g| ~ 1e2 here: an element near 0 carries float32 rounding of
+        # that size (4e-5 on one AMD EPYC box), so the absolute tolerance follows the scale.
+        atol = 2e-5 + 1e-6 * float(np.max(np.abs(b)))
+        np.testing.assert_allclose(a, b, atol=atol, rtol=1e-4, err_msg=str(path))
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 2, 2, 2), (1, 1, 1, 8)])
