@@ -191,7 +191,6 @@ def model_pass_flops(
     if trainable not in TRAINABLE:
         raise ConfigError(f"argument trainable: must be one of {TRAINABLE}, got {trainable!r}")
     tokens = batch * length
-    scores = dict(causal=causal, attention_block=attention_block)
     forward = 2 * matmul_params(cfg, head) * tokens
     forward += attention_score_flops(cfg, batch, length, causal=causal, block=attention_block)
     forward += round((expert_factor - 1) * expert_forward_flops(cfg, batch, length))
@@ -202,7 +201,12 @@ def model_pass_flops(
         total -= 2 * cfg.num_hidden_layers * attention_proj_params(cfg) * tokens
     if trainable == "moe":
         total -= first_layer_skipped_backward(
-            cfg, batch, length, expert_factor=expert_factor, **scores
+            cfg,
+            batch,
+            length,
+            causal=causal,
+            attention_block=attention_block,
+            expert_factor=expert_factor,
         )
     return total
 
