@@ -38,6 +38,12 @@ DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the runs' commands, run not
 SEEDS = flags.DEFINE_list(
     "seeds", None, "Seeds to run instead of the mode's (e.g. 0,1,2); the report says which."
 )
+ROWS = flags.DEFINE_list(
+    "rows",
+    None,
+    "Rows (the sweep's ':variant's) to run instead of all of them, e.g. sao,moving_average "
+    "to add seeds to one comparison; differences are taken against the 'sao' row.",
+)
 
 # Held-out success, pass@1 sampled at temperature 1: the distribution RL trains. Greedy
 # decoding of a converged SFT policy is already near its ceiling here (90-93%).
@@ -81,15 +87,25 @@ def out_dir() -> pathlib.Path:
     return pathlib.Path(OUT_DIR.value or f"results/{MODE.value}")
 
 
-def with_seeds(spec: sweep.SweepSpec) -> sweep.SweepSpec:
-    """`spec` with the seeds of --seeds, if given."""
-    if not SEEDS.value:
-        return spec
-    try:
-        seeds = tuple(int(s) for s in SEEDS.value)
-    except ValueError:
-        raise app.UsageError(f"--seeds: integers separated by commas, got {SEEDS.value}") from None
-    return dataclasses.replace(spec, seeds=seeds)
+def chosen(spec: sweep.SweepSpec) -> sweep.SweepSpec:
+    """`spec` with the seeds of --seeds and the rows of --rows, where given."""
+    if SEEDS.value:
+        try:
+            seeds = tuple(int(s) for s in SEEDS.value)
+        except ValueError:
+            raise app.UsageError(
+                f"--seeds: integers separated by commas, got {SEEDS.value}"
+            ) from None
+        spec = dataclasses.replace(spec, seeds=seeds)
+    if ROWS.value:
+        unknown = [r for r in ROWS.value if r not in spec.variants]
+        if unknown or len(set(ROWS.value)) != len(ROWS.value):
+            raise app.UsageError(
+                f"--rows: {', '.join(unknown) or 'a repeated row'} in {ROWS.value}; the "
+                f"{spec.name!r} sweep has the rows {', '.join(spec.variants)}"
+            )
+        spec = dataclasses.replace(spec, variants=tuple(ROWS.value))
+    return spec
 
 
 def run(spec: sweep.SweepSpec) -> tuple[list[sweep.PointResult], float]:
@@ -443,7 +459,7 @@ def _plots(name, rows, steps, paper) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    spec = with_seeds(ablations_cfg.get_sweep(f"table=table4,mode={MODE.value}"))
+    spec = chosen(ablations_cfg.get_sweep(f"table=table4,mode={MODE.value}"))
     results, wall_s = run(spec)
     if DRY_RUN.value:
         return

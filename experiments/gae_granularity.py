@@ -22,7 +22,7 @@ PAPER = {"sao": (89.8,), "step_mean": (85.8,), "step_last": (87.3,)}
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    spec = abl.with_seeds(ablations_cfg.get_sweep(f"table=gae,mode={abl.MODE.value}"))
+    spec = abl.chosen(ablations_cfg.get_sweep(f"table=gae,mode={abl.MODE.value}"))
     results, wall_s = abl.run(spec)
     if abl.DRY_RUN.value:
         return

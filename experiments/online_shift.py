@@ -313,7 +313,7 @@ def shift_verdict(
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    spec = abl.with_seeds(shift_cfg.get_sweep(f"mode={abl.MODE.value}"))
+    spec = abl.chosen(shift_cfg.get_sweep(f"mode={abl.MODE.value}"))
     results, wall_s = abl.run(spec)
     if abl.DRY_RUN.value:
         return

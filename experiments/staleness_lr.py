@@ -124,7 +124,7 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    spec = abl.with_seeds(ablations_cfg.get_sweep(f"table=staleness_lr,mode={abl.MODE.value}"))
+    spec = abl.chosen(ablations_cfg.get_sweep(f"table=staleness_lr,mode={abl.MODE.value}"))
     results, wall_s = abl.run(spec)
     if abl.DRY_RUN.value:
         return

@@ -70,3 +70,21 @@ def test_online_shift_with_chosen_seeds(tmp_path):
     assert "## The policy signal around the switches" in text
     assert "- mode: smoke; seeds: 1\n" in text  # --seeds replaces the mode's seed 0
     assert "online_shift__sao__seed=1" in text and "seed=0" not in text
+
+
+def _dry_run(*extra: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "experiments.ablations", "--mode=smoke", "--dry_run", *extra]
+    return subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_rows_runs_only_the_chosen_rows(tmp_path):
+    # smoke's Table 4 has the rows sao and grpo; --rows keeps one
+    proc = _dry_run("--rows=grpo", "--seeds=3,7", f"--sweep_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ablations__grpo__seed=3" in proc.stdout, proc.stdout
+    assert "ablations__grpo__seed=7" in proc.stdout and "ablations__sao__" not in proc.stdout
+    assert "seed=0" not in proc.stdout
+
+    bad = _dry_run("--rows=sao,nope", f"--sweep_dir={tmp_path}")
+    assert bad.returncode != 0
+    assert "--rows: nope" in bad.stderr and "rows sao, grpo" in bad.stderr  # names the rows
