@@ -37,6 +37,12 @@ LABELS = {
     "sao_sync": "SAO, synchronous rollouts",
     "moving_average_sync": "moving-average baseline, synchronous rollouts",
 }
+IN_PROSE = {  # each row's name inside a sentence of the verdicts
+    "sao": "SAO",
+    "moving_average": "the moving average",
+    "sao_sync": "synchronous SAO",
+    "moving_average_sync": "the synchronous moving average",
+}
 # (row, its reference) compared in the verdicts, paired by seed: the async pair, and the
 # synchronous pair (no staleness: any gap left is the advantage estimator alone).
 PAIRS = (("moving_average", "sao"), ("moving_average_sync", "sao_sync"))
@@ -270,12 +276,8 @@ def pairs_text(scores: dict[str, dict[int, float | None]]) -> str:
     for row, ref in PAIRS:
         if row in scores and ref in scores:
             d = compare.paired_difference(scores[row], scores[ref])
-            sao, ma = (
-                ("SAO", "the moving average")
-                if ref == "sao"
-                else ("synchronous SAO", "the synchronous moving average")
-            )
-            out += f"- {PAIR_QUESTIONS[row]} {shift_verdict(d, sao=sao, ma=ma)}\n"
+            verdict = shift_verdict(d, sao=IN_PROSE[ref], ma=IN_PROSE[row])
+            out += f"- {PAIR_QUESTIONS[row]} {verdict}\n"
     return out
 
 

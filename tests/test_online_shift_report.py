@@ -98,6 +98,7 @@ def test_pairs_text_has_one_paired_verdict_per_pair_that_ran():
     only_async = {k: scores[k] for k in ("sao", "moving_average")}
     assert shift.pairs_text(only_async).count("\n") == 1
     assert shift.pairs_text({"sao": scores["sao"]}) == ""
+    assert set(shift.IN_PROSE) == set(shift.LABELS) == set(shift.shift_cfg.VARIANTS)
 
 
 def test_verdict_names_the_rows_it_compares():
