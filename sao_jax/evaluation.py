@@ -10,6 +10,7 @@ evaluation raises EnvErrorLimit naming the last cause, as training does
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -67,6 +68,15 @@ class Evaluator:
         self.sampled = (
             Engine.create(policy_def, tokenizer, env_factory, engine_cfg) if sampled else None
         )
+
+    def for_prompts(self, prompts: Sequence[Prompt], *, seed: int) -> Evaluator:
+        """This evaluator on other prompts and sampling seed, sharing the compiled engines
+        (sao_jax/rescore.py: the same model and task, another run's held-out prompts)."""
+        if not prompts:
+            raise ValueError("evaluation prompts: need at least one")
+        other = copy.copy(self)
+        other.prompts, other.seed = list(prompts), seed
+        return other
 
     def __call__(self, params: Params, version: int = 0, *, step: int = 0) -> dict[str, float]:
         """Greedy and sampled pass@1. The sampling key depends on (seed, step) only, so an

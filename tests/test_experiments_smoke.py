@@ -1,6 +1,7 @@
 """Every experiment script end to end in smoke mode: real training processes (tiny model,
 2-4 steps, one seed), one shared sweep dir so runs are reused across scripts."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -60,6 +61,24 @@ def test_ablations_gae_and_staleness_share_one_sweep(tmp_path):
     assert "DIS: collapsed runs" in text and "no DIS: collapsed runs" in text
     assert "DIS: keep rate % (min)" in text
     assert text.count("| 1 | 0.0001 |") == 1  # one grid row: S=1, lr=1e-4
+
+    # Rescoring on as many prompts as the runs' own evaluation reproduces it exactly (the
+    # same prompts and sampling keys); the scores are cached beside each run.
+    _experiment("rescore", sweep_dir, out, "--table=table4", "--heldout=8")
+    text = _check_report(out, "ablations_rescored", ["SAO", "GRPO", "SFT warm start (step 0)"])
+    for row in ("sao", "grpo"):
+        run = sweep_dir / f"ablations__{row}__seed=0"
+        own = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        own = [r["eval/sampled_success"] for r in own if "eval/sampled_success" in r]
+        cached = json.loads((run / "rescore" / "heldout=8,step=2.json").read_text())
+        assert cached["eval/sampled_success"] == own[-1], row
+    sft = json.loads(
+        (sweep_dir / "ablations__sao__seed=0/rescore/heldout=8,step=0.json").read_text()
+    )
+    before = json.loads((sweep_dir / "ablations__sao__seed=0/summary.json").read_text())["before"]
+    assert sft["eval/greedy_success"] == before["eval/greedy_success"]
+    log = _experiment("rescore", sweep_dir, out, "--table=table4", "--heldout=8", "--rows=sao")
+    assert "[rescore]" in log and "Δ vs SAO" in (out / "ablations_rescored.md").read_text()
 
 
 def test_online_shift_with_chosen_seeds(tmp_path):

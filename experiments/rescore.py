@@ -1,0 +1,164 @@
+r"""Score a table's finished runs again on more held-out prompts (evaluation only).
+
+  python -m experiments.rescore --table=table4 --mode=full --heldout=2048
+  python -m experiments.rescore --table=table4 --mode=full --rows=sao,moving_average \
+      --seeds=0,1,2,3,4,5,6,7,8,9 --heldout=2048
+
+Trains nothing: every point of the table's sweep (its rows x seeds, or those of --rows /
+--seeds) must be a finished run in --sweep_dir (run experiments.ablations or
+experiments.gae_granularity first). Each run's checkpoint at the table's last budget is
+scored by sao_jax/rescore.py on --heldout prompts of its held-out split, with the
+sampling key its own evaluation used, so the rows of a seed stay paired; the SAO row's
+step-0 checkpoint (the shared warm start) gives the starting point. A run's own
+evaluation (`env.eval_size` prompts, 512 in full mode) has a binomial SE of ~2 points per
+score; on 2048 prompts it is ~1. Writes `<out_dir>/<table report>_rescored.md`: per row
+held-out success (sampled and greedy) on the rescored set, its paired difference from SAO
+with SE, verdict and detectable difference, beside the same seeds' difference on the
+runs' own evaluation. Scores are kept beside each run (`<run>/rescore/heldout=<n>,step=<s>.json`)
+and reused, so adding seeds scores only the new runs. Flags: see experiments/ablations.py.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import numpy as np
+from absl import app, flags
+from absl import logging as absl_logging
+
+from sao_jax import compare, rescore, sweep, tables
+from sao_jax.configs import ablations as ablations_cfg
+from sao_jax.experiments import ablations as abl
+from sao_jax.experiments import gae_granularity as gae
+
+TABLE = flags.DEFINE_enum("table", "table4", ["table4", "gae"], "Which table's runs.")
+HELDOUT = flags.DEFINE_integer("heldout", 2048, "Held-out prompts per run (one rollout each).")
+TABLES = {  # --table -> (report name, title, the paper's rows)
+    "table4": ("ablations", "Table 4", abl.PAPER),
+    "gae": ("gae_granularity", "Table 5", gae.PAPER),
+}
+SFT = "sft"  # the SAO row's step-0 checkpoint: the seed's warm start
+
+
+def cache_path(workdir: pathlib.Path, heldout: int, step: int) -> pathlib.Path:
+    return workdir / "rescore" / f"heldout={heldout},step={step}.json"
+
+
+def scores(
+    rescorer: rescore.Rescorer, workdir: pathlib.Path, heldout: int, step: int
+) -> dict[str, float]:
+    """The run's checkpoint `step` on `heldout` prompts, from its cache file when there."""
+    path = cache_path(workdir, heldout, step)
+    if path.is_file():
+        return json.loads(path.read_text())
+    rescorer.step = step
+    out = rescorer(workdir)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, sort_keys=True))
+    return out
+
+
+def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> str:
+    """Markdown: rows x (rescored sampled, greedy, Δ vs SAO) and the runs' own Δ."""
+    _, title, paper = TABLES[TABLE.value]
+    rows = abl.by_row(results)
+    paper0 = {k: v[0] for k, v in paper.items()}
+
+    def per_seed(row: str, metric: str) -> dict[int, float]:
+        return {s: v[metric] for (r, s), v in rescored.items() if r == row}
+
+    ref = per_seed("sao", abl.METRIC)
+    sft = per_seed(SFT, abl.METRIC)
+    gain = compare.paired_difference(ref, sft).diff if ref and sft else float("nan")
+    headers = ["row", "runs", f"success % @{step} ({heldout} prompts)", "greedy %"]
+    headers += ["Δ vs SAO (paired)", "verdict", "own eval: Δ vs SAO (same seeds)"]
+    body, mdds = [], []
+    for row in [SFT, *rows]:
+        variant = row if row == SFT else rows[row][0].point.variant
+        label = "SFT warm start (step 0)" if row == SFT else abl.LABELS.get(variant, row)
+        line = [label, len(per_seed(row, abl.METRIC))]
+        line += [
+            compare.fmt_mean_se(list(per_seed(row, m).values())) for m in (abl.METRIC, abl.GREEDY)
+        ]
+        if variant == "sao":
+            line += ["(reference)", "-", "(reference)"]
+        else:
+            d = compare.paired_difference(per_seed(row, abl.METRIC), ref)
+            gap = (
+                float("nan")
+                if row == SFT
+                else -compare.paper_gap(paper0, variant, "sao", "sft", gain)
+            )
+            line += [compare.fmt_difference(d), compare.verdict(d, gap)]
+            if row != SFT:
+                mdds.append(d.mdd)
+                own = abl.final_by_seed(rows[row], abl.METRIC, step)
+                own_ref = abl.final_by_seed(rows["sao"], abl.METRIC, step)
+                line.append(compare.fmt_difference(compare.paired_difference(own, own_ref)))
+            else:
+                line.append("-")
+        body.append(line)
+    machine = next((r.summary.get("machine", "") for r in results if r.summary), "")
+    text = (
+        f"# {title} rescored on {heldout} held-out prompts\n\n"
+        f"- command: `{abl.command()}`\n"
+        f"- mode: {abl.MODE.value}; seeds: {', '.join(map(str, spec.seeds))}\n"
+        f"- rescored: {len(results)} finished runs' checkpoints at step {step}, and the SAO "
+        "runs' step 0 (the shared warm start); nothing trained\n"
+        f"- wall time of this invocation: {wall_s / 60:.1f} min (scores cached beside the "
+        "runs are reused)\n"
+        f"- machine of the runs: {machine}\n\n"
+    )
+    text += tables.markdown_table(headers, body)
+    text += (
+        "\n- success: held-out pass@1 sampled at temperature 1 on the rescored prompts (the "
+        "seed's held-out split; its first prompts are the ones the run's own evaluation "
+        "scored), mean ± SE over seeds; greedy: the same prompts decoded greedily.\n"
+        "- Δ vs SAO: paired by seed (rows of a seed share warm start, prompts and sampling "
+        "keys), SE = std(d) / sqrt(n); verdict at 2 SE with the paper-sized gap and the "
+        "power to see it (docs/experiments.md). own eval Δ: the same difference on the "
+        "runs' own evaluation at the same step and seeds, for comparison.\n"
+    )
+    if mdds:
+        text += (
+            f"- Smallest difference this design can detect at {compare.Z:g} SE: "
+            f"{100 * min(mdds):.1f} to {100 * max(mdds):.1f} points (median "
+            f"{100 * float(np.median(mdds)):.1f}).\n"
+        )
+    return text
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's info logs
+    t0 = time.time()
+    name = TABLES[TABLE.value][0]
+    spec = abl.chosen(ablations_cfg.get_sweep(f"table={TABLE.value},mode={abl.MODE.value}"))
+    if "sao" not in spec.variants:
+        raise app.UsageError("--rows: the differences are taken against 'sao'; include it")
+    results = sweep.collect(spec, abl.sweep_dir())
+    missing = [r for r in results if r.status != "done"]
+    if missing:
+        raise app.UsageError(
+            f"--sweep_dir={abl.sweep_dir()}: {len(missing)} of {len(results)} runs not "
+            f"finished, e.g. {missing[0].point.name} ({missing[0].status}); run "
+            f"`python -m experiments.{name}` with the same flags first"
+        )
+    step = abl.eval_steps(spec)[-1]
+    rescorer = rescore.Rescorer(HELDOUT.value)
+    rescored = {}
+    for r in results:
+        todo = [(r.point.variant, step)] + ([(SFT, 0)] if r.point.variant == "sao" else [])
+        for row, at in todo:
+            out = scores(rescorer, r.workdir, HELDOUT.value, at)
+            rescored[(row, r.point.seed)] = out
+            print(f"[rescore] {r.point.name} step {at}: {abl.METRIC} {out[abl.METRIC]:.4f}")
+    text = report(spec, results, rescored, step, HELDOUT.value, time.time() - t0)
+    abl.write(f"{name}_rescored", text)
+
+
+if __name__ == "__main__":
+    app.run(main)

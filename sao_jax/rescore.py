@@ -1,0 +1,111 @@
+"""Score finished runs' checkpoints again on a larger held-out set (evaluation only).
+
+    scores = rescore_runs(["workdirs/sweeps/full/ablations__sao__seed=0", ...],
+                          heldout=4096, step=60)
+    scores["workdirs/.../ablations__sao__seed=0"]["eval/sampled_success"]
+
+A run's own evaluation scores `env.eval_size` held-out prompts (512 in the full tables), a
+binomial SE of ~2 points per score at 40% success. Rescoring the checkpoint of `step`
+(None: the newest) on `heldout` prompts of the same held-out split takes that measurement
+noise down without training anything again. What a run is scored on is what its own
+evaluation uses, from the run's config.json: the held-out split of `env` for the run's
+seed (`heldout` prompts instead of `env.eval_size`; the first ones are the run's own), the
+sampling settings of `sampling`, the sampling key of the seed (`seed + 1`, folded with
+the step, as `sao_jax/train.py` does). Runs of one seed (the rows of a table) therefore see
+the same prompts and keys: their differences stay paired (common random numbers).
+Engines are compiled once per model / sampling / task and reused across seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from collections.abc import Sequence
+
+from sao_jax import export
+from sao_jax.evaluation import Evaluator
+from sao_jax.models.factory import policy_def
+from sao_jax.parallel import distributed
+from sao_jax.parallel.mesh import Sharder
+from sao_jax.run_inputs import read_inputs
+from sao_jax.sampling.sampler import configs_from_section
+from sao_jax.schema import ConfigDict, ConfigError
+
+log = logging.getLogger("sao_jax")
+EVAL_SEED_OFFSET = 1  # the run's evaluator samples from key(seed + 1): sao_jax/train.py
+
+
+def _engine_key(config: ConfigDict) -> str:
+    """What the compiled evaluation engines depend on: the model, sampling and task
+    settings and the tokenizer (not the seed, the held-out size, the group size of
+    training, or anything RL trains)."""
+    env = {k: v for k, v in config.env.to_dict().items() if k not in ("eval_size", "group_size")}
+    init = {k: v for k, v in config.init.to_dict().items() if not k.endswith("_path")}
+    parts = dict(
+        model=config.model.to_dict(),
+        sampling=config.sampling.to_dict(),
+        env=env,
+        init=dict(init, hf_path=config.init.hf_path),  # tokenizer, chat template, shapes
+        data=config.data.to_dict(),
+    )
+    return json.dumps(parts, sort_keys=True, default=str)
+
+
+def heldout_config(config: ConfigDict, heldout: int) -> ConfigDict:
+    """The run's config with `heldout` held-out prompts."""
+    if heldout < 1:
+        raise ConfigError(f"heldout: need at least one held-out prompt, got {heldout}")
+    out = ConfigDict(config.to_dict())
+    out.env.eval_size = heldout
+    return out
+
+
+class Rescorer:
+    """Evaluators built once per engine key; `__call__(workdir)` scores one run."""
+
+    def __init__(self, heldout: int, *, step: int | None = None):
+        self.heldout, self.step = heldout, step
+        self._evaluators: dict[str, Evaluator] = {}
+
+    def _evaluator(self, config: ConfigDict) -> Evaluator:
+        cfg = heldout_config(config, self.heldout)
+        inputs = read_inputs(cfg)  # the seed's held-out prompts (ConfigError names a field)
+        seed = cfg.seed + EVAL_SEED_OFFSET
+        key = _engine_key(cfg)
+        if key in self._evaluators:
+            return self._evaluators[key].for_prompts(inputs.eval_prompts, seed=seed)
+        mcfg = export.model_config(cfg)
+        engine_cfg, sampler_cfg = configs_from_section(cfg.sampling, cfg.seed)
+        evaluator = Evaluator(
+            policy_def(mcfg, Sharder()),
+            inputs.tokenizer,
+            inputs.env_factory,
+            inputs.eval_prompts,
+            engine_cfg,
+            sampled=cfg.train.eval_sampled,
+            seed=seed,
+            max_env_errors=sampler_cfg.max_env_errors,
+        )
+        self._evaluators[key] = evaluator
+        return evaluator
+
+    def __call__(self, workdir: str | pathlib.Path) -> dict[str, float]:
+        """`eval/...` metrics of the run's checkpoint `step` on `heldout` prompts, with
+        `eval/step` (the checkpoint's policy step) and `eval/heldout`."""
+        workdir = pathlib.Path(workdir)
+        config = export.run_config(workdir)
+        policy, step, mcfg = export.restore_policy(workdir, config, self.step)
+        params = distributed.host_local(policy, dtype=mcfg.compute_dtype)
+        out = self._evaluator(config)(params, step, step=step)
+        out.update({"eval/step": float(step), "eval/heldout": float(self.heldout)})
+        log.info("rescored %s at step %d on %d prompts", workdir, step, self.heldout)
+        return out
+
+
+def rescore_runs(
+    workdirs: Sequence[str | pathlib.Path], *, heldout: int, step: int | None = None
+) -> dict[str, dict[str, float]]:
+    """{workdir: metrics} of each run's checkpoint `step` on `heldout` held-out prompts."""
+    rescorer = Rescorer(heldout, step=step)
+    return {str(w): rescorer(w) for w in workdirs}
