@@ -35,6 +35,7 @@ from sao_jax.experiments import gae_granularity as gae
 
 TABLE = flags.DEFINE_enum("table", "table4", ["table4", "gae"], "Which table's runs.")
 HELDOUT = flags.DEFINE_integer("heldout", 2048, "Held-out prompts per run (one rollout each).")
+GREEDY = flags.DEFINE_bool("greedy", True, "Also decode greedily (--nogreedy: half the time).")
 TABLES = {  # --table -> (report name, title, the paper's rows)
     "table4": ("ablations", "Table 4", abl.PAPER),
     "gae": ("gae_granularity", "Table 5", gae.PAPER),
@@ -49,12 +50,14 @@ def cache_path(workdir: pathlib.Path, heldout: int, step: int) -> pathlib.Path:
 def scores(
     rescorer: rescore.Rescorer, workdir: pathlib.Path, heldout: int, step: int
 ) -> dict[str, float]:
-    """The run's checkpoint `step` on `heldout` prompts, from its cache file when there."""
+    """The run's checkpoint `step` on `heldout` prompts, from its cache file when it has
+    what is asked (a greedy score only when the rescorer decodes greedily)."""
     path = cache_path(workdir, heldout, step)
     if path.is_file():
-        return json.loads(path.read_text())
-    rescorer.step = step
-    out = rescorer(workdir)
+        cached = json.loads(path.read_text())
+        if abl.GREEDY in cached or not rescorer.greedy:
+            return cached
+    out = rescorer(workdir, step)
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=1, sort_keys=True))
     return out
@@ -67,7 +70,7 @@ def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> s
     paper0 = {k: v[0] for k, v in paper.items()}
 
     def per_seed(row: str, metric: str) -> dict[int, float]:
-        return {s: v[metric] for (r, s), v in rescored.items() if r == row}
+        return {s: v[metric] for (r, s), v in rescored.items() if r == row and metric in v}
 
     ref = per_seed("sao", abl.METRIC)
     sft = per_seed(SFT, abl.METRIC)
@@ -133,6 +136,8 @@ def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> s
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if HELDOUT.value < 1:
+        raise app.UsageError(f"--heldout: at least one prompt, got {HELDOUT.value}")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's info logs
     t0 = time.time()
     name = TABLES[TABLE.value][0]
@@ -148,7 +153,7 @@ def main(argv):
             f"`python -m experiments.{name}` with the same flags first"
         )
     step = abl.eval_steps(spec)[-1]
-    rescorer = rescore.Rescorer(HELDOUT.value)
+    rescorer = rescore.Rescorer(HELDOUT.value, greedy=GREEDY.value)
     rescored = {}
     for r in results:
         todo = [(r.point.variant, step)] + ([(SFT, 0)] if r.point.variant == "sao" else [])

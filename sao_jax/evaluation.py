@@ -54,17 +54,22 @@ class Evaluator:
         engine_cfg: EngineConfig,
         *,
         sampled: bool = True,
+        greedy: bool = True,
         seed: int = 0,
         max_env_errors: int = 8,
     ):
         if not prompts:
             raise ValueError("evaluation prompts: need at least one")
+        if not (sampled or greedy):
+            raise ValueError("evaluation: neither greedy nor sampled decoding asked for")
         self.prompts = list(prompts)
         self.seed = seed
         self.max_env_errors = max_env_errors
         self._tok, self._env_factory = tokenizer, env_factory
         greedy_cfg = dataclasses.replace(engine_cfg, temperature=0.0)
-        self.greedy = Engine.create(policy_def, tokenizer, env_factory, greedy_cfg)
+        self.greedy = (
+            Engine.create(policy_def, tokenizer, env_factory, greedy_cfg) if greedy else None
+        )
         self.sampled = (
             Engine.create(policy_def, tokenizer, env_factory, engine_cfg) if sampled else None
         )
@@ -81,7 +86,7 @@ class Evaluator:
     def __call__(self, params: Params, version: int = 0, *, step: int = 0) -> dict[str, float]:
         """Greedy and sampled pass@1. The sampling key depends on (seed, step) only, so an
         evaluation after a resume samples exactly what the uninterrupted run sampled."""
-        engines = {"greedy": self.greedy}
+        engines = {"greedy": self.greedy} if self.greedy is not None else {}
         if self.sampled is not None:  # a fresh engine sharing the compiled programs
             key = jax.random.fold_in(jax.random.key(self.seed), step)
             s = self.sampled

@@ -64,8 +64,8 @@ def heldout_config(config: ConfigDict, heldout: int) -> ConfigDict:
 class Rescorer:
     """Evaluators built once per engine key; `__call__(workdir)` scores one run."""
 
-    def __init__(self, heldout: int, *, step: int | None = None):
-        self.heldout, self.step = heldout, step
+    def __init__(self, heldout: int, *, greedy: bool = True):
+        self.heldout, self.greedy = heldout, greedy
         self._evaluators: dict[str, Evaluator] = {}
 
     def _evaluator(self, config: ConfigDict) -> Evaluator:
@@ -83,19 +83,20 @@ class Rescorer:
             inputs.env_factory,
             inputs.eval_prompts,
             engine_cfg,
-            sampled=cfg.train.eval_sampled,
+            sampled=True,
+            greedy=self.greedy,
             seed=seed,
             max_env_errors=sampler_cfg.max_env_errors,
         )
         self._evaluators[key] = evaluator
         return evaluator
 
-    def __call__(self, workdir: str | pathlib.Path) -> dict[str, float]:
-        """`eval/...` metrics of the run's checkpoint `step` on `heldout` prompts, with
-        `eval/step` (the checkpoint's policy step) and `eval/heldout`."""
+    def __call__(self, workdir: str | pathlib.Path, step: int | None = None) -> dict[str, float]:
+        """`eval/...` metrics of the run's checkpoint `step` (None: the newest) on
+        `heldout` prompts, with `eval/step` (the checkpoint's step) and `eval/heldout`."""
         workdir = pathlib.Path(workdir)
         config = export.run_config(workdir)
-        policy, step, mcfg = export.restore_policy(workdir, config, self.step)
+        policy, step, mcfg = export.restore_policy(workdir, config, step)
         params = distributed.host_local(policy, dtype=mcfg.compute_dtype)
         out = self._evaluator(config)(params, step, step=step)
         out.update({"eval/step": float(step), "eval/heldout": float(self.heldout)})
@@ -104,8 +105,13 @@ class Rescorer:
 
 
 def rescore_runs(
-    workdirs: Sequence[str | pathlib.Path], *, heldout: int, step: int | None = None
+    workdirs: Sequence[str | pathlib.Path],
+    *,
+    heldout: int,
+    step: int | None = None,
+    greedy: bool = True,
 ) -> dict[str, dict[str, float]]:
-    """{workdir: metrics} of each run's checkpoint `step` on `heldout` held-out prompts."""
-    rescorer = Rescorer(heldout, step=step)
-    return {str(w): rescorer(w) for w in workdirs}
+    """{workdir: metrics} of each run's checkpoint `step` on `heldout` held-out prompts
+    (sampled pass@1 at the run's temperature; greedy too unless `greedy` is off)."""
+    rescorer = Rescorer(heldout, greedy=greedy)
+    return {str(w): rescorer(w, step) for w in workdirs}

@@ -1,0 +1,51 @@
+"""Held-out evaluation (sao_jax/evaluation.py): one decoding mode alone, and an evaluator
+moved onto other prompts and seed (`for_prompts`, as sao_jax/rescore.py uses it) scores
+exactly what a fresh evaluator built for them scores, while sharing the compiled engines."""
+
+import pytest
+from flax import nnx
+
+from sao_jax.evaluation import Evaluator
+from sao_jax.models.transformer import Policy
+from sao_jax.parallel.mesh import Sharder
+from sao_jax.parallel.partition import init_params
+from sao_jax.sampling.engine import EngineConfig
+from tests.sampling_support import MODEL, FakeTokenizer, TurnEnv, prompts
+
+ENGINE = EngineConfig(num_slots=4, max_len=48, max_turn_tokens=4, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_params(lambda: Policy(MODEL, rngs=nnx.Rngs(0)), Sharder())
+
+
+def _evaluator(model, ps, seed, **kw):
+    return Evaluator(model[0], FakeTokenizer(), TurnEnv, ps, ENGINE, seed=seed, **kw)
+
+
+def test_for_prompts_equals_a_fresh_evaluator_and_shares_engines(model):
+    first, other = prompts(6, seed=0), prompts(10, seed=1)
+    ev = _evaluator(model, first, seed=3)
+    ev(model[1], step=5)  # compiled on the first prompts
+    moved = ev.for_prompts(other, seed=4)
+    assert moved.greedy is ev.greedy and moved.sampled is ev.sampled  # nothing recompiled
+    assert ev.prompts == first and ev.seed == 3  # the original is untouched
+    got = moved(model[1], step=5)
+    want = _evaluator(model, other, seed=4)(model[1], step=5)
+    assert got == want
+    assert got["eval/sampled_episodes"] == 10
+    with pytest.raises(ValueError, match="at least one"):
+        ev.for_prompts([], seed=0)
+
+
+def test_one_decoding_mode_alone(model):
+    ps = prompts(5, seed=2)
+    both = _evaluator(model, ps, seed=0)(model[1], step=1)
+    sampled = _evaluator(model, ps, seed=0, greedy=False)(model[1], step=1)
+    greedy = _evaluator(model, ps, seed=0, sampled=False)(model[1], step=1)
+    assert not any(k.startswith("eval/greedy_") for k in sampled)
+    assert not any(k.startswith("eval/sampled_") for k in greedy)
+    assert {**greedy, **sampled} == both
+    with pytest.raises(ValueError, match="neither greedy nor sampled"):
+        _evaluator(model, ps, seed=0, sampled=False, greedy=False)
