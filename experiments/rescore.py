@@ -63,17 +63,69 @@ def scores(
     return out
 
 
+LEVEL = "eval/sampled_success_level"  # + k: success on the level-k prompts (evaluation.py)
+UNIFORM = "eval/sampled_success_level_uniform"  # their mean: every level weighted alike
+
+
+def _is_level(key: str) -> bool:
+    return key.startswith(LEVEL) and key[len(LEVEL) :].isdigit()
+
+
+def with_uniform(scores: dict[str, float]) -> dict[str, float]:
+    """`scores` plus UNIFORM where per-level successes are there (the levels task)."""
+    per = [v for k, v in scores.items() if _is_level(k)]
+    return {**scores, UNIFORM: float(np.mean(per))} if per else scores
+
+
+def per_seed(rescored, row: str, metric: str) -> dict[int, float]:
+    """{seed: `metric`} of `row` in `rescored` ((row, seed) -> scores)."""
+    return {s: v[metric] for (r, s), v in rescored.items() if r == row and metric in v}
+
+
+def level_text(rescored, order: list[str], labels: dict[str, str]) -> str:
+    """Per row: success with every level weighted alike (the training stream draws levels
+    uniformly; the held-out split holds fewer of the easy levels the larger it is), and
+    per level, each with its paired difference from SAO."""
+    keys = {k for (r, _), v in rescored.items() if r == "sao" for k in v}
+    levels = sorted(int(k[len(LEVEL) :]) for k in keys if _is_level(k))
+    if not levels:
+        return ""
+    metrics = [(UNIFORM, "levels weighted alike")]
+    metrics += [(f"{LEVEL}{k}", f"level {k}") for k in levels]
+    body = []
+    for row in order:
+        line = [labels[row]]
+        for m, _ in metrics:
+            cell = compare.fmt_mean_se(list(per_seed(rescored, row, m).values()))
+            if row != "sao":
+                d = compare.paired_difference(
+                    per_seed(rescored, row, m), per_seed(rescored, "sao", m)
+                )
+                cell += f"; Δ {compare.fmt_difference(d)}"
+            line.append(cell)
+        body.append(line)
+    headers = ["row", *(f"{name} %" for _, name in metrics)]
+    return (
+        "\n## By difficulty level\n\n"
+        + tables.markdown_table(headers, body)
+        + "\n- Each cell: sampled success on the prompts of that level, mean ± SE over seeds, "
+        "and its paired difference from SAO. 'levels weighted alike': the mean of the "
+        "per-level successes (the mix the training stream draws); the table above weights "
+        "levels by their share of the rescored prompts.\n"
+    )
+
+
 def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> str:
     """Markdown: rows x (rescored sampled, greedy, Δ vs SAO) and the runs' own Δ."""
     _, title, paper = TABLES[TABLE.value]
     rows = abl.by_row(results)
     paper0 = {k: v[0] for k, v in paper.items()}
 
-    def per_seed(row: str, metric: str) -> dict[int, float]:
-        return {s: v[metric] for (r, s), v in rescored.items() if r == row and metric in v}
+    def seeds_of(row: str, metric: str) -> dict[int, float]:
+        return per_seed(rescored, row, metric)
 
-    ref = per_seed("sao", abl.METRIC)
-    sft = per_seed(SFT, abl.METRIC)
+    ref = seeds_of("sao", abl.METRIC)
+    sft = seeds_of(SFT, abl.METRIC)
     gain = compare.paired_difference(ref, sft).diff if ref and sft else float("nan")
     headers = ["row", "runs", f"success % @{step} ({heldout} prompts)", "greedy %"]
     headers += ["Δ vs SAO (paired)", "verdict", "own eval: Δ vs SAO (same seeds)"]
@@ -81,14 +133,14 @@ def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> s
     for row in [SFT, *rows]:
         variant = row if row == SFT else rows[row][0].point.variant
         label = "SFT warm start (step 0)" if row == SFT else abl.LABELS.get(variant, row)
-        line = [label, len(per_seed(row, abl.METRIC))]
+        line = [label, len(seeds_of(row, abl.METRIC))]
         line += [
-            compare.fmt_mean_se(list(per_seed(row, m).values())) for m in (abl.METRIC, abl.GREEDY)
+            compare.fmt_mean_se(list(seeds_of(row, m).values())) for m in (abl.METRIC, abl.GREEDY)
         ]
         if variant == "sao":
             line += ["(reference)", "-", "(reference)"]
         else:
-            d = compare.paired_difference(per_seed(row, abl.METRIC), ref)
+            d = compare.paired_difference(seeds_of(row, abl.METRIC), ref)
             gap = (
                 float("nan")
                 if row == SFT
@@ -130,7 +182,11 @@ def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> s
             f"{100 * min(mdds):.1f} to {100 * max(mdds):.1f} points (median "
             f"{100 * float(np.median(mdds)):.1f}).\n"
         )
-    return text
+    labels = {SFT: "SFT warm start (step 0)"}
+    labels.update(
+        {rs[0].point.variant: abl.LABELS.get(rs[0].point.variant, r) for r, rs in rows.items()}
+    )
+    return text + level_text(rescored, list(labels), labels)
 
 
 def main(argv):
@@ -158,7 +214,7 @@ def main(argv):
     for r in results:
         todo = [(r.point.variant, step)] + ([(SFT, 0)] if r.point.variant == "sao" else [])
         for row, at in todo:
-            out = scores(rescorer, r.workdir, HELDOUT.value, at)
+            out = with_uniform(scores(rescorer, r.workdir, HELDOUT.value, at))
             rescored[(row, r.point.seed)] = out
             print(f"[rescore] {r.point.name} step {at}: {abl.METRIC} {out[abl.METRIC]:.4f}")
     text = report(spec, results, rescored, step, HELDOUT.value, time.time() - t0)

@@ -10,6 +10,7 @@ evaluation raises EnvErrorLimit naming the last cause, as training does
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -22,6 +23,8 @@ from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.sampling.engine import Drop, Engine, EngineConfig
 from sao_jax.sampling.sampler import ENV_FAILURES, EnvErrorLimit, describe_drop
 from sao_jax.sampling.trajectory import Trajectory
+
+LEVEL_KEY = "level"  # prompt meta: the difficulty level, scored separately when present
 
 
 def summarize(trajs: Sequence[Trajectory], dropped: int, prefix: str) -> dict[str, float]:
@@ -42,8 +45,23 @@ def summarize(trajs: Sequence[Trajectory], dropped: int, prefix: str) -> dict[st
     return out
 
 
+def success_by_level(
+    trajs: Sequence[Trajectory], drops: Sequence[Drop], levels: dict[str, int], prefix: str
+) -> dict[str, float]:
+    """`<prefix>success_level<k>`: success over the prompts of level k (`levels`: prompt
+    uid -> its LEVEL_KEY meta), dropped episodes counting as failures."""
+    won, total = collections.Counter(), collections.Counter()
+    for t in trajs:
+        total[levels[t.prompt_uid]] += 1
+        won[levels[t.prompt_uid]] += bool(t.info.get("success", False))
+    for d in drops:
+        total[levels[d.prompt_uid]] += 1
+    return {f"{prefix}success_level{k}": won[k] / total[k] for k in sorted(total)}
+
+
 class Evaluator:
-    """Engines built once (compiled once) and reused: greedy and sampled pass@1."""
+    """Engines built once (compiled once) and reused: greedy and sampled pass@1, and per
+    level where the prompts have one (meta LEVEL_KEY, e.g. sao_jax/envs/levels.py)."""
 
     def __init__(
         self,
@@ -62,8 +80,8 @@ class Evaluator:
             raise ValueError("evaluation prompts: need at least one")
         if not (sampled or greedy):
             raise ValueError("evaluation: neither greedy nor sampled decoding asked for")
-        self.prompts = list(prompts)
-        self.seed = seed
+        self.prompts, self.seed = list(prompts), seed
+        self._levels = _levels(self.prompts)
         self.max_env_errors = max_env_errors
         self._tok, self._env_factory = tokenizer, env_factory
         greedy_cfg = dataclasses.replace(engine_cfg, temperature=0.0)
@@ -81,6 +99,7 @@ class Evaluator:
             raise ValueError("evaluation prompts: need at least one")
         other = copy.copy(self)
         other.prompts, other.seed = list(prompts), seed
+        other._levels = _levels(other.prompts)
         return other
 
     def __call__(self, params: Params, version: int = 0, *, step: int = 0) -> dict[str, float]:
@@ -95,6 +114,8 @@ class Evaluator:
         for name, engine in engines.items():
             trajs, drops = engine.run(params, self.prompts, version)
             out.update(summarize(trajs, len(drops), f"eval/{name}_"))
+            if self._levels:
+                out.update(success_by_level(trajs, drops, self._levels, f"eval/{name}_"))
             out[f"eval/{name}_env_failures"] = float(self.check_env_failures(name, drops))
         return out
 
@@ -109,3 +130,10 @@ class Evaluator:
                 f"{self.max_env_errors}); last: {describe_drop(failed[-1])}"
             ) from failed[-1].error
         return len(failed)
+
+
+def _levels(prompts: Sequence[Prompt]) -> dict[str, int]:
+    """{uid: level} when every prompt has a LEVEL_KEY meta, else {}."""
+    if not prompts or not all(LEVEL_KEY in (p.meta or {}) for p in prompts):
+        return {}
+    return {p.uid: int(p.meta[LEVEL_KEY]) for p in prompts}

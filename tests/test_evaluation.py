@@ -1,15 +1,19 @@
 """Held-out evaluation (sao_jax/evaluation.py): one decoding mode alone, and an evaluator
 moved onto other prompts and seed (`for_prompts`, as sao_jax/rescore.py uses it) scores
-exactly what a fresh evaluator built for them scores, while sharing the compiled engines."""
+exactly what a fresh evaluator built for them scores, while sharing the compiled engines;
+success per difficulty level against a literal count."""
+
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 from flax import nnx
 
-from sao_jax.evaluation import Evaluator
+from sao_jax.evaluation import Evaluator, success_by_level
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
-from sao_jax.sampling.engine import EngineConfig
+from sao_jax.sampling.engine import Drop, EngineConfig
 from tests.sampling_support import MODEL, FakeTokenizer, TurnEnv, prompts
 
 ENGINE = EngineConfig(num_slots=4, max_len=48, max_turn_tokens=4, temperature=1.0)
@@ -49,3 +53,26 @@ def test_one_decoding_mode_alone(model):
     assert {**greedy, **sampled} == both
     with pytest.raises(ValueError, match="neither greedy nor sampled"):
         _evaluator(model, ps, seed=0, sampled=False, greedy=False)
+
+
+def test_success_by_level_literal():
+    traj = lambda uid, ok: SimpleNamespace(prompt_uid=uid, info={"success": ok})
+    levels = {"a": 1, "b": 1, "c": 2, "d": 3}
+    trajs = [traj("a", True), traj("b", False), traj("c", True)]
+    drops = [Drop("env_error", "d", None)]
+    out = success_by_level(trajs, drops, levels, "eval/x_")
+    assert out == {"eval/x_success_level1": 0.5, "eval/x_success_level2": 1.0,
+                   "eval/x_success_level3": 0.0}  # fmt: skip
+
+
+def test_levels_are_scored_when_every_prompt_has_one(model):
+    ps = [
+        dataclasses.replace(p, meta={**p.meta, "level": 1 + i % 2})
+        for i, p in enumerate(prompts(8))
+    ]
+    out = _evaluator(model, ps, seed=0)(model[1], step=0)
+    for mode in ("greedy", "sampled"):
+        per = [out[f"eval/{mode}_success_level{k}"] for k in (1, 2)]
+        assert out[f"eval/{mode}_success"] == pytest.approx(sum(per) / 2)  # 4 prompts each
+    plain = _evaluator(model, prompts(8), seed=0)(model[1], step=0)  # no level meta
+    assert not any("_level" in k for k in plain)
