@@ -24,7 +24,7 @@ import pathlib
 from collections.abc import Sequence
 
 from sao_jax import export
-from sao_jax.evaluation import Evaluator
+from sao_jax.evaluation import EVAL_SEED_OFFSET, Evaluator
 from sao_jax.models.factory import policy_def
 from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder
@@ -33,7 +33,6 @@ from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.schema import ConfigDict, ConfigError
 
 log = logging.getLogger("sao_jax")
-EVAL_SEED_OFFSET = 1  # the run's evaluator samples from key(seed + 1): sao_jax/train.py
 
 
 def _engine_key(config: ConfigDict) -> str:

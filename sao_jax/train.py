@@ -34,7 +34,7 @@ from sao_jax import config as config_lib
 from sao_jax import run_accounting as acct
 from sao_jax.data.pipeline import run_prompts
 from sao_jax.data.prompts import prompt_iterator
-from sao_jax.evaluation import Evaluator
+from sao_jax.evaluation import EVAL_SEED_OFFSET, Evaluator
 from sao_jax.models.transformer import Policy, critic_params_from_policy
 from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder, sharder_from_config
@@ -99,7 +99,7 @@ class Run:
             eval_prompts,
             self.engine_cfg,
             sampled=config.train.eval_sampled,
-            seed=config.seed + 1,
+            seed=config.seed + EVAL_SEED_OFFSET,
             max_env_errors=self.sampler_cfg.max_env_errors,
         )
         t = config.train
