@@ -134,8 +134,13 @@ def command() -> str:
     return shlex.join(["python", "-m", module, *sys.argv[1:]])
 
 
+def machine_of(results: Sequence[sweep.PointResult]) -> str:
+    """The machine the first finished run recorded ('' if none did)."""
+    return next((r.summary.get("machine", "") for r in results if r.summary), "")
+
+
 def header(title: str, spec: sweep.SweepSpec, results, wall_s: float) -> str:
-    machine = next((r.summary.get("machine", "") for r in results if r.summary), "")
+    machine = machine_of(results)
     return tables.report_header(
         title,
         command=command(),

@@ -121,11 +121,8 @@ def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> s
     rows = abl.by_row(results)
     paper0 = {k: v[0] for k, v in paper.items()}
 
-    def seeds_of(row: str, metric: str) -> dict[int, float]:
-        return per_seed(rescored, row, metric)
-
-    ref = seeds_of("sao", abl.METRIC)
-    sft = seeds_of(SFT, abl.METRIC)
+    ref = per_seed(rescored, "sao", abl.METRIC)
+    sft = per_seed(rescored, SFT, abl.METRIC)
     gain = compare.paired_difference(ref, sft).diff if ref and sft else float("nan")
     headers = ["row", "runs", f"success % @{step} ({heldout} prompts)", "greedy %"]
     headers += ["Δ vs SAO (paired)", "verdict", "own eval: Δ vs SAO (same seeds)"]
@@ -133,14 +130,15 @@ def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> s
     for row in [SFT, *rows]:
         variant = row if row == SFT else rows[row][0].point.variant
         label = "SFT warm start (step 0)" if row == SFT else abl.LABELS.get(variant, row)
-        line = [label, len(seeds_of(row, abl.METRIC))]
+        line = [label, len(per_seed(rescored, row, abl.METRIC))]
         line += [
-            compare.fmt_mean_se(list(seeds_of(row, m).values())) for m in (abl.METRIC, abl.GREEDY)
+            compare.fmt_mean_se(list(per_seed(rescored, row, m).values()))
+            for m in (abl.METRIC, abl.GREEDY)
         ]
         if variant == "sao":
             line += ["(reference)", "-", "(reference)"]
         else:
-            d = compare.paired_difference(seeds_of(row, abl.METRIC), ref)
+            d = compare.paired_difference(per_seed(rescored, row, abl.METRIC), ref)
             gap = (
                 float("nan")
                 if row == SFT
@@ -155,7 +153,7 @@ def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> s
             else:
                 line.append("-")
         body.append(line)
-    machine = next((r.summary.get("machine", "") for r in results if r.summary), "")
+    machine = abl.machine_of(results)
     text = (
         f"# {title} rescored on {heldout} held-out prompts\n\n"
         f"- command: `{abl.command()}`\n"

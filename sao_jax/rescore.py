@@ -1,8 +1,7 @@
 """Score finished runs' checkpoints again on a larger held-out set (evaluation only).
 
-    scores = rescore_runs(["workdirs/sweeps/full/ablations__sao__seed=0", ...],
-                          heldout=4096, step=60)
-    scores["workdirs/.../ablations__sao__seed=0"]["eval/sampled_success"]
+    rescorer = Rescorer(heldout=2048)        # engines compiled once, reused across runs
+    rescorer("workdirs/sweeps/full/ablations__sao__seed=0", step=60)["eval/sampled_success"]
 
 A run's own evaluation scores `env.eval_size` held-out prompts (512 in the full tables), a
 binomial SE of ~2 points per score at 40% success. Rescoring the checkpoint of `step`
@@ -21,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-from collections.abc import Sequence
 
 from sao_jax import export
 from sao_jax.evaluation import EVAL_SEED_OFFSET, Evaluator
@@ -101,16 +99,3 @@ class Rescorer:
         out.update({"eval/step": float(step), "eval/heldout": float(self.heldout)})
         log.info("rescored %s at step %d on %d prompts", workdir, step, self.heldout)
         return out
-
-
-def rescore_runs(
-    workdirs: Sequence[str | pathlib.Path],
-    *,
-    heldout: int,
-    step: int | None = None,
-    greedy: bool = True,
-) -> dict[str, dict[str, float]]:
-    """{workdir: metrics} of each run's checkpoint `step` on `heldout` held-out prompts
-    (sampled pass@1 at the run's temperature; greedy too unless `greedy` is off)."""
-    rescorer = Rescorer(heldout, greedy=greedy)
-    return {str(w): rescorer(w, step) for w in workdirs}
