@@ -38,7 +38,7 @@ from sao_jax.sweep import SweepSpec, axis, set_field
 # minibatches, one optimizer step each, one epoch (veRL: ppo_epochs 1, ppo_mini_batch_size
 # = train_batch_size / 4). The clip then binds; SAO's DIS rows keep one step per batch.
 PPO_LOOP = {"rl.minibatches": 4}  # rl.ppo_epochs stays 1
-# Value pretraining reads none of the fields below (sao_jax.run_settings.PRETRAIN_READS):
+# Value pretraining reads none of the fields below (sao_jax.run.settings.PRETRAIN_READS):
 # the rows with a critic start RL from the same pretrained critic (shared per seed).
 # Row name -> the dotted fields it changes relative to sao (nothing else may differ).
 VARIANTS: dict[str, dict[str, Any]] = {

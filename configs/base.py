@@ -4,7 +4,7 @@ Sections: model (sao_jax.models.config.ModelConfig fields), mesh (device mesh an
 logical-axis rules table), optim (policy and critic AdamW), rl (the update step's
 algorithm: estimator, loss, TTUR, lambdas; sao_jax.rl.settings), sampling (rollout
 engine and async sampler), env / data / init / sft / value_pretrain / train (the run's stages;
-sao_jax.run_settings). Each section is validated
+sao_jax.run.settings). Each section is validated
 by the module that consumes it (sao_jax.config.validate).
 """
 
@@ -14,7 +14,7 @@ from sao_jax.configs.models import tiny
 from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
 from sao_jax.rl.optim import ATTENTION_PATTERNS, optimizer_section
 from sao_jax.rl.settings import rl_section
-from sao_jax.run_settings import (
+from sao_jax.run.settings import (
     data_section,
     env_section,
     init_section,

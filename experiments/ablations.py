@@ -24,8 +24,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from absl import app, flags
 
-from sao_jax import compare, sweep, tables
+from sao_jax import sweep
 from sao_jax.configs import ablations as ablations_cfg
+from sao_jax.report import compare, tables
 
 MODE = flags.DEFINE_enum("mode", "quick", ["smoke", "quick", "full"], "Experiment size.")
 SWEEP_DIR = flags.DEFINE_string(
@@ -380,7 +381,7 @@ def design_text(
         lines.append(
             f"- SAO's gain over its warm start: {100 * gain:+.1f} points. The paper-sized Δ "
             "of a row is the paper's gap to SAO as a share of the paper's SAO gain over its "
-            "SFT start, times ours (sao_jax/compare.py); 'powered' means it is at least the "
+            "SFT start, times ours (sao_jax/report/compare.py); 'powered' means it is at least the "
             f"detectable difference, power = P(a true gap that size reaches {compare.Z:g} SE)."
         )
     lines.append(

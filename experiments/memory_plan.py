@@ -10,7 +10,7 @@ configs/base.py) or a full run config with `model`, `optim` and `mesh.rules`. Ov
 fields as usual: --config.param_dtype=bfloat16.
 
 With a run config (or --length), the update step's temporaries are added from the analytic
-model of sao_jax/rl/step_memory.py (activations, gradients, scan copies, LM-head
+model of sao_jax/plan/step_memory.py (activations, gradients, scan copies, LM-head
 chunk) with the sampler's policy copy and KV cache: the per-device sum the run needs.
 --compile also compiles the step for this mesh on fake CPU devices at reduced shapes
 (--compile_layers, --compile_length) and prints XLA's figure next to the model's.
@@ -25,9 +25,9 @@ from ml_collections import config_flags
 from sao_jax import cli
 from sao_jax.configs import base
 from sao_jax.models.config import ModelConfig
-from sao_jax.parallel.memory import abstract_mesh, format_plan, memory_plan, parse_mesh
 from sao_jax.parallel.mesh import DEFAULT_RULES, Sharder
-from sao_jax.rl.step_memory import (
+from sao_jax.plan.memory import abstract_mesh, format_plan, memory_plan, parse_mesh
+from sao_jax.plan.step_memory import (
     StepBytes,
     analytic_step_bytes,
     compile_update_step,

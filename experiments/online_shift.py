@@ -16,10 +16,11 @@ from __future__ import annotations
 import numpy as np
 from absl import app
 
-from sao_jax import compare, sweep, tables
+from sao_jax import sweep
 from sao_jax.configs import online_shift as shift_cfg
 from sao_jax.envs.style import STYLES
 from sao_jax.experiments import ablations as abl
+from sao_jax.report import compare, tables
 
 METRIC = "train/reward"  # r_quality * r_style under the current target style
 RECOVER_FRACTION = 0.8  # recovered: reward back to 0.8 x its pre-switch level

@@ -7,7 +7,7 @@ r"""Score a table's finished runs again on more held-out prompts (evaluation onl
 Trains nothing: every point of the table's sweep (its rows x seeds, or those of --rows /
 --seeds) must be a finished run in --sweep_dir (run experiments.ablations or
 experiments.gae_granularity first). Each run's checkpoint at the table's last budget is
-scored by sao_jax/rescore.py on --heldout prompts of its held-out split, with the
+scored by sao_jax/run/rescore.py on --heldout prompts of its held-out split, with the
 sampling key its own evaluation used, so the rows of a seed stay paired; the SAO row's
 step-0 checkpoint (the shared warm start) gives the starting point. A run's own
 evaluation (`env.eval_size` prompts, 512 in full mode) has a binomial SE of ~2 points per
@@ -28,10 +28,12 @@ import numpy as np
 from absl import app, flags
 from absl import logging as absl_logging
 
-from sao_jax import compare, rescore, sweep, tables
+from sao_jax import sweep
 from sao_jax.configs import ablations as ablations_cfg
 from sao_jax.experiments import ablations as abl
 from sao_jax.experiments import gae_granularity as gae
+from sao_jax.report import compare, tables
+from sao_jax.run import rescore
 
 TABLE = flags.DEFINE_enum("table", "table4", ["table4", "gae"], "Which table's runs.")
 HELDOUT = flags.DEFINE_integer("heldout", 2048, "Held-out prompts per run (one rollout each).")

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 
 from absl import app
 
-from sao_jax import compare, sweep, tables
+from sao_jax import sweep
 from sao_jax.configs import ablations as ablations_cfg
 from sao_jax.experiments import ablations as abl
+from sao_jax.report import compare, tables
 
 ROWS = {"sao": "DIS", "vanilla_vapo": "no DIS"}
 

@@ -15,8 +15,9 @@ import pathlib
 
 from absl import app, flags
 
-from sao_jax import sweep, tables
+from sao_jax import sweep
 from sao_jax.config import ConfigError
+from sao_jax.report import tables
 
 _CONFIG = flags.DEFINE_string("config", None, "Config file with get_sweep(arg), as file[:arg].")
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Directory of the points' workdirs.")

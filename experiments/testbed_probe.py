@@ -15,7 +15,7 @@ there; a run's own `<run workdir>/warm_start` can be linked there), then
    knows: EV 0), the level (prompt-level oracle), level x tool errors seen so far (the
    visible `e:` events), and that x whether the episode opened with an answer (a guess,
    visible from its first token on). EV = 1 - Var(R - V) / Var(R) over action tokens.
-The learned critic's held-out EV is value pretraining's own log (sao_jax/value_pretrain.py).
+The learned critic's held-out EV is value pretraining's own log (sao_jax/run/value_pretrain.py).
 Writes `<workdir>/probe.json` and prints a table.
 """
 

@@ -140,7 +140,7 @@ def _import_validators() -> None:
     import sao_jax.parallel.mesh
     import sao_jax.rl.optim
     import sao_jax.rl.settings
-    import sao_jax.run_settings
+    import sao_jax.run.settings
     import sao_jax.sampling.sampler  # noqa: F401
 
 
@@ -152,7 +152,7 @@ def _reference() -> dict[str, Any]:
     from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
     from sao_jax.rl.optim import ATTENTION_PATTERNS, optimizer_section
     from sao_jax.rl.settings import rl_section
-    from sao_jax.run_settings import (
+    from sao_jax.run.settings import (
         data_section,
         env_section,
         init_section,

@@ -5,7 +5,7 @@ on the device until a log step: `MetricAccumulator` keeps each step's pairs in a
 pulls them all to the host in one `jax.device_get` inside `result()`, which sums the pairs
 over the steps (float64) and reduces them with `reduce_sum_count` (mean = sum / count, plus
 the derived standard deviations and explained variances). The means then go to a CLU
-`MetricWriter` built by `create_writers`: `workdir/metrics.jsonl` (what `sao_jax.report`
+`MetricWriter` built by `create_writers`: `workdir/metrics.jsonl` (what `sao_jax.report.run_report`
 reads) and TensorBoard event files under `workdir/tensorboard`.
 
 Non-finite values: JSONL writes them as null (strict JSON, no NaN tokens); TensorBoard
@@ -35,7 +35,7 @@ import jax
 import numpy as np
 import tensorboardX
 
-METRICS_FILE = "metrics.jsonl"  # under the workdir; read by sao_jax.report
+METRICS_FILE = "metrics.jsonl"  # under the workdir; read by sao_jax.report.run_report
 TENSORBOARD_DIR = "tensorboard"
 
 

@@ -1,6 +1,6 @@
 """The main job: warm start -> value pretraining -> asynchronous RL -> evaluation -> report.
 
-Value pretraining (sao_jax/value_pretrain.py) runs once, before checkpoint 0, on its own
+Value pretraining (sao_jax/run/value_pretrain.py) runs once, before checkpoint 0, on its own
 prompt stream; the pretrained critic is saved to <workdir>/warm_start_critic, which other
 runs can start from (init.critic_path; sweeps share it per seed). A SIGTERM during it
 leaves no checkpoint: the rerun starts the run again.
@@ -8,7 +8,7 @@ leaves no checkpoint: the rerun starts the run again.
 `run(config, workdir)` is everything `python -m experiments.train` does. Before anything
 compiles or touches the workdir, the config is checked once: field names, types and ranges
 (`sao_jax.config.validate`), then paths and batch sizes against the mesh
-(`sao_jax.run_settings.check_run`). Resume order
+(`sao_jax.run.settings.check_run`). Resume order
 (docs/checkpointing.md): config check against the workdir -> models and learner ->
 restore the TrainState -> restore the prompt iterator and counters -> republish the
 policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0; every
@@ -29,25 +29,27 @@ from typing import Any
 import jax
 from flax import nnx
 
-from sao_jax import checkpointing, metrics, report, stop, value_pretrain
+from sao_jax import checkpointing, metrics, stop
 from sao_jax import config as config_lib
-from sao_jax import run_accounting as acct
 from sao_jax.data.pipeline import run_prompts
 from sao_jax.data.prompts import prompt_iterator
-from sao_jax.evaluation import EVAL_SEED_OFFSET, Evaluator
 from sao_jax.models.transformer import Policy, critic_params_from_policy
 from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder, sharder_from_config
 from sao_jax.parallel.partition import ModelDef
-from sao_jax.progress import Progress
+from sao_jax.report import run_report
+from sao_jax.report.progress import Progress
 from sao_jax.rl.update import Learner
-from sao_jax.rollouts import AsyncRollouts, SyncRollouts
-from sao_jax.run_inputs import Inputs, build_models, read_inputs
-from sao_jax.run_settings import check_run
+from sao_jax.run import accounting as acct
+from sao_jax.run import value_pretrain
+from sao_jax.run.evaluation import EVAL_SEED_OFFSET, Evaluator
+from sao_jax.run.inputs import Inputs, build_models, read_inputs
+from sao_jax.run.settings import check_run
+from sao_jax.run.sft import SFTTrainer, demo_batches
+from sao_jax.sampling.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.sampling.trajectory import Trajectory, pack_batch, pad_batch, round_up
 from sao_jax.schema import ConfigDict, ConfigError
-from sao_jax.sft import SFTTrainer, demo_batches
 
 log = logging.getLogger("sao_jax")
 PRETRAIN_SEED_OFFSET = 3  # value pretraining's prompt stream and sampler: seed + 3
@@ -172,7 +174,7 @@ class Run:
         return policy
 
     def value_pretrain(self, state, stopper) -> tuple[Any, dict]:
-        """Stage (b): value pretraining (sao_jax/value_pretrain.py); (state, summary).
+        """Stage (b): value pretraining (sao_jax/run/value_pretrain.py); (state, summary).
 
         A critic loaded from init.critic_path is not pretrained again: its pretraining
         record is copied into this run's metrics. The RL critic optimizer is untouched (it
@@ -376,7 +378,7 @@ def _close(r: Run, workdir: pathlib.Path, t, summary: dict) -> dict:
     r.ckpt.close()
     r.writer.close()
     if t.report and distributed.is_primary() and summary.get("steps"):
-        report.write_report(workdir, summary=summary)
+        run_report.write_report(workdir, summary=summary)
     text = json.dumps(acct.finite(summary), indent=2, sort_keys=True, allow_nan=False)
     if distributed.is_primary():
         (workdir / "summary.json").write_text(text)

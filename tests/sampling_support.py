@@ -1,7 +1,7 @@
 """Shared fakes of the sampling tests (test_generate.py, test_sampler.py, test_routing_replay.py).
 
 A tiny MoE policy config, a character tokenizer and a multi-turn env; the fakes follow the
-protocols of sao_jax/tokenizer.py and sao_jax/envs/base.py.
+protocols of sao_jax/text/tokenizer.py and sao_jax/envs/base.py.
 """
 
 import numpy as np

@@ -32,7 +32,7 @@ import uuid
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sao_jax.envs import sandbox as S  # noqa: E402
+from sao_jax.envs.sandbox import runner as S  # noqa: E402
 
 LIMITS = S.SandboxLimits(cpu_s=2, wall_s=20.0, max_procs=4, disk_bytes=32 << 20)
 PARENT_SECRET = os.environ.get("SAO_PARENT_SECRET") or "parent-env-" + uuid.uuid4().hex

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from sao_jax import chat_template as C
 from sao_jax.envs.answer import PYTHON_TOOL, AnswerEnv
 from sao_jax.envs.base import Prompt
 from sao_jax.sampling.engine import Engine, EngineConfig
 from sao_jax.sampling.generate import DecodeOut
 from sao_jax.schema import ConfigDict, ConfigError
-from sao_jax.tokenizer import CharTokenizer, HFTokenizer
+from sao_jax.text import chat_template as C
+from sao_jax.text.tokenizer import CharTokenizer, HFTokenizer
 from tests.chat_support import write_tokenizer
 
 CALL = {"type": "function", "function": {"name": "python", "arguments": {"code": "print(1)"}}}

@@ -1,10 +1,10 @@
-"""Table statistics (sao_jax/compare.py) against numbers computed by hand."""
+"""Table statistics (sao_jax/report/compare.py) against numbers computed by hand."""
 
 import math
 
 import pytest
 
-from sao_jax import compare
+from sao_jax.report import compare
 
 
 def test_mean_se_by_hand():

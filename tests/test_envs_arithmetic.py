@@ -11,7 +11,7 @@ from sao_jax.envs import arithmetic as A
 from sao_jax.envs import calculator
 from sao_jax.envs.base import Env
 from sao_jax.envs.registry import ENV_NAMES, make_env
-from sao_jax.tokenizer import CharTokenizer
+from sao_jax.text.tokenizer import CharTokenizer
 
 
 def _prompt(expr):

@@ -12,8 +12,8 @@ from sao_jax.envs import arithmetic as A
 from sao_jax.envs import levels as L
 from sao_jax.envs.base import Env
 from sao_jax.envs.registry import make_env
-from sao_jax.sft import demonstration, encode_segments
-from sao_jax.tokenizer import CharTokenizer
+from sao_jax.run.sft import demonstration, encode_segments
+from sao_jax.text.tokenizer import CharTokenizer
 
 
 def _prompt(level, expr):

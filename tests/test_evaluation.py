@@ -1,5 +1,5 @@
-"""Held-out evaluation (sao_jax/evaluation.py): one decoding mode alone, and an evaluator
-moved onto other prompts and seed (`for_prompts`, as sao_jax/rescore.py uses it) scores
+"""Held-out evaluation (sao_jax/run/evaluation.py): one decoding mode alone, and an evaluator
+moved onto other prompts and seed (`for_prompts`, as sao_jax/run/rescore.py uses it) scores
 exactly what a fresh evaluator built for them scores, while sharing the compiled engines;
 success per difficulty level against a literal count."""
 
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 from flax import nnx
 
-from sao_jax.evaluation import Evaluator, success_by_level
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
+from sao_jax.run.evaluation import Evaluator, success_by_level
 from sao_jax.sampling.engine import Drop, EngineConfig
 from tests.sampling_support import MODEL, FakeTokenizer, TurnEnv, prompts
 

@@ -9,12 +9,12 @@ import pytest
 
 from configs import base
 from configs.models import tiny
-from sao_jax import flops
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import critic_def, init_models, policy_def
-from sao_jax.parallel.memory import category, memory_plan, parse_mesh
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import path_str
+from sao_jax.plan import flops
+from sao_jax.plan.memory import category, memory_plan, parse_mesh
 from sao_jax.rl.optim import TRAINABLE_SETS, trainable_labels
 from sao_jax.rl.passes import critic_pass
 from sao_jax.rl.synthetic import synthetic_batch

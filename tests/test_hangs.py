@@ -28,13 +28,13 @@ from sao_jax import checkpointing, stop
 from sao_jax.envs import llm_judge as J
 from sao_jax.envs import style
 from sao_jax.envs.base import Prompt, StepResult
-from sao_jax.evaluation import Evaluator
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
-from sao_jax.rollouts import AsyncRollouts, SyncRollouts
+from sao_jax.run.evaluation import Evaluator
 from sao_jax.sampling.engine import EngineConfig
 from sao_jax.sampling.env_calls import EnvCalls, EnvCallsStuck
+from sao_jax.sampling.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.sampling.sampler import EnvErrorLimit, SamplerConfig, SamplerError
 from tests import train_support as ts
 from tests.sampling_support import MODEL, FakeTokenizer

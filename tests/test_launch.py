@@ -164,8 +164,8 @@ def test_30b_config_validates_and_its_batch_splits_on_its_mesh(variant, devices)
     """The config the launcher runs at scale: valid, and 128 rows split evenly over the
     microbatches x data-parallel shards of its mesh (abstract: no devices needed)."""
     from sao_jax import config as config_lib
-    from sao_jax.parallel.memory import abstract_mesh
     from sao_jax.parallel.mesh import Sharder
+    from sao_jax.plan.memory import abstract_mesh
 
     c = config_lib.load_config(f"configs/qwen3_30b_a3b_sao.py:{variant}")
     c = config_lib.validate(c)  # field names and types, then ranges

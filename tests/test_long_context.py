@@ -12,7 +12,7 @@ from sao_jax import config as config_lib
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import critic_def, policy_def
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.rl.step_memory import buffer_shapes, compile_update_step
+from sao_jax.plan.step_memory import buffer_shapes, compile_update_step
 from sao_jax.rl.update import Learner
 
 V = 80

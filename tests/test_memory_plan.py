@@ -10,7 +10,7 @@ import pytest
 from configs import base
 from configs.models import qwen3_30b_a3b
 from sao_jax.models.config import ModelConfig
-from sao_jax.parallel.memory import format_plan, memory_plan, parse_mesh
+from sao_jax.plan.memory import format_plan, memory_plan, parse_mesh
 from sao_jax.schema import ConfigError
 
 CFG = ModelConfig.from_config(qwen3_30b_a3b.get_config())

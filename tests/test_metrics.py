@@ -11,7 +11,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from sao_jax import metrics as M
-from sao_jax.progress import Progress
+from sao_jax.report.progress import Progress
 
 
 def _clock():

@@ -48,7 +48,7 @@ def test_phase_means_and_score_match_a_loop():
 
 
 def test_verdict_states_direction_interval_and_power():
-    from sao_jax.compare import Difference
+    from sao_jax.report.compare import Difference
 
     # d = moving average - SAO, in reward fractions.
     opposite = shift.shift_verdict(Difference(0.060, 0.023, 5, True))
@@ -102,7 +102,7 @@ def test_pairs_text_has_one_paired_verdict_per_pair_that_ran():
 
 
 def test_verdict_names_the_rows_it_compares():
-    from sao_jax.compare import Difference
+    from sao_jax.report.compare import Difference
 
     text = shift.shift_verdict(Difference(0.06, 0.02, 5, True), sao="S", ma="M")
     assert "M scores 6.0 ± 2.0 points above S" in text and "interval for S minus M" in text

@@ -5,10 +5,10 @@ import re
 import numpy as np
 import pytest
 
-from sao_jax import report as R
-from sao_jax import value_pretrain
 from sao_jax.metrics import JsonlWriter
-from sao_jax.report import PRETRAIN_STEP, STALENESS_HIST_PREFIX
+from sao_jax.report import run_report as R
+from sao_jax.report.run_report import PRETRAIN_STEP, STALENESS_HIST_PREFIX
+from sao_jax.run import value_pretrain
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BUCKETS = ("0", "1", "2", "3_4", "5_8", "gt8")

@@ -17,9 +17,9 @@ import tempfile
 
 import pytest
 
-from sao_jax.envs import sandbox as S
-from sao_jax.envs import sandbox_host
-from sao_jax.envs import sandbox_seccomp as F
+from sao_jax.envs.sandbox import host as sandbox_host
+from sao_jax.envs.sandbox import runner as S
+from sao_jax.envs.sandbox import seccomp as F
 
 SETUP = S.probe_setup()
 KERNEL = SETUP.isolation == S.BWRAP
@@ -250,7 +250,7 @@ def test_auto_refuses_weak_mode_unless_allowed(monkeypatch, caplog):
     assert "allow_weak_isolation=True" in str(e.value)
     with pytest.raises(S.SandboxUnavailable):
         S.run_python("print(1)", isolation="bwrap")
-    with caplog.at_level(logging.WARNING, logger="sao_jax.envs.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="sao_jax.envs.sandbox.runner"):
         assert S.resolve_isolation("auto", allow_weak=True) == S.RLIMITS
         assert S.resolve_isolation("auto", allow_weak=True) == S.RLIMITS
     lines = [r.getMessage() for r in caplog.records if "WEAK" in r.getMessage()]

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from sao_jax.envs import sandbox as S
+from sao_jax.envs.sandbox import runner as S
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "sandbox_corpus.py"

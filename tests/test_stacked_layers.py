@@ -24,11 +24,11 @@ from sao_jax.models.config import ModelConfig, run_overrides
 from sao_jax.models.factory import critic_def, init_models, policy_def
 from sao_jax.models.layer_stack import layer_runs, stack_params, stacked_key
 from sao_jax.models.transformer import Policy
-from sao_jax.parallel.memory import memory_plan
 from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.parallel.partition import ModelDef, path_str
+from sao_jax.plan.memory import memory_plan
+from sao_jax.plan.step_memory import abstract_batch
 from sao_jax.rl.optim import TRAINABLE_SETS, trainable_labels
-from sao_jax.rl.step_memory import abstract_batch
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner
 from sao_jax.sampling.generate import GenerateFns, SamplingParams

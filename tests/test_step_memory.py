@@ -14,9 +14,9 @@ from configs import base
 from sao_jax import config as config_lib
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import critic_def, policy_def
-from sao_jax.parallel.memory import abstract_mesh, memory_plan
 from sao_jax.parallel.mesh import Sharder, build_mesh
-from sao_jax.rl.step_memory import (
+from sao_jax.plan.memory import abstract_mesh, memory_plan
+from sao_jax.plan.step_memory import (
     StepBytes,
     analytic_step_bytes,
     compile_update_step,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from sao_jax.envs import style as S
 from sao_jax.envs.llm_judge import JudgeError
-from sao_jax.tokenizer import CharTokenizer
+from sao_jax.text.tokenizer import CharTokenizer
 
 
 def test_schedule_switches_at_configured_steps():

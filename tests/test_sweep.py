@@ -9,8 +9,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from sao_jax import sweep, tables
+from sao_jax import sweep
 from sao_jax.checkpointing.meta import encode_meta
+from sao_jax.report import tables
 
 FAKE_TRAIN = textwrap.dedent(
     """

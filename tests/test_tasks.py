@@ -211,7 +211,7 @@ def test_python_tool_env_accepts_qwen3_tool_calls():
 
 
 def test_demonstrations_come_from_the_registry():
-    from sao_jax import sft
+    from sao_jax.run import sft
 
     rng = np.random.default_rng(0)
     prompt = next(iter(_arith_prompts()))

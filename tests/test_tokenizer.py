@@ -7,7 +7,7 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers
 
-from sao_jax.tokenizer import (
+from sao_jax.text.tokenizer import (
     CHAR_ALPHABET,
     CharTokenizer,
     HFTokenizer,

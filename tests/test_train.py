@@ -20,12 +20,14 @@ import shutil
 import ml_collections
 import pytest
 
-from sao_jax import checkpointing, rollouts, run_accounting, train, value_pretrain
+from sao_jax import checkpointing, train
 from sao_jax.data.prompts import prompt_iterator
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import critic_def
 from sao_jax.parallel.mesh import sharder_from_config
 from sao_jax.rl import optim
+from sao_jax.run import accounting, value_pretrain
+from sao_jax.sampling import rollouts
 from sao_jax.schema import ConfigError
 from tests import train_support as ts
 
@@ -421,9 +423,9 @@ class _FakeSampler:
 def test_async_group_counters_balance(monkeypatch):
     monkeypatch.setattr(rollouts, "AsyncSampler", _FakeSampler)
     source = rollouts.AsyncRollouts(None, None, None, _prompts(), None, None, group_size=2)
-    base = run_accounting.resume_counters({})
+    base = accounting.resume_counters({})
     got = [t.prompt_uid for t in source.take(4)]  # a, a then b, c open, then b
     assert got[:2] == ["a", "a"] and sorted(got[2:]) == ["b", "b"]
-    counters = run_accounting.counters(base, source.stats())
+    counters = accounting.counters(base, source.stats())
     assert counters["trained"] == 4 and counters["in_flight"] == 4  # c open; c, d, d queued
     assert ts.unbalanced(counters) is None

@@ -1,4 +1,4 @@
-"""Value pretraining (sao_jax/value_pretrain.py): Monte-Carlo targets, a stream of fresh
+"""Value pretraining (sao_jax/run/value_pretrain.py): Monte-Carlo targets, a stream of fresh
 rollouts with a held-out set never trained on, the plateau stop, and independence from
 every RL-time setting (rows that differ only in those get bit-identical critics)."""
 
@@ -14,9 +14,9 @@ from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import monte_carlo_returns
-from sao_jax.run_settings import pretraining_fields
+from sao_jax.run.settings import pretraining_fields
+from sao_jax.run.value_pretrain import STEP_KEY, PlateauStop, ValuePretrainer, pretrain
 from sao_jax.schema import ConfigError
-from sao_jax.value_pretrain import STEP_KEY, PlateauStop, ValuePretrainer, pretrain
 
 B, T, V = 8, 24, 32
 

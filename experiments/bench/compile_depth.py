@@ -27,7 +27,7 @@ from sao_jax import config as config_lib
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import critic_def, policy_def
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.rl.step_memory import abstract_batch
+from sao_jax.plan.step_memory import abstract_batch
 from sao_jax.rl.update import Learner
 
 NARROW = dict(hidden_size=64, moe_intermediate_size=32)

@@ -42,7 +42,7 @@ from sao_jax.rl.update import Learner
 from sao_jax.sampling.engine import Engine, EngineConfig
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.sampling.trajectory import pack_batch, pad_batch, padding_fraction
-from sao_jax.tokenizer import load_tokenizer
+from sao_jax.text.tokenizer import load_tokenizer
 
 
 def _policies(ecfg: EngineConfig) -> dict[str, EngineConfig]:

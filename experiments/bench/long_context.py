@@ -8,7 +8,7 @@ The model is the `larger` one of experiments/bench/update_step.py (D = 256, 4 la
 16 experts, V = 1024), one row per update (B = 1), SAO's default step (configs/base.py:
 K = 2 critic steps, DIS, frozen critic attention), layers under `lax.scan`
 (`model.scan_layers`, the long-context setting). For each length and variant the
-jitted `Learner.update_step` is compiled from shapes (sao_jax/rl/step_memory.py)
+jitted `Learner.update_step` is compiled from shapes (sao_jax/plan/step_memory.py)
 and XLA's memory analysis gives its temporaries per device; variants whose arguments +
 temporaries fit under --run-limit-gib, at lengths up to --run-max-length, are then run
 (the others are compiled only, with step_memory.FAST_COMPILE: same memory figures, about
@@ -34,7 +34,7 @@ from sao_jax import config as config_lib
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import critic_def, init_models, policy_def
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.rl.step_memory import StepBytes, compile_update_step
+from sao_jax.plan.step_memory import StepBytes, compile_update_step
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner
 

@@ -31,8 +31,8 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.models.moe import grouped
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.sft import SFTTrainer, demo_batches
-from sao_jax.tokenizer import load_tokenizer
+from sao_jax.run.sft import SFTTrainer, demo_batches
+from sao_jax.text.tokenizer import load_tokenizer
 
 
 def demo_token_batches(config, seed: int, count: int, batch_size: int, length: int):

@@ -14,12 +14,12 @@ import numpy as np
 from sao_jax.models.moe import grouped
 from sao_jax.models.moe.dispatch import IMPLS, moe_dispatch
 from sao_jax.models.moe.router import route
-from sao_jax.parallel.memory import memory_plan, parse_mesh
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import tree_bytes
+from sao_jax.plan.memory import memory_plan, parse_mesh
 from sao_jax.rl import passes as P
 
-# Analytic pass name (sao_jax.flops.update_step_passes) -> row of the pass table.
+# Analytic pass name (sao_jax.plan.flops.update_step_passes) -> row of the pass table.
 _ROW_OF = {
     "critic forward (targets)": "critic V0 forward",
     "critic forward (recompute)": "critic V1 forward",

@@ -38,7 +38,7 @@ each pass of both forms jitted on its own. Every MFU is computed per round again
 round's peak, then the median and range over rounds are printed, with the load average
 before and after.
 
-FLOPs (sao_jax/flops.py): USEFUL = the analytic matmul work of every pass (2 x active
+FLOPs (sao_jax/plan/flops.py): USEFUL = the analytic matmul work of every pass (2 x active
 params x tokens forward, 3x that forward + backward, attention scores over the causal
 lower triangle) over every position of the padded batch, except that the routed experts
 count for real (non-padding) tokens only; EXECUTED = the same with the attention the
@@ -66,13 +66,13 @@ import numpy as np
 from sao_jax.experiments.bench import update_parts as parts
 
 from sao_jax import config as config_lib
-from sao_jax import flops
 from sao_jax.configs import base
 from sao_jax.models import attention_backends, layers
 from sao_jax.models.config import ATTENTION_IMPLS, ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.models.moe.dispatch import resolve_impl
 from sao_jax.parallel.mesh import Sharder
+from sao_jax.plan import flops
 from sao_jax.rl.optim import critic_trainable
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner

@@ -5,7 +5,7 @@ prompt in one turn, scored by a reward registered in sao_jax/envs/tasks.py (`mat
 `exact_match`, `code_tests` or an import path). With `tools=("python",)` it may first
 call a Python interpreter (sandbox.run_python) any number of turns, up to `max_turns`.
 
-With a chat template (`chat`, a sao_jax.chat_template.ChatFormat) the prompt is rendered
+With a chat template (`chat`, a sao_jax.text.chat_template.ChatFormat) the prompt is rendered
 as a conversation (the dataset's messages, or its prompt as one user message), tools are
 described to the template, a turn's Qwen3-style `<tool_call>{json}</tool_call>` calls are
 run and their results come back as tool turns; turns end at the tokenizer's eos. Without

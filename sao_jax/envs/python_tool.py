@@ -1,4 +1,4 @@
-"""Tool-integrated reasoning with a Python interpreter (the code runs in `sandbox.py`).
+"""Tool-integrated reasoning with a Python interpreter (the code runs in `sandbox/`).
 
 Turn format (prompts are the arithmetic ones, `q:<expr>\\n`):
 ```

@@ -9,7 +9,7 @@ Each is registered by name in sao_jax/envs/tasks.py and built from `env.params`:
   exact_match the same extraction, then string equality after stripping (and, by
               default, collapsing whitespace; `ignore_case` optional).
   code_tests  the last ```python block of the completion, followed by the reference
-              (test code: asserts), runs in the sandbox (sao_jax/envs/sandbox.py); 1.0
+              (test code: asserts), runs in the sandbox (sao_jax/envs/sandbox/runner.py); 1.0
               when it exits cleanly within the limits.
 
 math-verify's own timeouts use SIGALRM, which only works in the main thread; rewards

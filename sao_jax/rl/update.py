@@ -14,7 +14,7 @@ One call, with `rl.order == 'critic_first'` (the default):
      PPO rows, as veRL / OpenRLHF run them; `_policy_step`).
 With 'policy_first', advantages come from V0, the policy step is taken, then the K
 critic steps. `value_step` runs steps 1-2 only: the critic warm-up read as critic-only
-RL steps (`rl.critic_only_steps`). Value pretraining before RL is sao_jax/value_pretrain.py.
+RL steps (`rl.critic_only_steps`). Value pretraining before RL is sao_jax/run/value_pretrain.py.
 
 Critic metrics: `critic/ev_pre_update` is the explained variance of the values BEFORE this
 update's critic steps on the batch, which the critic has never trained on (the honest

@@ -180,7 +180,7 @@ def checked_step(result) -> StepResult:
 
 def after_turn(observation: str, tokenizer, ended_at_eos: bool) -> str:
     """The observation text to tokenize after a model turn. A chat observation starts with
-    the end-of-turn token's text (sao_jax/chat_template.py); when the policy emitted that
+    the end-of-turn token's text (sao_jax/text/chat_template.py); when the policy emitted that
     token itself it is already in the trajectory, so only the text after it is new."""
     eos_text = getattr(tokenizer, "eos_text", None)
     if ended_at_eos and eos_text and observation.startswith(eos_text):

@@ -27,7 +27,7 @@ Modules: `spec` (SweepSpec, points and their names, the warm-start point), `runn
 (commands, processes, resuming, launcher hand-off), `results` (side files, collect).
 """
 
-from sao_jax.run_settings import WARM_START_CRITIC_SUBDIR
+from sao_jax.run.settings import WARM_START_CRITIC_SUBDIR
 from sao_jax.sweep.results import (
     FAILED_FILE,
     POINT_FILE,

@@ -2,7 +2,7 @@
 
 `collect` reads each point's `summary.json` and `metrics.jsonl` (partial histories of failed
 points) and the runner's side files (`<sweep_dir>/_sweep/<name>.failed.json`) into
-`PointResult`s; sao_jax/tables.py turns them into the points table.
+`PointResult`s; sao_jax/report/tables.py turns them into the points table.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from sao_jax import config as config_lib
 from sao_jax.checkpointing.meta import encode_meta
 from sao_jax.checkpointing.workdir import CONFIG_FILE, config_differences
 from sao_jax.cli import entry_module
-from sao_jax.run_settings import WARM_START_CRITIC_SUBDIR, pretraining_fields
+from sao_jax.run.settings import WARM_START_CRITIC_SUBDIR, pretraining_fields
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.sweep.results import (
     FAILED_FILE,

@@ -16,7 +16,7 @@ from typing import Any
 
 from sao_jax.cli import entry_module
 from sao_jax.config import config_module
-from sao_jax.run_settings import PRETRAIN_IGNORES, PRETRAIN_READS
+from sao_jax.run.settings import PRETRAIN_IGNORES, PRETRAIN_READS
 from sao_jax.schema import ConfigDict, ConfigError
 
 TRAIN_MODULE = entry_module("experiments.train")  # installed: sao_jax.experiments.train
@@ -161,7 +161,7 @@ def warm_start_point(spec: SweepSpec, seed: int) -> Point:
 def affects_warm_start(field: str) -> bool:
     """Whether a fixed override can change the warm start: the SFT policy (model, SFT,
     init, mesh, and the task: env.* except the evaluation size and the RL group size) or
-    the value-pretrained critic (what sao_jax.run_settings.PRETRAIN_READS lists)."""
+    the value-pretrained critic (what sao_jax.run.settings.PRETRAIN_READS lists)."""
     section = field.split(".", 1)[0]
     if section in WARM_START_SECTIONS and field not in ("env.eval_size", "env.group_size"):
         return True

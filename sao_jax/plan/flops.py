@@ -51,7 +51,7 @@ def attention_proj_params(cfg: ModelConfig) -> int:
 
 
 def param_counts(cfg: ModelConfig, head: str = "policy") -> dict[str, int]:
-    """Parameter counts by the categories of sao_jax.parallel.memory (zero ones omitted).
+    """Parameter counts by the categories of sao_jax.plan.memory (zero ones omitted).
 
     attention = L (2 D N H + 2 D K H + 2 H)      (projections + per-head q/k norms)
     router    = L_moe D E;  experts = L_moe 3 E D F_e;  dense mlp = L_dense 3 D F

@@ -95,7 +95,7 @@ class Evaluator:
 
     def for_prompts(self, prompts: Sequence[Prompt], *, seed: int) -> Evaluator:
         """This evaluator on other prompts and sampling seed, sharing the compiled engines
-        (sao_jax/rescore.py: the same model and task, another run's held-out prompts)."""
+        (sao_jax/run/rescore.py: the same model and task, another run's held-out prompts)."""
         if not prompts:
             raise ValueError("evaluation prompts: need at least one")
         other = copy.copy(self)

@@ -22,11 +22,11 @@ import logging
 import pathlib
 
 from sao_jax import export
-from sao_jax.evaluation import EVAL_SEED_OFFSET, Evaluator
 from sao_jax.models.factory import policy_def
 from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.run_inputs import read_inputs
+from sao_jax.run.evaluation import EVAL_SEED_OFFSET, Evaluator
+from sao_jax.run.inputs import read_inputs
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.schema import ConfigDict, ConfigError
 

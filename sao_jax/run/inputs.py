@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sao_jax.chat_template import run_chat_format
 from sao_jax.data.pipeline import run_prompts
 from sao_jax.envs.registry import env_factory
 from sao_jax.models import hf
 from sao_jax.models.config import ModelConfig, run_overrides
 from sao_jax.models.factory import Models, init_models
 from sao_jax.schema import ConfigDict, ConfigError
-from sao_jax.tokenizer import load_tokenizer
+from sao_jax.text.chat_template import run_chat_format
+from sao_jax.text.tokenizer import load_tokenizer
 
 
 def build_models(config: ConfigDict, sharder, tokenizer) -> Models:

@@ -17,7 +17,7 @@ regresses the Monte-Carlo returns of fresh rollouts of the fixed warm-start poli
   rate (`lr`; 0 reuses optim.critic.lr) and warm-up, and its own optimizer state, which
   is discarded: the RL critic's optimizer starts fresh, so optim.critic.warmup_steps
   warms up the first RL steps. rl.k_critic, rl.lam_critic and optim.critic's trainable
-  set are not read (sao_jax.run_settings.PRETRAIN_READS lists what is), so rows that
+  set are not read (sao_jax.run.settings.PRETRAIN_READS lists what is), so rows that
   differ only in those get bit-identical critics; sweeps pretrain once per seed and share
   it (sao_jax/sweep/).
 
@@ -59,7 +59,7 @@ from sao_jax.rl.optim import (
 )
 from sao_jax.rl.state import optimizer_shardings
 from sao_jax.rl.update import NonFiniteError, monte_carlo_returns
-from sao_jax.run_settings import WARM_START_CRITIC_SUBDIR, pretraining_fields
+from sao_jax.run.settings import WARM_START_CRITIC_SUBDIR, pretraining_fields
 from sao_jax.schema import ConfigDict, ConfigError
 
 log = logging.getLogger("sao_jax")
@@ -338,7 +338,7 @@ def load_critic(
 ) -> tuple[Params, dict[str, Any]]:
     """(critic, meta) of a run's <workdir>/warm_start_critic; ConfigError naming the
     first differing field when it was pretrained with other settings than `config`'s
-    (sao_jax.run_settings.pretraining_fields)."""
+    (sao_jax.run.settings.pretraining_fields)."""
     with checkpointing.Checkpointer(path, keep=1, async_save=False) as c:
         critic, meta = c.restore(
             checkpointing.abstract_like(critic_def.shapes(), critic_def.shardings(sharder))

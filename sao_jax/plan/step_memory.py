@@ -238,7 +238,7 @@ def analytic_step_bytes(
     """The analytic model of the module docstring (remat='full', flash attention).
 
     `critic_opt_bytes`: per-device bytes of the critic's optimizer state (from
-    sao_jax.parallel.memory.memory_plan); `rows_per_device`: rows each device holds in
+    sao_jax.plan.memory.memory_plan); `rows_per_device`: rows each device holds in
     one microbatch.
     """
     c = _itemsize(cfg.compute_dtype)
@@ -281,7 +281,7 @@ def step_plan_lines(
     moe_impl: str = "ragged",
 ) -> list[str]:
     """The update step's temporaries (analytic) and the sampler's share, per device, as
-    table lines under `format_plan`'s; `plan` is sao_jax.parallel.memory.Plan."""
+    table lines under `format_plan`'s; `plan` is sao_jax.plan.memory.Plan."""
     from sao_jax.models.factory import critic_def, policy_def
 
     opt = plan.critic_opt_frozen if frozen else plan.critic_opt_full
@@ -303,7 +303,7 @@ def step_plan_lines(
     state = plan.total(frozen).device_bytes
     lines = [
         "",
-        f"update step temporaries, analytic (sao_jax/rl/step_memory.py): T = {length}, "
+        f"update step temporaries, analytic (sao_jax/plan/step_memory.py): T = {length}, "
         f"{rows_per_device} row(s) per device per microbatch, {microbatches} microbatch(es), "
         f"remat={cfg.remat}, scan_layers={cfg.scan_layers}, MoE '{moe_impl}'",
         f"{'term':<60}{'per-device GiB':>16}",

@@ -11,9 +11,9 @@ Two modes:
   interpreter, its standard library and the shared libraries they load; a private
   size-capped tmpfs and an empty capped /tmp are the only writable places) in new user,
   pid, network, mount, IPC, UTS and cgroup namespaces, under a seccomp filter
-  (sandbox_seccomp.py); the worker adds rlimits and a second filter that lets it signal
-  only itself. Files: sandbox_bwrap.py (command line, root), sandbox_child.py (the
-  program inside), sandbox_host.py (reading, killing, cleaning up).
+  (seccomp.py); the worker adds rlimits and a second filter that lets it signal
+  only itself. Files: bwrap.py (command line, root), child.py (the
+  program inside), host.py (reading, killing, cleaning up).
 * "rlimits" (weak, opt-in): the same program, rlimits and seccomp filter without any
   namespace; the host file system stays visible to the child's uid (nobody when the host
   is root, else the host's own uid!). Used only when asked for (isolation="rlimits") or
@@ -39,14 +39,16 @@ import tempfile
 import threading
 import time
 
-from sao_jax.envs import sandbox_bwrap, sandbox_host, sandbox_seccomp
+from sao_jax.envs.sandbox import bwrap as sandbox_bwrap
+from sao_jax.envs.sandbox import host as sandbox_host
+from sao_jax.envs.sandbox import seccomp as sandbox_seccomp
 
 log = logging.getLogger(__name__)
 
 BWRAP, RLIMITS = "bwrap", "rlimits"
 ISOLATIONS = ("auto", BWRAP, RLIMITS)
 NOBODY = 65534  # uid/gid the child runs as when the host process is root
-_BOOT = pathlib.Path(__file__).with_name("sandbox_child.py").read_text()
+_BOOT = pathlib.Path(__file__).with_name("child.py").read_text()
 
 
 class SandboxUnavailable(RuntimeError):

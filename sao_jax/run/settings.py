@@ -109,7 +109,7 @@ def sft_section() -> ConfigDict:
 
 
 def value_pretrain_section() -> ConfigDict:
-    """Value pretraining (sao_jax/value_pretrain.py): the critic regresses Monte-Carlo
+    """Value pretraining (sao_jax/run/value_pretrain.py): the critic regresses Monte-Carlo
     returns of fresh rollouts of the warm-start policy, streamed, until its explained
     variance on held-out rollouts stops improving. Independent of RL-time settings."""
     c = ConfigDict()

@@ -42,7 +42,7 @@ class Tokenizer(Protocol):
 
 
 # Hugging Face tokenizers also carry `path` (their directory), `specials` (token strings:
-# eos_token, ...) and `eos_text`, which chat templates use (sao_jax/chat_template.py).
+# eos_token, ...) and `eos_text`, which chat templates use (sao_jax/text/chat_template.py).
 
 
 class CharTokenizer:

@@ -16,7 +16,7 @@ picked by name, so train and eval records of any writer fit:
   skipped updates    .../skipped_steps (cumulative), else the per-window fraction
                      `skipped` times the steps since the previous record (approximate)
 
-Value pretraining records (sao_jax/value_pretrain.py: `value_pretrain/*` names, logged at
+Value pretraining records (sao_jax/run/value_pretrain.py: `value_pretrain/*` names, logged at
 step 0 with their own counter `value_pretrain/step`) get plots of their own against that
 counter (held-out and fresh-batch explained variance; value loss) and a table of every
 held-out evaluation; they stay out of the other plots.
@@ -44,7 +44,7 @@ REPORT_FILE = "report.md"
 PLOTS_DIR = "plots"
 STALENESS_HIST_PREFIX = "sampler/staleness_hist/"  # + k: trajectories taken at staleness k
 MARKERS_UP_TO = 30  # series with at most this many points get markers (sparse evals)
-PRETRAIN_PREFIX = "value_pretrain/"  # sao_jax.value_pretrain.PREFIX + "/"
+PRETRAIN_PREFIX = "value_pretrain/"  # sao_jax.run.value_pretrain.PREFIX + "/"
 PRETRAIN_STEP = PRETRAIN_PREFIX + "step"  # its step counter (value_pretrain.STEP_KEY)
 PRETRAIN_HELDOUT_EV = PRETRAIN_PREFIX + "heldout/explained_variance"
 

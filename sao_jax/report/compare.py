@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from sao_jax.tables import finite, fmt_spread
+from sao_jax.report.tables import finite, fmt_spread
 
 Z = 2.0  # a difference counts when |diff| >= Z * SE(diff)
 
@@ -47,7 +47,7 @@ def mean_se(values: Sequence[Any]) -> tuple[float, float, int]:
 
 
 def fmt_mean_se(values: Sequence[Any], *, scale: float = 100.0, digits: int = 1) -> str:
-    """'mean ± SE' of scale * values; see `sao_jax.tables.fmt_spread`."""
+    """'mean ± SE' of scale * values; see `sao_jax.report.tables.fmt_spread`."""
     return fmt_spread(mean_se(values), len(values), scale=scale, digits=digits)
 
 

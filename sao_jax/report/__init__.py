@@ -1,0 +1,1 @@
+"""Reporting: the end-of-run report, experiment tables, paired comparisons, the progress line."""

@@ -1,0 +1,1 @@
+"""Text: tokenizers (character-level and Hugging Face) and chat templates."""
