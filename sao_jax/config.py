@@ -8,7 +8,9 @@ applied by `ml_collections.config_flags`, which already rejects unknown fields a
 types. `validate` then checks ranges and cross-field constraints once, before anything
 compiles, and names the offending field.
 
-Each section owns its checks: a validator is registered per top-level section with
+Every field's name and type is checked against `sao_jax.defaults.default_config()` (the
+one place every default is written, which configs/base.py starts from). Each section owns
+its range checks: a validator is registered per top-level section with
 `sao_jax.schema.register_validator`, next to the code that consumes that section.
 """
 
@@ -144,42 +146,6 @@ def _import_validators() -> None:
     import sao_jax.sampling.sampler  # noqa: F401
 
 
-def _reference() -> dict[str, Any]:
-    """Every field a run reads, with its default, from the sections' owners. None: a
-    section whose owner rejects unknown fields itself (model: ModelConfig.from_config,
-    sampling: configs_from_section) or free-form keyword arguments (env.params/prompts,
-    data.template_kwargs)."""
-    from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
-    from sao_jax.rl.optim import ATTENTION_PATTERNS, optimizer_section
-    from sao_jax.rl.settings import rl_section
-    from sao_jax.run.settings import (
-        data_section,
-        env_section,
-        init_section,
-        sft_section,
-        train_section,
-        value_pretrain_section,
-    )
-
-    critic = optimizer_section(
-        1.0, freeze_attention=True, trainable="moe", frozen_patterns=ATTENTION_PATTERNS
-    )
-    return {
-        "seed": 0,
-        "model": None,
-        "mesh": {"axes": MESH_AXES, "shape": (-1,), "rules": DEFAULT_RULES},
-        "optim": {"policy": optimizer_section(1.0).to_dict(), "critic": critic.to_dict()},
-        "rl": rl_section().to_dict(),
-        "sampling": None,
-        "env": {**env_section().to_dict(), "params": None, "prompts": None},
-        "data": {**data_section().to_dict(), "template_kwargs": None},
-        "init": init_section().to_dict(),
-        "sft": sft_section().to_dict(),
-        "value_pretrain": value_pretrain_section().to_dict(),
-        "train": train_section().to_dict(),
-    }
-
-
 def _type_ok(value: Any, default: Any) -> bool:
     """bool/str exact; int not bool; float accepts int; tuple and list interchangeable."""
     if default is None:
@@ -220,7 +186,9 @@ _MISSING = object()
 def check_fields(config: ConfigDict) -> None:
     """Raises ConfigError naming the first unknown, missing or mistyped field. Top-level
     sections may be absent (partial configs); a present section must be complete."""
-    reference = _reference()
+    from sao_jax import defaults
+
+    reference = defaults.reference()
     values = config.to_dict()
     unknown = sorted(set(values) - set(reference))
     if unknown:

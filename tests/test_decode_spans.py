@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sao_jax.defaults import sampling_section
 from sao_jax.models.attention import KVCache, cached_attention
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
 from sao_jax.sampling.engine import Engine, EngineConfig
 from sao_jax.sampling.generate import Spans, choose_spans, span_buckets
-from sao_jax.sampling.sampler import configs_from_section, sampling_section
+from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.schema import ConfigError
 from tests.sampling_support import MODEL, FakeTokenizer, TurnEnv, prompts
 

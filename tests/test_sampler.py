@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sao_jax.defaults import sampling_section
 from sao_jax.envs.base import Prompt, StepResult
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
@@ -23,7 +24,6 @@ from sao_jax.sampling.sampler import (
     SamplerConfig,
     SamplerError,
     configs_from_section,
-    sampling_section,
 )
 from sao_jax.schema import ConfigError
 from tests.sampling_support import MODEL, FakeTokenizer, TurnEnv

@@ -163,23 +163,6 @@ def critic_frozen_labels(critic_params: Params, cfg: ConfigDict) -> Params | Non
         ) from None
 
 
-def optimizer_section(lr: float, **overrides) -> ConfigDict:
-    """Defaults for one optimizer section (policy or critic)."""
-    c = ConfigDict()
-    c.lr = lr  # peak learning rate (AdamW)
-    c.b1 = 0.9
-    c.b2 = 0.999
-    c.eps = 1e-8
-    c.weight_decay = 0.0
-    c.max_grad_norm = 1.0  # global-norm clip; 0 disables
-    c.warmup_steps = 0  # linear LR warm-up steps of this optimizer
-    c.decay = "constant"  # 'constant' | 'cosine' after warm-up
-    c.decay_steps = 1000  # cosine length (when decay == 'cosine')
-    c.final_lr_ratio = 0.1  # cosine floor as a fraction of lr
-    c.update(overrides)
-    return c
-
-
 def _check_section(c: ConfigDict, name: str) -> None:
     require(c.lr > 0, f"{name}.lr", f"must be > 0, got {c.lr}")
     require(0 <= c.b1 < 1 and 0 <= c.b2 < 1, f"{name}.b1", "b1 and b2 must be in [0, 1)")

@@ -1,10 +1,7 @@
-"""The `rl` config section: the algorithm of one update step, with its defaults and checks.
+"""Checks of the `rl` config section, the algorithm of one update step.
 
-SAO's defaults (docs/method.md sections 2-4): observation-skipping GAE, DIS policy loss with
-keep band (0.7, 6.0), K=2 critic steps per policy step, lam_critic = 1, length-adaptive
-policy lambda with alpha = 1.5, gamma = 1, no whitening, no value clipping, one policy
-optimizer step per batch. PPO-style rows take `ppo_epochs` x `minibatches` policy steps
-per batch (docs/method.md section 5).
+Its defaults (SAO's, docs/method.md sections 2-5), with a comment per field, are
+`rl_section` in sao_jax/defaults.py; `loss_params` reads the configured loss's parameters.
 """
 
 from __future__ import annotations
@@ -28,46 +25,6 @@ LOSS_PARAM_RANGES = {
     "band_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "band_high": (lambda v: v > 1, "> 1"),
 }
-
-
-def rl_section() -> ConfigDict:
-    c = ConfigDict()
-    c.batch_size = 128  # finished single trajectories per update (paper: 128 prompts x 1)
-    c.advantage = "gae"  # estimator name (sao_jax.rl.advantages registry)
-    c.policy_loss = "dis"  # loss name (sao_jax.rl.losses registry)
-    c.k_critic = 2  # TTUR: critic optimizer steps per policy step (1 = ablation)
-    c.order = "critic_first"  # 'critic_first': targets -> K critic steps -> recompute V ->
-    # advantages -> policy step; 'policy_first': advantages from the current critic ->
-    # policy step -> K critic steps
-    c.gamma = 1.0  # discount [open]
-    c.lam_critic = 1.0  # lambda of the critic's value targets (decoupled lambda)
-    c.lam_mode = "adaptive"  # policy lambda: 'adaptive' = 1 - 1/(alpha * l) per row
-    c.lam_alpha = 1.5  # alpha of the adaptive policy lambda (SAO 1.5; VAPO 0.05)
-    c.lam_fixed = 0.95  # policy lambda when lam_mode == 'fixed'
-    c.whiten_advantages = False  # masked whitening over action tokens [open]
-    c.value_clip = 0.0  # value-loss clipping around the pre-update values; 0 = off [open]
-    c.critic_only_steps = 0  # critic warm-up read as N critic-only updates (policy frozen)
-    c.ppo_epochs = 1  # passes of the policy over each batch (SAO/DIS: 1; PPO rows: more)
-    c.minibatches = 1  # policy OPTIMIZER steps per epoch, each on batch_size / minibatches
-    # rows reshuffled per epoch (veRL's ppo_mini_batch_size = batch_size / minibatches)
-    c.microbatches = 1  # gradient ACCUMULATION inside one optimizer step (memory only: the
-    # step is the same as on the whole (mini)batch); not to be confused with minibatches
-    c.max_consecutive_skips = 10  # abort after this many non-finite steps in a row
-    c.routing_replay = False  # force the policy's MoE routing recorded at rollout time
-    c.moving_average_window = 128  # window of the moving-average baseline
-    c.group_eps = 1e-6  # epsilon of group std normalisation (GRPO)
-    # Parameters of every policy loss, defaults from the loss registry (one source):
-    # dis: keep r in (1 - eps_l, 1 + eps_h) = (0.7, 6.0); ppo_clip: eps_low/eps_high vs
-    # pi_old = the behaviour (rollout) log-probs; icepop: + weight k = pi_train/pi_infer in
-    # the band (icepop_mask: mask only); estr: keep |log r| <= sqrt(tau (H+eps)).
-    c.losses = ConfigDict(
-        {
-            name: dict(losses.LOSSES.get(name).params)
-            for name in losses.LOSSES.names()
-            if losses.LOSSES.get(name).kind == "policy" and losses.LOSSES.get(name).params
-        }
-    )
-    return c
 
 
 def loss_params(rl: ConfigDict) -> dict:

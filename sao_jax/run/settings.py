@@ -1,8 +1,9 @@
-"""Config sections of a training run (env, data, init, sft, value_pretrain, train), with checks.
+"""Checks of a training run's sections (env, data, init, sft, value_pretrain, train).
 
-The algorithm lives in `rl` (sao_jax/rl/settings.py), the rollout engine in `sampling`
-(sao_jax/sampling/sampler.py); these sections say what to train on and how the run is
-staged: warm start -> value pretraining -> asynchronous RL with periodic evaluation.
+Their defaults are sao_jax/defaults.py; the algorithm's checks are sao_jax/rl/settings.py,
+the rollout engine's sao_jax/sampling/sampler.py. These sections say what to train on and
+how the run is staged: warm start -> value pretraining -> asynchronous RL with periodic
+evaluation. `check_run` adds the checks that need the file system or the mesh.
 """
 
 from __future__ import annotations
@@ -11,12 +12,9 @@ import json
 import os
 from typing import Any
 
-from sao_jax.rl.optim import TRAINABLE_SETS, optimizer_section
+from sao_jax.rl.optim import TRAINABLE_SETS
 from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
-# The built-in procedural tasks (any registered task or import path is accepted:
-# sao_jax/envs/tasks.py).
-ENV_NAMES = ("arithmetic", "arithmetic_levels", "python_tool", "style")
 DATA_FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
 INIT_KINDS = ("sft", "hf", "params", "random")
 ROLLOUT_MODES = ("async", "sync")
@@ -51,84 +49,6 @@ PRETRAIN_IGNORES = (
 )
 
 
-def env_section() -> ConfigDict:
-    c = ConfigDict()
-    c.name = "arithmetic"  # a registered task (sao_jax/envs/tasks.py) or 'pkg.module:Task'
-    c.params = ConfigDict(dict(max_turns=4))  # env constructor arguments
-    c.prompts = ConfigDict(dict(n_ops=(2, 2), operand_range=(2, 99)))  # difficulty
-    c.eval_fraction = 0.1  # share of the problem space held out (by uid hash)
-    c.eval_size = 128  # held-out prompts per evaluation
-    c.group_size = 1  # rollouts per prompt (1 = SAO; > 1 for GRPO-style baselines)
-    return c
-
-
-def data_section() -> ConfigDict:
-    """Where prompts come from (sao_jax/data/pipeline.py): the task's own generator, or a
-    dataset with reference answers mapped field by field."""
-    c = ConfigDict()
-    c.train = ""  # .jsonl / .parquet file, or a save_to_disk folder; "" = the task's prompts
-    c.eval = ""  # held-out prompts; "" = a seeded split of data.train (env.eval_fraction)
-    c.format = "auto"  # auto (from the path) | jsonl | parquet | hf_disk
-    c.fields = ConfigDict()
-    c.fields.prompt = "prompt"  # text field of the question
-    c.fields.messages = ""  # or a field of chat messages [{role, content}] (then prompt = "")
-    c.fields.answer = "answer"  # reference answer field (for the reward)
-    c.fields.id = ""  # stable row id field; "" = file name + row number
-    c.fields.meta = ()  # fields copied into the prompt's metadata
-    c.answer_regex = ""  # keep group 1 of its last match in the answer (GSM8K: r"####\s*(.+)")
-    c.prompt_format = "{prompt}"  # str.format of the prompt text; other fields by {name}
-    c.system_prompt = ""  # a system message first in every chat ("" = none)
-    c.template_kwargs = ConfigDict()  # extra chat-template variables, e.g. enable_thinking
-    c.shuffle = True  # shuffle training rows with the run seed (reshuffled every epoch)
-    c.split_seed = 0  # which rows the seeded train/eval split holds out
-    return c
-
-
-def init_section() -> ConfigDict:
-    c = ConfigDict()
-    c.kind = "sft"  # 'sft' on demonstrations | 'hf' checkpoint | 'params' | 'random'
-    c.hf_path = ""  # Hugging Face checkpoint directory when kind == 'hf'
-    c.params_path = ""  # a run's <workdir>/warm_start when kind == 'params' (shared SFT)
-    c.critic_path = ""  # a run's <workdir>/warm_start_critic: start from that value-
-    # pretrained critic and skip value pretraining ('' = pretrain here; sweeps share one)
-    c.tokenizer = "char"  # 'char' (built-in) or a directory with tokenizer.json
-    # 'auto': the tokenizer's chat template when it has one (else raw text) | 'tokenizer':
-    # required from the tokenizer | 'none': raw text | a path to a .jinja file
-    c.chat_template = "auto"
-    return c
-
-
-def sft_section() -> ConfigDict:
-    c = ConfigDict()
-    c.steps = 300  # supervised steps on demonstrations
-    c.batch_size = 32
-    c.length = 96  # tokens per demonstration row (longer demos are skipped)
-    c.error_rate = 0.3  # share of deliberately imperfect demonstrations (RL headroom)
-    c.optim = optimizer_section(3e-3, warmup_steps=20, max_grad_norm=1.0)
-    return c
-
-
-def value_pretrain_section() -> ConfigDict:
-    """Value pretraining (sao_jax/run/value_pretrain.py): the critic regresses Monte-Carlo
-    returns of fresh rollouts of the warm-start policy, streamed, until its explained
-    variance on held-out rollouts stops improving. Independent of RL-time settings."""
-    c = ConfigDict()
-    c.steps = 200  # most critic optimizer steps (0 = no value pretraining) [open]
-    c.batch_size = 64  # fresh rollouts per optimizer step (the corpus: steps x batch / reuse)
-    c.reuse = 1  # optimizer steps each batch of fresh rollouts is used for (1 = never)
-    c.heldout_rollouts = 512  # sampled first, never trained on: EV / loss measured here
-    c.eval_every = 10  # optimizer steps between held-out evaluations (also at 0 and last)
-    c.patience = 5  # stop after this many evaluations without a held-out EV gain of at
-    c.min_delta = 0.005  # least min_delta over the best so far (patience 0 = never stop)
-    c.trainable = "all"  # trained leaves: 'all' | 'all_but_attention' | 'moe' (rl/optim.py)
-    c.lr = 0.0  # peak AdamW lr; 0 = optim.critic.lr (b1, b2, eps, weight decay and
-    # clipping always come from optim.critic; warm-up and schedule are its own)
-    c.warmup_steps = 10  # linear lr warm-up over the first pretraining steps
-    c.sampler = "async"  # 'async': the async sampler runs ahead of the critic steps |
-    # 'sync': the engine generates each batch in turn (deterministic with any worker count)
-    return c
-
-
 def pretraining_fields(config: ConfigDict) -> dict[str, Any]:
     """The flattened config fields value pretraining reads (PRETRAIN_READS); equal for two
     configs iff they pretrain the same critic from the same warm start. optim.critic.lr
@@ -138,26 +58,6 @@ def pretraining_fields(config: ConfigDict) -> dict[str, Any]:
     keep = lambda k: any(k == r or (r.endswith(".") and k.startswith(r)) for r in reads)
     out = {k: v for k, v in sorted(flat.items()) if keep(k) and k not in PRETRAIN_IGNORES}
     return json.loads(json.dumps(out))  # tuples as lists: as a checkpoint's meta has them
-
-
-def train_section() -> ConfigDict:
-    c = ConfigDict()
-    c.total_steps = 100  # policy updates of the RL stage
-    c.rollouts = "async"  # 'async' (SAO) | 'sync' (deterministic, resumable bit-exactly)
-    c.length_bucket = 32  # pad batches to a multiple of this (few update-step shapes)
-    c.pack = False  # model passes on packed rows, several trajectories each (rl/packing.py)
-    c.pack_length = 0  # packed row length; 0 = the padded length T of the batch
-    c.pack_rows_multiple = 4  # packed rows per (microbatch, shard) rounded up to this
-    c.log_every = 5  # steps between metric writes (device -> host only then)
-    c.eval_every = 25  # steps between held-out evaluations (0 = only before/after)
-    c.eval_sampled = True  # also report sampled pass@1 (greedy always)
-    c.checkpoint_every = 25  # steps between checkpoints (0 = only at the end)
-    c.keep_checkpoints = 3
-    c.async_checkpoints = True
-    c.take_timeout_s = 600.0  # learner waits at most this long for a batch
-    c.report = True  # write report.md + plots at the end
-    c.progress = True  # terminal progress bar
-    return c
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:

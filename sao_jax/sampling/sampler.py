@@ -46,7 +46,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
 from sao_jax import stop
@@ -97,33 +96,6 @@ class SamplerConfig:
                 raise ValueError("SamplerConfig.lockstep: deterministic mode needs num_workers=1")
         if not self.poll_s > 0:
             raise ValueError(f"SamplerConfig.poll_s: must be > 0, got {self.poll_s}")
-
-
-def sampling_section() -> ConfigDict:
-    """The `sampling` config section: EngineConfig and SamplerConfig fields, flat."""
-    placeholder = ml_collections.config_dict.placeholder
-    c = ConfigDict()
-    c.num_workers = 1  # sampler threads, each with its own engine and environments
-    c.num_slots = 4  # trajectories decoded together per worker
-    c.max_len = 128  # cache length = longest trajectory in tokens
-    c.max_turn_tokens = 64  # a model turn ends after this many tokens
-    c.prefill_buckets = ()  # prefill chunk widths; () = powers of two 8..max_len
-    c.span_buckets = ()  # cache read spans; () = powers of two 128..max_len; (max_len,) = off
-    c.lane_slots = 0  # the longest slots read their own longer span; 0 = off
-    c.steps_per_sync = 1  # decode steps between host checks (overshoot discarded)
-    c.temperature = 1.0  # 0 = greedy
-    c.top_k = 0  # 0 = off
-    c.top_p = 1.0  # 1 = off
-    c.record_routing = False  # record each token's experts (for rl.routing_replay)
-    c.add_bos = True  # prepend the tokenizer's BOS to every prompt
-    c.env_timeout_s = ml_collections.FieldReference(120.0, field_type=float)  # per env
-    # call (a tool run, a judge call), then the trajectory is dropped; None = no timeout
-    c.env_workers = 8  # env calls running at once per worker (off the decoding thread)
-    c.queue_size = 64  # finished trajectories buffered ahead of the learner
-    c.max_staleness = placeholder(int)  # drop if current - oldest version > this; None = off
-    c.max_env_errors = 8  # environment failures in a row before the sampler fails
-    c.lockstep = placeholder(int)  # deterministic mode: trajectories per version
-    return c
 
 
 def configs_from_section(section: ConfigDict, seed: int = 0) -> tuple[EngineConfig, SamplerConfig]:
