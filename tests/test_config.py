@@ -7,6 +7,7 @@ from sao_jax.configs.models import tiny
 from sao_jax import config as config_lib
 from sao_jax import defaults
 from sao_jax.configs import base
+from sao_jax.rl.batch import check_divisible
 from sao_jax.schema import ConfigError
 
 
@@ -33,3 +34,16 @@ def test_a_field_the_defaults_lack_is_unknown():
     c.train.nonsense = 1
     with pytest.raises(ConfigError, match=r"config field train.nonsense: unknown field"):
         config_lib.check_fields(c)
+
+
+def test_one_division_rule_for_validator_run_check_and_batch():
+    with pytest.raises(
+        ConfigError, match=r"^x: 12 is not divisible by rl.minibatches \(2\) x the "
+    ):
+        check_divisible(12, "x", minibatches=2, shards=8)
+    check_divisible(16, "x", minibatches=2, shards=8)
+    c = base.get_config()
+    c.rl.update(batch_size=8, minibatches=2, microbatches=3)
+    want = r"config field rl.batch_size: 8 is not divisible by rl.minibatches \(2\) x rl.micro"
+    with pytest.raises(ConfigError, match=want):
+        config_lib.validate(c)

@@ -43,6 +43,26 @@ PACKED_FIELDS: dict[str, tuple[int, str, bool]] = {
 _PACK_INDEX = ("pack_row", "pack_start")
 
 
+def check_divisible(
+    rows: int, what: str, *, minibatches: int = 1, microbatches: int = 1, shards: int = 1
+) -> None:
+    """The one batch division rule: `rows` split into `minibatches` optimizer steps
+    (rl.minibatches), each accumulated over `microbatches` passes (rl.microbatches), each
+    pass spread evenly over `shards` data-parallel shards; so rows % (minibatches x
+    microbatches x shards) == 0. Raises ConfigError `what: rows is not divisible by ...`
+    naming the factors above 1. Used by the rl section's validator (no mesh yet),
+    `sao_jax.run.settings.check_run` (with the mesh) and `Learner.check_batch` (the batch).
+    """
+    factors = [
+        (f"rl.minibatches ({minibatches})", minibatches),
+        (f"rl.microbatches ({microbatches})", microbatches),
+        (f"the data-parallel shards ({shards})", shards),
+    ]
+    if rows % (minibatches * microbatches * shards):
+        named = " x ".join(name for name, n in factors if n > 1)
+        raise ConfigError(f"{what}: {rows} is not divisible by {named}")
+
+
 def check_batch(batch: dict[str, Any], *, need_groups: bool = False) -> None:
     """Raises ConfigError naming the first missing, extra, misshapen or mistyped field."""
     known = {**BATCH_FIELDS, **PACKED_FIELDS}

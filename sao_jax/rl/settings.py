@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from sao_jax.rl import advantages, losses
+from sao_jax.rl.batch import check_divisible
 from sao_jax.schema import ConfigDict, register_validator, require
 
 ORDERS = ("critic_first", "policy_first")
@@ -59,16 +60,11 @@ def _validate_section(config: ConfigDict) -> None:
     require(rl.microbatches >= 1, "rl.microbatches", f"must be >= 1, got {rl.microbatches}")
     require(rl.ppo_epochs >= 1, "rl.ppo_epochs", f"must be >= 1, got {rl.ppo_epochs}")
     require(rl.minibatches >= 1, "rl.minibatches", f"must be >= 1, got {rl.minibatches}")
-    require(
-        rl.batch_size % rl.minibatches == 0,
-        "rl.minibatches",
-        f"{rl.minibatches} does not divide rl.batch_size={rl.batch_size}",
-    )
-    require(
-        (rl.batch_size // rl.minibatches) % rl.microbatches == 0,
-        "rl.microbatches",
-        f"{rl.microbatches} does not divide the minibatch of rl.batch_size / rl.minibatches = "
-        f"{rl.batch_size // rl.minibatches} rows",
+    check_divisible(  # the mesh's shards too: sao_jax/run/settings.check_run
+        rl.batch_size,
+        "config field rl.batch_size",
+        minibatches=rl.minibatches,
+        microbatches=rl.microbatches,
     )
     require(rl.max_consecutive_skips >= 1, "rl.max_consecutive_skips", "must be >= 1")
     require(rl.moving_average_window >= 1, "rl.moving_average_window", "must be >= 1")

@@ -43,7 +43,7 @@ from sao_jax.rl import advantages as adv_lib
 from sao_jax.rl import gae, losses
 from sao_jax.rl import passes as P
 from sao_jax.rl import step_utils as U
-from sao_jax.rl.batch import check_batch
+from sao_jax.rl.batch import check_batch, check_divisible
 from sao_jax.rl.optim import (
     apply_updates,
     critic_frozen_labels,
@@ -150,20 +150,13 @@ class Learner:
     def check_batch(self, batch: dict[str, Any]) -> None:
         """Shape/dtype checks naming the field, before anything compiles."""
         check_batch(batch, need_groups=self.estimator.needs_groups)
-        b = batch["tokens"].shape[0]
         m, mini = self.rl.microbatches, self.rl.minibatches
         shards = self.sharder.axis_size("batch")
         packed = "packed_tokens" in batch  # model passes on packed rows (rl/packing.py)
-        if b % (mini * m * shards):
-            raise ConfigError(
-                f"batch: size {b} is not divisible by rl.minibatches ({mini}) x "
-                f"rl.microbatches ({m}) x the data-parallel shards ({shards})"
-            )
-        if packed and batch["packed_tokens"].shape[0] % (m * shards):
-            raise ConfigError(
-                f"batch: packed rows {batch['packed_tokens'].shape[0]} is not divisible by "
-                f"rl.microbatches ({m}) x the data-parallel shards ({shards})"
-            )
+        split = dict(microbatches=m, shards=shards)
+        check_divisible(batch["tokens"].shape[0], "batch size", minibatches=mini, **split)
+        if packed:
+            check_divisible(batch["packed_tokens"].shape[0], "packed rows of the batch", **split)
         forced = "packed_forced_experts" if packed else "forced_experts"
         if self.rl.routing_replay and forced not in batch:
             raise ConfigError(f"batch: rl.routing_replay is on but {forced!r} is missing")

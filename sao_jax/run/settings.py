@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any
 
+from sao_jax.rl.batch import check_divisible
 from sao_jax.rl.optim import TRAINABLE_SETS
 from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
@@ -174,11 +175,11 @@ def _check_value_pretrain(config: ConfigDict) -> None:
         "value_pretrain.sampler",
         f"must be one of {ROLLOUT_MODES}, got {v.sampler!r}",
     )
-    if "rl" in config:
-        require(
-            v.batch_size % config.rl.microbatches == 0,
-            "value_pretrain.batch_size",
-            f"{v.batch_size} is not divisible by rl.microbatches={config.rl.microbatches}",
+    if "rl" in config:  # the mesh's shards too: check_run
+        check_divisible(
+            v.batch_size,
+            "config field value_pretrain.batch_size",
+            microbatches=config.rl.microbatches,
         )
 
 
@@ -233,26 +234,25 @@ def check_run(config: ConfigDict, sharder) -> None:
             "directory holding tokenizer.json"
         )
     shards, micro = sharder.axis_size("batch"), config.rl.microbatches
-    mini = config.rl.minibatches
-    if config.rl.batch_size % (shards * micro * mini):
-        raise ConfigError(
-            f"config field rl.batch_size: {config.rl.batch_size} is not divisible by "
-            f"rl.minibatches ({mini}) x rl.microbatches ({micro}) x the data-parallel "
-            f"shards ({shards})"
-        )
+    check_divisible(
+        config.rl.batch_size,
+        "config field rl.batch_size",
+        minibatches=config.rl.minibatches,
+        microbatches=micro,
+        shards=shards,
+    )
     vp = config.value_pretrain
-    if vp.steps > 0 and vp.batch_size % (shards * micro):
-        raise ConfigError(
-            f"config field value_pretrain.batch_size: {vp.batch_size} is not divisible by "
-            f"rl.microbatches ({micro}) x the data-parallel shards ({shards})"
+    if vp.steps > 0:
+        check_divisible(
+            vp.batch_size,
+            "config field value_pretrain.batch_size",
+            microbatches=micro,
+            shards=shards,
         )
     if init.critic_path and not os.path.isdir(init.critic_path):
         raise ConfigError(
             f"config field init.critic_path: {init.critic_path!r} is not a directory (a "
             "run's <workdir>/warm_start_critic)"
         )
-    if init.kind == "sft" and config.sft.steps > 0 and config.sft.batch_size % shards:
-        raise ConfigError(
-            f"config field sft.batch_size: {config.sft.batch_size} is not divisible by the "
-            f"data-parallel shards ({shards})"
-        )
+    if init.kind == "sft" and config.sft.steps > 0:
+        check_divisible(config.sft.batch_size, "config field sft.batch_size", shards=shards)
