@@ -28,7 +28,7 @@ import ml_collections
 
 from sao_jax.models.config import ModelConfig
 from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
-from sao_jax.rl import losses
+from sao_jax.rl import advantages, losses
 from sao_jax.rl.optim import ATTENTION_PATTERNS
 from sao_jax.schema import ConfigDict
 
@@ -134,6 +134,16 @@ def rl_section() -> ConfigDict:
             name: dict(losses.LOSSES.get(name).params)
             for name in losses.LOSSES.names()
             if losses.LOSSES.get(name).kind == "policy" and losses.LOSSES.get(name).params
+        }
+    )
+    # Parameters of every advantage estimator, defaults from the estimator registry:
+    # impl of the critic-based ones = the GAE implementation ('auto': per backend,
+    # sao_jax/rl/gae.py; 'scan' | 'associative' | 'chunked').
+    c.estimators = ConfigDict(
+        {
+            name: dict(advantages.ESTIMATORS.get(name).params)
+            for name in advantages.ESTIMATORS.names()
+            if advantages.ESTIMATORS.get(name).params
         }
     )
     return c

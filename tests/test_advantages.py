@@ -164,3 +164,14 @@ def test_compute_advantages_jits_without_retrace():
     fn(x, jnp.full((B,), 0.5))
     fn(x, jnp.full((B,), 0.9))
     fn({**x, "values_bt": x["values_bt"] + 1}, jnp.full((B,), 0.9))
+
+
+def test_estimator_parameters_have_registry_defaults():
+    b = _batch(5)
+    assert adv.estimator("gae").params == {"impl": "auto"} and adv.estimator("grpo").params == {}
+    auto = adv.compute_advantages("gae", **b).advantages_bt
+    np.testing.assert_array_equal(auto, adv.compute_advantages("gae", impl=None, **b)[0])
+    scan = adv.compute_advantages("gae", impl="scan", **b).advantages_bt
+    np.testing.assert_allclose(scan, auto, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="unknown GAE implementation 'loop'"):
+        adv.compute_advantages("gae", impl="loop", **b)

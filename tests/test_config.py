@@ -8,6 +8,7 @@ from sao_jax import config as config_lib
 from sao_jax import defaults
 from sao_jax.configs import base
 from sao_jax.rl.batch import check_divisible
+from sao_jax.rl.settings import estimator_params
 from sao_jax.schema import ConfigError
 
 
@@ -46,4 +47,18 @@ def test_one_division_rule_for_validator_run_check_and_batch():
     c.rl.update(batch_size=8, minibatches=2, microbatches=3)
     want = r"config field rl.batch_size: 8 is not divisible by rl.minibatches \(2\) x rl.micro"
     with pytest.raises(ConfigError, match=want):
+        config_lib.validate(c)
+
+
+def test_estimator_parameters_are_set_from_the_config_like_loss_parameters():
+    c = base.get_config()
+    assert c.rl.estimators.to_dict() == {
+        name: {"impl": "auto"} for name in ("cross_observation", "gae", "step_last", "step_mean")
+    }
+    c.rl.estimators.gae.impl = "scan"
+    assert estimator_params(c.rl) == {"impl": "scan"}
+    config_lib.validate(c)
+    c = base.get_config()
+    c.rl.estimators.step_last.impl = "loop"
+    with pytest.raises(ConfigError, match=r"config field rl.estimators.step_last.impl: must be"):
         config_lib.validate(c)

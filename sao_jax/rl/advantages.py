@@ -20,6 +20,11 @@ They read `outcome_b` and broadcast the row's scalar advantage to its action tok
 at least one action token; rows without one get zero advantage everywhere, and their
 number is the metric `rows_without_actions`.
 
+`**params` are the estimator's own parameters, declared with their defaults in its
+registry entry (`Estimator.params`; the critic-based ones: `impl`, the GAE implementation,
+"auto" per backend); a run sets them as `rl.estimators.<name>.<param>` (sao_jax/defaults.py
+reads the defaults from the registry), as it sets a loss's as `rl.losses.<name>.<param>`.
+
 Metrics are name -> (sum, count) pairs of float32 scalars, reduced on the host.
 Whitening is a separate step: `whiten_advantages`.
 """
@@ -122,7 +127,10 @@ class Estimator:
     needs_outcome: bool = False  # per-row outcome_b
     needs_groups: bool = False  # group_ids_b
     needs_state: bool = False  # baseline_state
-    params: tuple[str, ...] = ()  # extra keyword parameters accepted
+    # Keyword parameters with their defaults, settable from the config
+    # (rl.estimators.<name>.<param>, sao_jax/defaults.py reads them from here).
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    arrays: tuple[str, ...] = ()  # keyword array inputs a caller may pass (not config)
 
 
 ESTIMATORS: rg.Registry[Estimator] = rg.Registry("advantage estimator")
@@ -144,7 +152,10 @@ def estimator(name: str) -> Estimator:
 _CRITIC = dict(needs_values=True, needs_rewards=True)
 
 
-@register("gae", params=("impl",), **_CRITIC)
+_IMPL = {"impl": "auto"}  # GAE implementation (sao_jax/rl/gae.py; "auto": per backend)
+
+
+@register("gae", params=_IMPL, **_CRITIC)
 def _gae(x: Inputs, impl: str | None = None) -> Advantages:
     a_bt, ret_bt = gae.skip_observation_gae(
         x.rewards_bt, x.values_bt, x.m_bt, gamma=x.gamma, lam=x.lam,
@@ -165,11 +176,11 @@ def _step(reduce: str):
     return fn
 
 
-register("step_mean", params=("impl",), **_CRITIC)(_step("mean"))
-register("step_last", params=("impl",), **_CRITIC)(_step("last"))
+register("step_mean", params=_IMPL, **_CRITIC)(_step("mean"))
+register("step_last", params=_IMPL, **_CRITIC)(_step("last"))
 
 
-@register("cross_observation", params=("impl", "token_mask_bt"), **_CRITIC)
+@register("cross_observation", params=_IMPL, arrays=("token_mask_bt",), **_CRITIC)
 def _cross(x: Inputs, impl: str | None = None, token_mask_bt=None) -> Advantages:
     a_bt, ret_bt = gae.cross_observation_gae(
         x.rewards_bt, x.values_bt, x.m_bt, gamma=x.gamma, lam=x.lam,
@@ -274,7 +285,8 @@ def compute_advantages(
     Arguments an estimator needs but got as None raise ValueError naming them.
     """
     entry = ESTIMATORS.get(name)
-    rg.check_params("advantage estimator", name, params, entry.params)
+    rg.check_params("advantage estimator", name, params, (*entry.params, *entry.arrays))
+    params = {**entry.params, **params}
     checked = rg.is_checked(checked)
     bt = rg.check_bt(action_mask_bt, "action_mask_bt")
     m_bt = rg.as_mask(action_mask_bt, "action_mask_bt", bt, checked)

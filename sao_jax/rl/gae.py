@@ -25,7 +25,8 @@ A_t = d_t + c_t * A_{t+1} (c_t = gamma*lam on actions, 1 on observations) evalua
 `lax.associative_scan`; and `impl="chunked"`, a closed form of the whole recursion as ONE
 recurrence solved in blocks of tokens with two small matmuls and a scan over blocks
 (sao_jax/rl/gae_chunked.py; rows with gamma*lam < 0.01, e.g. lam = 0, take the scan).
-`default_gae_impl(backend)` picks one per backend (docs/benchmarks.md, "GAE").
+`default_gae_impl(backend)` picks one per backend (docs/benchmarks.md, "GAE"): what
+`impl=None` or `impl="auto"` runs.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def _prepare(rewards_bt, values_bt, action_mask_bt, gamma, lam, last_value_b, ch
 
 
 def _check_impl(impl: str | None) -> str:
-    impl = default_gae_impl() if impl is None else impl
+    impl = default_gae_impl() if impl in (None, "auto") else impl
     if impl not in GAE_IMPLS:
         raise ValueError(f"impl: unknown GAE implementation {impl!r}; known: {list(GAE_IMPLS)}")
     return impl
@@ -212,7 +213,7 @@ def skip_observation_gae(
       lam: GAE lambda in [0, 1], a scalar or per-row [B] (`length_adaptive_lambda`).
       last_value_b: [B] bootstrap after the row's last token: V(last) for rows truncated
         by a length limit, 0 for terminated rows. Default zeros.
-      impl: "scan", "associative" or "chunked"; None: `default_gae_impl()`.
+      impl: "scan", "associative" or "chunked"; None or "auto": `default_gae_impl()`.
       checked: run value checks (None: the enclosing `checked_mode`).
 
     Returns:

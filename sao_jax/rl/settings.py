@@ -1,14 +1,15 @@
 """Checks of the `rl` config section, the algorithm of one update step.
 
 Its defaults (SAO's, docs/method.md sections 2-5), with a comment per field, are
-`rl_section` in sao_jax/defaults.py; `loss_params` reads the configured loss's parameters.
+`rl_section` in sao_jax/defaults.py; `loss_params` and `estimator_params` read the
+configured loss's and estimator's parameters.
 """
 
 from __future__ import annotations
 
 import math
 
-from sao_jax.rl import advantages, losses
+from sao_jax.rl import advantages, gae, losses
 from sao_jax.rl.batch import check_divisible
 from sao_jax.schema import ConfigDict, register_validator, require
 
@@ -27,10 +28,19 @@ LOSS_PARAM_RANGES = {
     "band_high": (lambda v: v > 1, "> 1"),
 }
 
+# Values the estimators' parameters may take (registry parameter name -> choices); a name
+# not listed is checked for its type only (against its default, sao_jax.config.check_fields).
+ESTIMATOR_PARAM_CHOICES = {"impl": ("auto", *gae.GAE_IMPLS)}
+
 
 def loss_params(rl: ConfigDict) -> dict:
     """Keyword parameters of the configured policy loss."""
     return dict(rl.losses[rl.policy_loss]) if rl.policy_loss in rl.losses else {}
+
+
+def estimator_params(rl: ConfigDict) -> dict:
+    """Keyword parameters of the configured advantage estimator."""
+    return dict(rl.estimators[rl.advantage]) if rl.advantage in rl.estimators else {}
 
 
 @register_validator("rl")
@@ -77,6 +87,12 @@ def _validate_section(config: ConfigDict) -> None:
             )
             ok, what = LOSS_PARAM_RANGES.get(key, (lambda v: v >= 0, ">= 0"))
             require(ok(value), field, f"must be {what}, got {value}")
+    for name, params in rl.estimators.items():
+        for key, value in params.items():
+            choices = ESTIMATOR_PARAM_CHOICES.get(key)
+            if choices is not None:
+                field = f"rl.estimators.{name}.{key}"
+                require(value in choices, field, f"must be one of {choices}, got {value!r}")
     if rl.routing_replay and "sampling" in config:
         require(
             config.sampling.record_routing,

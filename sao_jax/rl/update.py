@@ -51,7 +51,7 @@ from sao_jax.rl.optim import (
     schedule,
     update_count,
 )
-from sao_jax.rl.settings import loss_params
+from sao_jax.rl.settings import estimator_params, loss_params
 from sao_jax.rl.state import TrainState, init_state, state_shardings
 from sao_jax.rl.step_utils import (  # noqa: F401  (part of this module's API)
     Metrics,
@@ -96,6 +96,7 @@ class Learner:
                 f"config field rl.policy_loss: {rl.policy_loss!r} is not a policy loss"
             )
         self.loss_kwargs = loss_params(rl)
+        self.estimator_kwargs = estimator_params(rl)
         critic_shapes = critic_def.shapes() if self.uses_critic else {}
         self.critic_frozen = (
             critic_frozen_labels(critic_shapes, config.optim.critic) if self.uses_critic else None
@@ -196,6 +197,7 @@ class Learner:
             gamma=self.rl.gamma,
             lam=lam,
             eps=self.rl.group_eps,
+            **self.estimator_kwargs,
         )
 
     def _policy_lambda(self, batch):
