@@ -142,7 +142,7 @@ def compiled_check(config, cfg, mesh, rules, rows) -> list[str]:
 def cli_main() -> None:
     """The `sao-memory-plan` console script (a missing config file: one line, exit 2)."""
     flags.mark_flag_as_required("config")
-    app.run(main, flags_parser=lambda argv: app.parse_flags_with_usage(cli.config_argv(argv)))
+    app.run(main, flags_parser=cli.parse_config_flags)
 
 
 if __name__ == "__main__":

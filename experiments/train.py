@@ -21,7 +21,6 @@ JAX's cluster detection (--distributed=detect on a TPU pod; see experiments/laun
 """
 
 import logging
-import re
 import sys
 
 from absl import app, flags
@@ -74,26 +73,9 @@ def main(argv):
         sys.exit(f"FATAL {type(e).__name__}: {' '.join(str(e).split())}")
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, after a pre-flight load of --config: a missing config file or a
-    bad variant exits 2 with one line, and so does an override of a field the config lacks
-    (--config.rl.nonsense=1; config_flags raises a bare KeyError("'nonsense'")).
-    `--config=configs/<name>.py` also finds the shipped config outside a checkout."""
-    argv = cli.config_argv(argv)
-    try:
-        return app.parse_flags_with_usage(argv)
-    except (AttributeError, KeyError) as e:
-        key = next(iter(re.findall(r"'([^'\s]+)'", str(e))), str(e))
-        paths = [a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")]
-        named = [p for p in paths if key in p.split(".")] or paths
-        cli.input_error_exit(
-            f"config field {', '.join(named)}: unknown field", "FATAL Flags parsing error"
-        )
-
-
 def cli_main() -> None:
     """The `sao-train` console script."""
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=cli.parse_config_flags)
 
 
 if __name__ == "__main__":

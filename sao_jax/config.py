@@ -20,6 +20,7 @@ import ast
 import importlib
 import importlib.util
 import pathlib
+import traceback
 from typing import Any
 
 from sao_jax.schema import VALIDATORS, ConfigDict, ConfigError
@@ -99,25 +100,73 @@ def resolve_config_path(spec: str) -> str:
 
 def config_module(path: str, function: str) -> tuple[Any, str | None]:
     """(module, arg) of a config file given as ``file[:arg]``; the module must define
-    `function` (get_config, get_sweep). ConfigError names a missing file or function.
-    'configs/<name>.py' that is not under the working directory is the shipped config
-    (resolve_config_path), in a checkout and an installed package alike."""
+    `function` (get_config, get_sweep). ConfigError names a missing file or function, and
+    a file that does not parse or import (with the line). 'configs/<name>.py' that is not
+    under the working directory is the shipped config (resolve_config_path), in a checkout
+    and an installed package alike."""
     file, _, arg = resolve_config_path(path).partition(":")
     p = pathlib.Path(file)
     if not p.is_file():
         raise ConfigError(f"config file {file!r} does not exist")
     spec = importlib.util.spec_from_file_location(f"_sao_config_{p.stem}", p)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:  # the file itself, or a module it imports
+        where = _where(p, e.filename, e.lineno)
+        raise ConfigError(f"config file {where}: does not parse: {e.msg}") from None
+    except Exception as e:
+        raise ConfigError(f"config file {_failure(e, p, 'does not import')}") from None
     if not hasattr(module, function):
         raise ConfigError(f"config file {file!r} defines no {function}(arg)")
     return module, arg or None
 
 
+def _where(file: pathlib.Path, filename: str | None, lineno: int | None) -> str:
+    """'file:line' when the line is in the config file, else 'file (at other:line)'."""
+    if not filename or lineno is None:
+        return str(file)
+    if pathlib.Path(filename).resolve() == file.resolve():
+        return f"{file}:{lineno}"
+    return f"{file} (at {filename}:{lineno})"
+
+
+def _failure(e: BaseException, file: pathlib.Path, what: str) -> str:
+    """'<where>: <what>: <Type>: <message>' of an exception raised while running a config
+    file; where: the innermost traceback frame in the config's folder (the file, or a
+    config it builds on), else the innermost frame."""
+    frames = traceback.extract_tb(e.__traceback__)
+    folder = file.resolve().parent
+    ours = [f for f in frames if pathlib.Path(f.filename).resolve().is_relative_to(folder)]
+    frame = (ours or frames)[-1] if frames else None
+    where = _where(file, frame and frame.filename, frame and frame.lineno)
+    message = " ".join(str(e).split())
+    return f"{where}: {what}: {type(e).__name__}" + (f": {message}" if message else "")
+
+
 def load_config(path: str) -> ConfigDict:
-    """Loads ``path[:arg]`` (a configs/*.py file) the way `config_flags` does."""
+    """Loads ``path[:arg]`` (a configs/*.py file) the way `config_flags` does.
+
+    Raises:
+      ConfigError: the file is missing, does not parse or import, its get_config raises
+        (a ConfigError as it is; anything else named with the file and line) or returns
+        something other than a ConfigDict.
+    """
     module, arg = config_module(path, "get_config")
-    return module.get_config(arg)
+    file = resolve_config_path(path).partition(":")[0]
+    try:
+        config = module.get_config(arg)
+    except ConfigError:
+        raise
+    except Exception as e:  # e.g. a wrongly typed value: "Could not override field ..."
+        failure = _failure(e, pathlib.Path(file), f"get_config({arg!r}) raised")
+        raise ConfigError(f"config file {failure}") from None
+    if not isinstance(config, ConfigDict):
+        raise ConfigError(
+            f"config file {file}: get_config({arg!r}) returned {type(config).__name__}, "
+            "not an ml_collections.ConfigDict"
+        )
+    return config
 
 
 def validate(config: ConfigDict) -> ConfigDict:

@@ -1,5 +1,7 @@
-"""Bad input through the real entry point: one line naming the file, line or field, exit 2,
-no traceback, and no workdir left behind. Each case stops before any model is built."""
+"""Bad input: one line naming the file, line or field, exit 2, no traceback, and no workdir
+left behind. The config loading and override errors run in process (the entry points' flag
+parser, `cli.parse_config_flags`, on a FlagValues of their own); the real entry point runs
+as subprocesses, each case stopping before any model is built."""
 
 import json
 import pathlib
@@ -7,8 +9,14 @@ import subprocess
 import sys
 
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
+from sao_jax import cli
 from tests.chat_support import write_jsonl, write_tokenizer
+
+# config_flags loads config files with importlib's deprecated load_module()
+pytestmark = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -51,7 +59,8 @@ def _cases(root, good, bad):
         ),
         "missing field in a row": (
             ["--config=configs/sao.py:smoke", *_dataset(bad)],
-            f"error: config field data.train: {bad}:2: missing field 'answer'",
+            f"error: config field data.fields.answer: {bad}:2: missing field 'answer'; the row "
+            "has ['question']",
         ),
         "unknown reward": (
             ["--config=configs/sao.py:smoke",
@@ -66,6 +75,10 @@ def _cases(root, good, bad):
             ["--config=configs/sao.py:smoke", *_dataset(good, root / "chat_tok")],
             "no user role here",
         ),
+        "an override of the wrong type": (
+            ["--config=configs/sao.py:smoke", "--config.sft.steps=zero"],
+            "error: config field sft.steps: cannot set it to 'zero': invalid literal for int()",
+        ),
         "tokenizer without a required chat template": (
             ["--config=configs/sao.py:smoke",
              *_dataset(good, root / "plain_tok", "--config.init.chat_template=tokenizer")],
@@ -77,11 +90,11 @@ def _cases(root, good, bad):
 def test_input_errors_are_one_line_exit_2(files, tmp_path):
     root, good, bad = files
     cases = list(_cases(root, good, bad).items())
-    for start in range(0, len(cases), 4):  # 4 processes at a time (memory)
+    for start in range(0, len(cases), 5):  # 5 processes at a time (memory)
         procs = {}
-        for i, (name, (flags, want)) in enumerate(cases[start : start + 4], start):
+        for i, (name, (argv, want)) in enumerate(cases[start : start + 5], start):
             workdir = tmp_path / f"w{i}"
-            cmd = [sys.executable, "-m", "experiments.train", *flags, f"--workdir={workdir}"]
+            cmd = [sys.executable, "-m", "experiments.train", *argv, f"--workdir={workdir}"]
             pipe = subprocess.PIPE
             proc = subprocess.Popen(cmd, cwd=REPO, stdout=pipe, stderr=pipe, text=True)
             procs[name] = (proc, want, workdir)
@@ -92,3 +105,75 @@ def test_input_errors_are_one_line_exit_2(files, tmp_path):
             assert len(lines) == 1 and "Traceback" not in err, (name, err)
             assert want in lines[0], (name, lines[0])
             assert not workdir.exists(), name
+
+
+# ----------------------------------------------------------- config loading, in process
+
+
+def _parse(capsys, *argv):
+    """(exit status or None, stderr lines, FlagValues) of the entry points' flag parser."""
+    fv, argv = flags.FlagValues(), ["train", *argv]
+    config_flags.DEFINE_config_file("config", None, "run config", flag_values=fv, sys_argv=argv)
+    flags.DEFINE_string("workdir", None, "run directory", flag_values=fv)
+    try:
+        cli.parse_config_flags(argv, flag_values=fv)
+        code = None
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.splitlines(), fv
+
+
+OVERRIDES = {  # overrides of configs/sao.py:smoke -> the one line they exit 2 with
+    ("--config.sft.steps=0", "--config.data.promt_format=x"): (
+        "error: config field data.promt_format: unknown field (did you mean data.prompt_format?)"
+    ),
+    ("--config.rl.nonsense=1", "--config.sft.steps=0", "--config.trian.x=2"): (
+        "error: config field rl.nonsense: unknown field; config field trian.x: unknown field "
+        "(did you mean train?)"
+    ),
+    ("--config.sft.steps=zero",): (
+        "error: config field sft.steps: cannot set it to 'zero': invalid literal for int() "
+        "with base 10: 'zero'"
+    ),
+    ("--config.sft.steps=3", "--workdirr=x"): "error: flags: Unknown command line flag 'workdirr'",
+}
+
+
+@pytest.mark.parametrize("overrides", list(OVERRIDES), ids=" ".join)
+def test_override_errors_name_only_the_bad_overrides(capsys, overrides):
+    code, lines, _ = _parse(capsys, "--config=configs/sao.py:smoke", *overrides)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(OVERRIDES[overrides]), lines[0]
+
+
+def test_good_overrides_parse(capsys):
+    code, lines, fv = _parse(capsys, "--config=configs/sao.py:smoke", "--config.sft.steps=3")
+    assert code is None and not lines
+    assert fv.config.sft.steps == 3
+
+
+BROKEN_CONFIGS = {  # file text -> the end of the one line (after "error: config file <f>")
+    "def get_config(arg=None):\n    return (\n": ":2: does not parse: '(' was never closed",
+    "import no_such_module_xyz\n": (
+        ":1: does not import: ModuleNotFoundError: No module named 'no_such_module_xyz'"
+    ),
+    "def get_config(arg=None):\n    raise RuntimeError('boom')\n": (
+        ":2: get_config(None) raised: RuntimeError: boom"
+    ),
+    "def get_config(arg=None):\n    return None\n": (
+        ": get_config(None) returned NoneType, not an ml_collections.ConfigDict"
+    ),
+    "from sao_jax.configs import base\n\n\ndef get_config(arg=None):\n    c = base.get_config()"
+    "\n    c.rl.batch_size = 'big'\n    return c\n": (
+        ":6: get_config(None) raised: TypeError: Could not override field 'batch_size'"
+    ),
+}
+
+
+@pytest.mark.parametrize("text", list(BROKEN_CONFIGS), ids=range(len(BROKEN_CONFIGS)))
+def test_a_broken_config_file_is_named_with_its_line(capsys, tmp_path, text):
+    path = tmp_path / "mine.py"
+    path.write_text(text)
+    code, lines, _ = _parse(capsys, f"--config={path}")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: config file {path}{BROKEN_CONFIGS[text]}"), lines[0]

@@ -144,12 +144,23 @@ def test_prompt_format_fills_fields(tmp_path, jsonl):
 
 OK = {"question": "a", "answer": "#### 1"}
 BAD_ROWS = [
-    ([OK, {"question": "b"}], {}, r"bad.jsonl:2: missing field 'answer'"),
+    (
+        [OK, {"question": "b"}],
+        {},
+        r"^config field data.fields.answer: .*bad.jsonl:2: missing field 'answer'; the row has "
+        r"\['question'\]$",
+    ),
+    (
+        [OK],
+        {"fields__prompt": "questoin"},
+        r"^config field data.fields.prompt: .*bad.jsonl:1: missing field 'questoin'; the row "
+        r"has \['question', 'answer'\]$",
+    ),
     (["[1, 2]"], {}, r"bad.jsonl:1: a row must be a JSON object"),
     (["{oops"], {}, r"bad.jsonl:1: not valid JSON"),
     ([{"question": "a", "answer": "x"}] * 3, {}, r"bad.jsonl:\d: field 'answer' does not match"),
-    ([OK] * 3, {"prompt_format": "{nope}"}, r"bad.jsonl:1: missing field 'nope'"),
-    ([OK] * 3, {"fields__id": "uid"}, r"missing field 'uid'"),
+    ([OK] * 3, {"prompt_format": "{nope}"}, r"data.prompt_format: .*:1: missing field 'nope'"),
+    ([OK] * 3, {"fields__id": "uid"}, r"^config field data.fields.id: .*missing field 'uid'"),
 ]
 
 
@@ -164,7 +175,8 @@ def test_bad_rows_are_named_by_file_line_and_field(tmp_path, rows, overrides, er
 
 def test_bad_files_and_fields(tmp_path, jsonl):
     pq.write_table(_table([{"question": "a"}]), tmp_path / "x.parquet")
-    with pytest.raises(ConfigError, match=r"x.parquet: missing field 'answer'; columns"):
+    want = r"config field data.fields.answer: .*x.parquet: missing field 'answer'; columns"
+    with pytest.raises(ConfigError, match=want):
         run_prompts(_config(tmp_path / "x.parquet"))
     pq.write_table(_table([{"question": "a", "answer": None}] * 2), tmp_path / "n.parquet")
     with pytest.raises(ConfigError, match=r"n.parquet: row 0: missing field 'answer'"):

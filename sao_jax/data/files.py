@@ -25,7 +25,7 @@ import json
 import pathlib
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,15 @@ FORMATS = ("jsonl", "parquet", "hf_disk")
 
 class DataError(ValueError):
     """A dataset file, row or field is missing or malformed; the message names it."""
+
+
+class MissingField(DataError):
+    """A row lacks a field the FieldMap needs; `field` is the row field, `setting` the
+    config field that asks for it (FieldMap.required)."""
+
+    def __init__(self, message: str, field: str, setting: str):
+        super().__init__(message)
+        self.field, self.setting = field, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,16 +68,28 @@ class FieldMap:
                 raise DataError(f"config field data.answer_regex: not a regex: {e}") from None
 
     @property
-    def required(self) -> tuple[str, ...]:
-        """Every field a row must have: the mapped ones and those prompt_format names."""
+    def required(self) -> dict[str, str]:
+        """Every field a row must have (the mapped ones and those prompt_format names),
+        each with the config field that asks for it, in that order."""
         try:
             named = [f for _, f, _, _ in string.Formatter().parse(self.prompt_format) if f]
         except ValueError as e:
             raise DataError(f"config field data.prompt_format: {e}") from None
         named = [re.split(r"[.\[]", f, maxsplit=1)[0] for f in named]  # "{a.b}" needs a
         named = [f for f in named if f != "prompt"]  # {prompt} is the prompt field's text
-        names = (self.prompt or self.messages, self.answer, self.id, *self.meta, *named)
-        return tuple(dict.fromkeys(n for n in names if n))
+        text = ("data.fields.prompt", self.prompt) if self.prompt else None
+        names = [
+            text or ("data.fields.messages", self.messages),
+            ("data.fields.answer", self.answer),
+            ("data.fields.id", self.id),
+            *(("data.fields.meta", m) for m in self.meta),
+            *(("data.prompt_format", n) for n in named),
+        ]
+        out: dict[str, str] = {}
+        for setting, name in names:
+            if name:
+                out.setdefault(name, setting)
+        return out
 
 
 def detect_format(path: str | pathlib.Path) -> str:
@@ -100,7 +121,7 @@ def detect_format(path: str | pathlib.Path) -> str:
 class JsonlRows:
     """Random access to the JSON objects of a JSONL file (blank lines are skipped)."""
 
-    def __init__(self, path: str | pathlib.Path, required: Sequence[str]):
+    def __init__(self, path: str | pathlib.Path, required: Mapping[str, str]):
         self.path = pathlib.Path(path)
         offsets, lines = [], []
         try:
@@ -119,16 +140,20 @@ class JsonlRows:
         self._offsets = np.asarray(offsets, np.int64)
         self.lines = np.asarray(lines, np.int64)
 
-    def _check(self, raw: bytes, lineno: int, required: Sequence[str]) -> None:
+    def _check(self, raw: bytes, lineno: int, required: Mapping[str, str]) -> None:
         try:
             row = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{self.path}:{lineno}: not valid JSON: {e}") from None
         if not isinstance(row, dict):
             raise DataError(f"{self.path}:{lineno}: a row must be a JSON object")
-        for field in required:
+        for field, setting in required.items():
             if row.get(field) is None:
-                raise DataError(f"{self.path}:{lineno}: missing field {field!r}")
+                raise MissingField(
+                    f"{self.path}:{lineno}: missing field {field!r}; the row has {list(row)}",
+                    field,
+                    setting,
+                )
 
     def where(self, i: int) -> str:
         return f"{self.path}:{int(self.lines[i])}"
@@ -145,7 +170,7 @@ class JsonlRows:
 class ArrowRows:
     """Random access to the rows of an Arrow table (Parquet, save_to_disk folders)."""
 
-    def __init__(self, path: str | pathlib.Path, fmt: str, required: Sequence[str]):
+    def __init__(self, path: str | pathlib.Path, fmt: str, required: Mapping[str, str]):
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -153,15 +178,22 @@ class ArrowRows:
         table = _read_parquet(self.path) if fmt == "parquet" else _read_hf_disk(self.path)
         missing = [f for f in required if f not in table.column_names]
         if missing:
-            raise DataError(
-                f"{self.path}: missing field {missing[0]!r}; columns: {table.column_names}"
+            raise MissingField(
+                f"{self.path}: missing field {missing[0]!r}; columns: {table.column_names}",
+                missing[0],
+                required[missing[0]],
             )
         table = table.select(list(required))
-        for field in required:
+        for field, setting in required.items():
             nulls = pc.is_null(table[field])
             if pc.any(nulls).as_py():
                 row = int(pc.index(nulls, pa.scalar(True)).as_py())
-                raise DataError(f"{self.path}: row {row}: missing field {field!r}")
+                raise MissingField(
+                    f"{self.path}: row {row}: missing field {field!r} (null); columns: "
+                    f"{table.column_names}",
+                    field,
+                    setting,
+                )
         if table.num_rows == 0:
             raise DataError(f"{self.path}: no rows")
         self._table = table

@@ -58,6 +58,8 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, 
 def _rows(path: str, data: ConfigDict, fields: files.FieldMap, field: str):
     try:
         return files.open_rows(path, data.format, fields)
+    except files.MissingField as e:  # the setting that asks for the field, not the file
+        raise ConfigError(f"config field {e.setting}: {e}") from None
     except files.DataError as e:
         raise ConfigError(f"config field data.{field}: {e}") from None
 
