@@ -178,7 +178,7 @@ def validate(config: ConfigDict) -> ConfigDict:
     """
     check_fields(config)
     _import_validators()
-    for section, fn in sorted(VALIDATORS.items()):
+    for section, fn in VALIDATORS.items():
         if section in config:
             fn(config)
     config.lock()

@@ -181,7 +181,7 @@ def sampling_section() -> ConfigDict:
 def env_section() -> ConfigDict:
     """The task (sao_jax/envs/), its prompts' difficulty, the held-out split."""
     c = ConfigDict()
-    c.name = "arithmetic"  # a registered task (sao_jax/envs/tasks.py) or 'pkg.module:Task'
+    c.name = "arithmetic"  # a registered task (sao_jax/envs/registry.py) or 'pkg.module:Task'
     c.params = ConfigDict(dict(max_turns=4))  # env constructor arguments
     c.prompts = ConfigDict(dict(n_ops=(2, 2), operand_range=(2, 99)))  # difficulty
     c.eval_fraction = 0.1  # share of the problem space held out (by uid hash)

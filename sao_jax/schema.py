@@ -1,8 +1,9 @@
 """Config errors and per-section validators (the leaf every config-consuming module imports).
 
-`sao_jax.config.validate` runs the validators registered here; keeping them in this
-dependency-free module lets each section's checks live beside the code that consumes
-the section without import cycles.
+`sao_jax.config.validate` runs the validators registered here (a registry of the one
+mechanism, sao_jax/registry.py); keeping them in this module, which imports nothing of
+the project but that registry, lets each section's checks live beside the code that
+consumes the section without import cycles.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import ml_collections
+
+from sao_jax.registry import Registry
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -20,14 +23,15 @@ class ConfigError(ValueError):
 
 
 Validator = Callable[[ConfigDict], None]
-VALIDATORS: dict[str, Validator] = {}
+# Section name -> its validator (a module reloaded registers its validator again).
+VALIDATORS: Registry[Validator] = Registry("config section validator", replace=True)
 
 
 def register_validator(section: str) -> Callable[[Validator], Validator]:
     """Registers `fn(config)` to check the top-level `section` of a run config."""
 
     def wrap(fn: Validator) -> Validator:
-        VALIDATORS[section] = fn
+        VALIDATORS.register(section, fn)
         return fn
 
     return wrap

@@ -1,14 +1,18 @@
 """The one default config (sao_jax/defaults.py): configs/base.py is it plus the embedded
 model, it validates, and `validate` checks field names and types against it."""
 
+import sys
+
+import numpy as np
 import pytest
 from sao_jax.configs.models import tiny
 
 from sao_jax import config as config_lib
 from sao_jax import defaults
 from sao_jax.configs import base
+from sao_jax.rl import advantages, losses
 from sao_jax.rl.batch import check_divisible
-from sao_jax.rl.settings import estimator_params
+from sao_jax.rl.settings import estimator_params, loss_params
 from sao_jax.schema import ConfigError
 
 
@@ -62,3 +66,62 @@ def test_estimator_parameters_are_set_from_the_config_like_loss_parameters():
     c.rl.estimators.step_last.impl = "loop"
     with pytest.raises(ConfigError, match=r"config field rl.estimators.step_last.impl: must be"):
         config_lib.validate(c)
+
+
+MY_PARTS = """
+import jax.numpy as jnp
+
+from sao_jax.rl import advantages, losses
+
+
+@losses.register("my_dis", {"eps_l": 0.2, "eps_h": 4.0})
+def my_dis(x, eps_l, eps_h):
+    keep_bt = x.m_bt & (jnp.abs(x.logp_bt - x.rollout_logp_bt) < eps_h)
+    return losses.TokenLoss(-jnp.where(keep_bt, x.adv_bt * x.logp_bt, 0.0), keep_bt, {})
+
+
+@advantages.register("my_baseline", needs_outcome=True, params={"scale": 1.0})
+def my_baseline(x, scale):
+    a_bt = jnp.where(x.m_bt, x.outcome_b[:, None] * scale, 0.0)
+    return advantages.Advantages(a_bt, None, x.baseline_state, {})
+"""
+MY_CONFIG = """
+import my_rl_parts  # noqa: F401 (registers my_dis and my_baseline)
+
+from sao_jax.configs import base
+
+
+def get_config(arg=None):
+    c = base.get_config()
+    c.rl.policy_loss = "my_dis"
+    c.rl.losses.my_dis.eps_l = 0.1
+    c.rl.advantage = "my_baseline"
+    c.rl.estimators.my_baseline.scale = 2.0
+    return c
+"""
+
+
+def test_a_loss_and_an_estimator_are_one_file_plus_a_config(tmp_path, monkeypatch):
+    for registry in (losses.LOSSES, advantages.ESTIMATORS):  # forgotten after the test
+        monkeypatch.setattr(registry, "_entries", dict(registry._entries))
+    (tmp_path / "my_rl_parts.py").write_text(MY_PARTS)
+    (tmp_path / "mine.py").write_text(MY_CONFIG)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        c = config_lib.validate(config_lib.load_config(str(tmp_path / "mine.py")))
+    finally:
+        sys.modules.pop("my_rl_parts", None)
+    assert loss_params(c.rl) == {"eps_l": 0.1, "eps_h": 4.0}
+    assert estimator_params(c.rl) == {"scale": 2.0}
+    m_bt = np.array([[False, True, True]])
+    a = advantages.compute_advantages(
+        "my_baseline", rewards_bt=None, outcome_b=np.ones(1, np.float32), action_mask_bt=m_bt,
+        **estimator_params(c.rl),
+    )  # fmt: skip
+    np.testing.assert_array_equal(a.advantages_bt, [[0.0, 2.0, 2.0]])
+    logp_bt = np.full((1, 3), -1.0, np.float32)
+    loss, metrics = losses.policy_loss(
+        "my_dis", logp_bt=logp_bt, rollout_logp_bt=logp_bt, advantages_bt=a.advantages_bt,
+        action_mask_bt=m_bt, **loss_params(c.rl),
+    )  # fmt: skip
+    assert float(loss) == 2.0 and float(metrics["keep_rate"][0]) == 2.0

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from sao_jax.envs import arithmetic as A
 from sao_jax.envs import calculator
 from sao_jax.envs.base import Env
-from sao_jax.envs.registry import ENV_NAMES, make_env
+from sao_jax.envs.registry import get_task, make_env, task_names
 from sao_jax.text.tokenizer import CharTokenizer
 
 
@@ -213,12 +213,14 @@ def test_imperfect_demonstrations_leave_headroom():
 
 
 def test_registry():
-    assert ENV_NAMES == ("arithmetic", "arithmetic_levels", "python_tool", "style")
-    for name in ENV_NAMES:
+    procedural = ("arithmetic", "arithmetic_levels", "python_tool", "style")  # built-in
+    assert set(procedural) <= set(task_names())
+    for name in procedural:
+        assert get_task(name).prompts is not None
         env = make_env(name)
         assert isinstance(env, Env) and env.max_turns >= 1 and env.stop_strings
     assert make_env("arithmetic", max_turns=6).max_turns == 6
-    with pytest.raises(ValueError, match="arithmetic, arithmetic_levels, python_tool, style"):
+    with pytest.raises(ValueError, match="unknown task 'chess'; known: .*arithmetic_levels"):
         make_env("chess")
     with pytest.raises(ValueError, match="bad parameters"):
         make_env("arithmetic", turns=3)

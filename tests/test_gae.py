@@ -9,7 +9,7 @@ from hypothesis import given, settings
 
 from sao_jax.rl import gae
 from sao_jax.rl import gae_chunked as gc
-from sao_jax.rl.registry import checked_mode
+from sao_jax.rl.checks import checked_mode
 from tests import rl_reference as ref
 
 B, T = 5, 24  # one shape for the property tests: one compile per implementation

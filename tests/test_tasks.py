@@ -6,7 +6,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from sao_jax.envs import python_tool, tasks, tool_calls
+from sao_jax.envs import python_tool, tool_calls
+from sao_jax.envs import registry as tasks
 from sao_jax.envs.answer import AnswerEnv
 from sao_jax.envs.base import Prompt, StepResult
 from sao_jax.envs.registry import env_factory, make_env
@@ -45,7 +46,7 @@ def test_unknown_names_are_refused_naming_them():
 
 MODULE = """
 from sao_jax.envs.base import StepResult
-from sao_jax.envs.tasks import Reward, register_reward, register_task
+from sao_jax.envs.registry import Reward, register_reward, register_task
 
 
 class EchoEnv:

@@ -24,9 +24,8 @@ from typing import Any
 import grain
 import numpy as np
 
-from sao_jax.envs import registry  # noqa: F401 (registers the built-in tasks)
 from sao_jax.envs.base import Prompt
-from sao_jax.envs.tasks import RegistryError, get_task
+from sao_jax.envs.registry import RegistryError, get_task
 
 SPLITS = ("train", "eval")
 DEFAULT_TRAIN_SIZE = 1 << 20  # distinct indices per epoch of a train source
@@ -42,7 +41,7 @@ def split_of(uid: str, eval_fraction: float = 0.1) -> str:
 
 def prompt_sampler(env_name: str, **params: Any):
     """`sample(rng) -> Prompt` of a registered task's built-in prompts; params set the
-    difficulty (sao_jax/envs/registry.py lists each task's)."""
+    difficulty (each task's `task_prompts` in its module lists them)."""
     try:
         task = get_task(env_name)
     except RegistryError as e:

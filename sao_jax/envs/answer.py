@@ -1,7 +1,7 @@
 r"""Prompts with reference answers (a dataset): answer, optionally after Python tool calls.
 
 The task for file-backed datasets (GSM8K, MATH, code problems): the policy answers the
-prompt in one turn, scored by a reward registered in sao_jax/envs/tasks.py (`math`,
+prompt in one turn, scored by a reward registered in sao_jax/envs/registry.py (`math`,
 `exact_match`, `code_tests` or an import path). With `tools=("python",)` it may first
 call a Python interpreter (sandbox.run_python) any number of turns, up to `max_turns`.
 
@@ -24,8 +24,8 @@ from typing import Any
 from sao_jax.envs import sandbox, tool_calls
 from sao_jax.envs.base import Prompt, StepResult
 from sao_jax.envs.python_tool import render_output
+from sao_jax.envs.registry import make_reward, register_task
 from sao_jax.envs.rewards import last_code_block
-from sao_jax.envs.tasks import make_reward
 
 TOOLS = ("python",)
 PYTHON_TOOL = {
@@ -144,3 +144,7 @@ class AnswerEnv:
         info.update(success=success, target=self._prompt.answer, tool_calls=self._calls)
         self._prompt = None
         return StepResult("", float(reward), True, info)
+
+
+# Datasets: prompts come from data.train (JSONL / Parquet / HF datasets directory).
+register_task("answer", env=AnswerEnv, chat=True, rewards=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import operator
 import re
 from typing import Any
@@ -29,6 +30,7 @@ import numpy as np
 
 from sao_jax.envs import calculator
 from sao_jax.envs.base import Prompt, StepResult
+from sao_jax.envs.registry import register_task
 
 QUESTION, CALL, RESULT, ANSWER, ERROR = "q:", "c:", "r:", "a:", "e:"
 STOP_STRINGS = ("\n",)
@@ -298,3 +300,21 @@ def demonstration(
         if result.observation:
             segments.append((result.observation, False))
     return segments
+
+
+# ------------------------------------------------------------------------------ the task
+
+
+def task_prompts(_defaults: dict[str, Any] | None = None, **params: Any):
+    """`sample(rng)` of arithmetic problems; params: n_ops, operand_range, ops, parens
+    (`_defaults` under them: another task's difficulty, python_tool's)."""
+    try:
+        p = make_params(**{**(_defaults or {}), **params})
+    except TypeError as e:
+        raise ValueError(
+            f"prompt_source: bad arithmetic parameters {sorted(params)}: {e}"
+        ) from None
+    return functools.partial(sample_prompt, params=p)
+
+
+register_task("arithmetic", env=ArithmeticEnv, prompts=task_prompts, demonstrations=demonstration)

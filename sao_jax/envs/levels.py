@@ -33,6 +33,7 @@ calculator env's codes (`e:bad`, `e:syntax`, ...). Reward 1.0 for a correct `a:`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ import numpy as np
 from sao_jax.envs import arithmetic as A
 from sao_jax.envs import calculator
 from sao_jax.envs.base import Prompt, StepResult
+from sao_jax.envs.registry import register_task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,3 +289,27 @@ def demonstration(
             break
         segments.append((result.observation, False))
     return segments
+
+
+# ------------------------------------------------------------------------------ the task
+
+
+def task_prompts(**params: Any):
+    """`sample(rng)` of graded problems; params: levels (subset of LEVELS), weights."""
+    unknown = set(params) - {"levels", "weights"}
+    if unknown:
+        raise ValueError(f"prompt_source: unknown arithmetic_levels parameters {sorted(unknown)}")
+    lv = tuple(params.get("levels", tuple(LEVELS)))
+    weights = params.get("weights")
+    weights = None if weights is None else tuple(weights)
+    check_levels(lv, weights)
+    return functools.partial(sample_prompt, levels=lv, weights=weights)
+
+
+def _demonstration(prompt, rng, *, error_rate: float = 0.0):
+    return demonstration(prompt, rng, error_rate=error_rate)
+
+
+register_task(
+    "arithmetic_levels", env=LevelsEnv, prompts=task_prompts, demonstrations=_demonstration
+)

@@ -21,6 +21,7 @@ from typing import Any
 
 from sao_jax.envs import arithmetic, sandbox, tool_calls
 from sao_jax.envs.base import Prompt, StepResult
+from sao_jax.envs.registry import register_task
 
 CODE_OPEN, FENCE_CLOSE, OUTPUT_OPEN = "```python\n", "```\n", "```output\n"
 STOP_STRINGS = (FENCE_CLOSE,)
@@ -174,3 +175,19 @@ def demonstration(prompt: Prompt, **env_kwargs: Any) -> list[tuple[str, bool]]:
     answer_turn = f"{arithmetic.ANSWER}{answer}\n"
     env.step(answer_turn)
     return [*segments, (answer_turn, True)]
+
+
+# ------------------------------------------------------------------------------ the task
+
+
+def task_prompts(**params: Any):
+    """Arithmetic problems, harder by default (two or three operations on 10..999)."""
+    return arithmetic.task_prompts({"n_ops": (2, 3), "operand_range": (10, 999)}, **params)
+
+
+def _demonstration(prompt, rng, *, error_rate: float = 0.0):
+    del rng, error_rate  # always correct (the sandbox output is real)
+    return demonstration(prompt)
+
+
+register_task("python_tool", env=PythonToolEnv, prompts=task_prompts, demonstrations=_demonstration)

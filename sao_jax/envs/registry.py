@@ -1,124 +1,171 @@
-"""The built-in tasks, one `register_task` call each, and envs by name.
+"""The registry of tasks and rewards: register once, pick by name or by import path.
+
+A task bundles what a run needs to train on it: the environment, its built-in
+(procedural) prompt generator if it has one, and its SFT demonstration builder if it has
+one. A new task is one module with one call, and no edit anywhere else:
+
+    # my_pkg/tasks.py
+    from sao_jax.envs.registry import register_task
+    MY_TASK = register_task("my_task", env=MyEnv, prompts=my_sampler, demonstrations=my_demo)
+
+and a run picks it with `--config.env.name=my_pkg.tasks:MY_TASK` (an import path:
+`module:attribute`, the attribute a Task, or an Env class, i.e. a task with an env
+only), or with `env.name=my_task` once `my_pkg.tasks` is imported (a config file that
+imports it). Each built-in task registers itself at the end of its own module
+(arithmetic, levels, python_tool, style, answer: `BUILTIN_TASKS`), imported on the first
+lookup.
+
+Rewards are registered the same way (`register_reward`), by name or import path
+(`env.params.reward="my_pkg.rewards:score"`); the built-ins (`math`, `exact_match`,
+`code_tests`) live in sao_jax/envs/rewards.py. A reward is a factory: `factory(**params)`
+returns `fn(completion_text, prompt) -> Reward`. Both registries are of the one registry
+mechanism (sao_jax/registry.py, which also holds the how-to for losses and estimators).
+
+Interfaces of a task's callables:
+  env(**env.params) -> Env            (a class or factory; `chat=` is passed when the task
+                                       says `chat=True` and the run renders a chat template)
+  prompts(**env.prompts) -> sample    `sample(rng: np.random.Generator) -> Prompt`
+  demonstrations(prompt, rng, error_rate=...) -> [(text, is_model_turn), ...]
+  setup(params) -> (params, set_step) optional: shared per-run objects (a schedule) put
+                                       into env params, and a hook the trainer calls with
+                                       the policy step (non-stationary tasks), or None
 
 `make_env("arithmetic", max_turns=4)` builds one env; `env_factory(name, params, chat)`
-builds a run's factory of fresh envs (one per sampler slot). Any task registered in
-sao_jax/envs/tasks.py works here, by name or by import path ('my_pkg.tasks:MY_TASK').
+builds a run's factory of fresh envs (one per sampler slot).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
+from sao_jax.envs.base import Env, Prompt
+from sao_jax.registry import Registry, RegistryError
 
-from sao_jax.envs import arithmetic, levels, python_tool, style
-from sao_jax.envs.answer import AnswerEnv
-from sao_jax.envs.base import Env
-from sao_jax.envs.llm_judge import judge_from_config
-from sao_jax.envs.tasks import Task, get_task, register_task, task_names
+__all__ = [
+    "REWARDS",
+    "TASKS",
+    "RegistryError",
+    "Reward",
+    "Task",
+    "env_factory",
+    "get_task",
+    "make_env",
+    "make_reward",
+    "register_reward",
+    "register_task",
+    "reward_names",
+    "task_names",
+]
 
-# ---------------------------------------------------------------- built-in prompt samplers
+# Modules whose import registers the built-in tasks and rewards (each registers its own).
+BUILTIN_TASKS = (
+    "sao_jax.envs.arithmetic",
+    "sao_jax.envs.levels",
+    "sao_jax.envs.python_tool",
+    "sao_jax.envs.style",
+    "sao_jax.envs.answer",
+)
+BUILTIN_REWARDS = ("sao_jax.envs.rewards",)
 
 
-def _arithmetic_prompts(_defaults=None, **params: Any):
-    """`sample(rng)` of arithmetic problems; params: n_ops, operand_range, ops, parens."""
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What a run needs of a task; see the module docstring for each callable."""
+
+    name: str
+    env: Callable[..., Env]
+    prompts: Callable[..., Callable[[Any], Prompt]] | None = None
+    demonstrations: Callable[..., list[tuple[str, bool]]] | None = None
+    setup: Callable[[dict[str, Any]], tuple[dict[str, Any], Callable | None]] | None = None
+    chat: bool = False  # the env accepts `chat=` (a sao_jax.chat.ChatFormat) and uses it
+    rewards: bool = False  # the env accepts `reward=` (a name or import path) and params
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+    """The score of one completion: reward, whether it counts as a success, details."""
+
+    score: float
+    success: bool
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+RewardFn = Callable[[str, Prompt], Reward]
+
+
+def _task_at(spec: str, obj: Any) -> Task:
+    if isinstance(obj, Task):
+        return obj
+    if callable(obj):  # an Env class or factory: a task with an env only
+        return Task(spec, obj)
+    raise RegistryError(f"env.name {spec!r}: {obj!r} is neither a Task nor an Env class")
+
+
+# A module reloaded registers its tasks and rewards again (replace=True).
+TASKS: Registry[Task] = Registry("task", builtins=BUILTIN_TASKS, from_path=_task_at, replace=True)
+REWARDS: Registry[Callable[..., RewardFn]] = Registry(
+    "reward", builtins=BUILTIN_REWARDS, from_path=lambda spec, factory: factory, replace=True
+)
+
+
+def register_task(
+    name: str,
+    *,
+    env: Callable[..., Env],
+    prompts: Callable[..., Callable[[Any], Prompt]] | None = None,
+    demonstrations: Callable[..., list[tuple[str, bool]]] | None = None,
+    setup: Callable[[dict[str, Any]], tuple[dict[str, Any], Callable | None]] | None = None,
+    chat: bool = False,
+    rewards: bool = False,
+) -> Task:
+    """Registers (or re-registers, e.g. on a module reload) a task; returns it."""
+    if not callable(env):
+        raise RegistryError(f"task {name!r}: env must be an Env class or factory, got {env!r}")
+    return TASKS.register(name, Task(name, env, prompts, demonstrations, setup, chat, rewards))
+
+
+def register_reward(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+    """Decorator: `@register_reward("math")` on a factory `(**params) -> fn(text, prompt)`."""
+
+    def wrap(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+        return REWARDS.register(name, factory)
+
+    return wrap
+
+
+def task_names() -> tuple[str, ...]:
+    """Every registered task name (built-ins included), sorted."""
+    return tuple(TASKS.names())
+
+
+def reward_names() -> tuple[str, ...]:
+    return tuple(REWARDS.names())
+
+
+def get_task(name: str) -> Task:
+    """The task registered as `name`, or the one an import path 'module:attr' names.
+
+    Raises:
+      RegistryError: an unknown name (the message lists the known ones) or a bad path.
+    """
+    return TASKS.get(name)
+
+
+def make_reward(name: str, **params: Any) -> RewardFn:
+    """`fn(completion_text, prompt) -> Reward` of the reward `name` (or 'module:attr').
+
+    Raises:
+      RegistryError: an unknown name (listing the known ones), or parameters its
+        factory does not take.
+    """
+    factory = REWARDS.get(name)
     try:
-        p = arithmetic.make_params(**{**(_defaults or {}), **params})
+        return factory(**params)
     except TypeError as e:
-        raise ValueError(
-            f"prompt_source: bad arithmetic parameters {sorted(params)}: {e}"
-        ) from None
-    return functools.partial(arithmetic.sample_prompt, params=p)
-
-
-def _python_tool_prompts(**params: Any):
-    return _arithmetic_prompts({"n_ops": (2, 3), "operand_range": (10, 999)}, **params)
-
-
-def _style_prompts(**params: Any):
-    unknown = set(params) - {"n_topics"}
-    if unknown:
-        raise ValueError(f"prompt_source: unknown style parameters {sorted(unknown)}")
-    n_topics = tuple(params.get("n_topics", (1, 2)))
-    style.sample_prompt(np.random.default_rng(0), n_topics)  # validates n_topics
-    return functools.partial(style.sample_prompt, n_topics=n_topics)
-
-
-def _style_setup(params: dict[str, Any]) -> tuple[dict[str, Any], Callable]:
-    """One StyleSchedule shared by every env of the run (moved by the returned hook); a
-    judge from params['judge']: 'lexicon' or a dict for the LLM judge client."""
-    params = dict(params)
-    schedule = style.StyleSchedule(
-        params.pop("styles", style.STYLES), params.pop("switch_steps", (150, 300))
-    )
-    judge_cfg = params.pop("judge", "lexicon")
-    judge = style.LexiconJudge() if judge_cfg == "lexicon" else judge_from_config(dict(judge_cfg))
-    return {**params, "schedule": schedule, "judge": judge}, schedule.set_step
-
-
-def _arithmetic_demo(prompt, rng, *, error_rate: float = 0.0):
-    return arithmetic.demonstration(prompt, rng, error_rate=error_rate)
-
-
-def _levels_prompts(**params: Any):
-    """`sample(rng)` of graded problems; params: levels (subset of levels.LEVELS), weights."""
-    unknown = set(params) - {"levels", "weights"}
-    if unknown:
-        raise ValueError(f"prompt_source: unknown arithmetic_levels parameters {sorted(unknown)}")
-    lv = tuple(params.get("levels", tuple(levels.LEVELS)))
-    weights = params.get("weights")
-    weights = None if weights is None else tuple(weights)
-    levels.check_levels(lv, weights)
-    return functools.partial(levels.sample_prompt, levels=lv, weights=weights)
-
-
-def _levels_demo(prompt, rng, *, error_rate: float = 0.0):
-    return levels.demonstration(prompt, rng, error_rate=error_rate)
-
-
-def _python_tool_demo(prompt, rng, *, error_rate: float = 0.0):
-    del rng, error_rate  # always correct (the sandbox output is real)
-    return python_tool.demonstration(prompt)
-
-
-def _style_demo(prompt, rng, *, error_rate: float = 0.0):
-    del error_rate
-    return style.demonstration(prompt, rng)
-
-
-# ---------------------------------------------------------------- the built-in tasks
-
-register_task(
-    "arithmetic",
-    env=arithmetic.ArithmeticEnv,
-    prompts=_arithmetic_prompts,
-    demonstrations=_arithmetic_demo,
-)
-register_task(
-    "arithmetic_levels",
-    env=levels.LevelsEnv,
-    prompts=_levels_prompts,
-    demonstrations=_levels_demo,
-)
-register_task(
-    "python_tool",
-    env=python_tool.PythonToolEnv,
-    prompts=_python_tool_prompts,
-    demonstrations=_python_tool_demo,
-)
-register_task(
-    "style",
-    env=style.StyleEnv,
-    prompts=_style_prompts,
-    demonstrations=_style_demo,
-    setup=_style_setup,
-)
-# Datasets: prompts come from data.train (JSONL / Parquet / HF datasets directory).
-register_task("answer", env=AnswerEnv, chat=True, rewards=True)
-
-ENV_NAMES = ("arithmetic", "arithmetic_levels", "python_tool", "style")  # built-in procedural
+        raise RegistryError(f"reward {name!r}: bad parameters {sorted(params)}: {e}") from None
 
 
 def _build(task: Task, params: dict[str, Any]) -> Env:
@@ -154,6 +201,3 @@ def env_factory(
         params["chat"] = chat
     _build(task, params)  # fail now, naming the parameters, not in a worker
     return functools.partial(_build, task, params), hook
-
-
-__all__ = ["ENV_NAMES", "env_factory", "make_env", "task_names"]

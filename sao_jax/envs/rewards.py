@@ -1,6 +1,7 @@
 r"""Built-in rewards: math answer equivalence, exact match, code tests in the sandbox.
 
-Each is registered by name in sao_jax/envs/tasks.py and built from `env.params`:
+Each registers itself here by name (sao_jax/envs/registry.py) and is built from
+`env.params`:
 
   math        the completion's final answer (the last `\boxed{...}`, or the last match
               of `pattern`, a regex whose group 1 is the answer) is checked against the
@@ -24,7 +25,7 @@ import re
 
 from sao_jax.envs import sandbox
 from sao_jax.envs.base import Prompt
-from sao_jax.envs.tasks import Reward, register_reward
+from sao_jax.envs.registry import Reward, register_reward
 
 _BOXED = ("\\boxed{", "\\fbox{")
 _CODE_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import itertools
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from sao_jax.envs.base import Prompt, StepResult
-from sao_jax.envs.llm_judge import JudgeError
+from sao_jax.envs.llm_judge import JudgeError, judge_from_config
+from sao_jax.envs.registry import register_task
 
 STYLES = ("cute", "chuunibyou", "classical")
 # Consecutive styles share words, as real styles share features: a line of the current
@@ -241,3 +243,40 @@ class StyleEnv:
         reward = float(r_quality) * float(r_style)
         info.update(success=reward == 1.0, r_quality=float(r_quality), r_style=float(r_style))
         return StepResult("", reward, True, info)
+
+
+# ------------------------------------------------------------------------------ the task
+
+
+def task_prompts(**params: Any):
+    """`sample(rng)` of style prompts; params: n_topics (min, max topics per prompt)."""
+    unknown = set(params) - {"n_topics"}
+    if unknown:
+        raise ValueError(f"prompt_source: unknown style parameters {sorted(unknown)}")
+    n_topics = tuple(params.get("n_topics", (1, 2)))
+    sample_prompt(np.random.default_rng(0), n_topics)  # validates n_topics
+    return functools.partial(sample_prompt, n_topics=n_topics)
+
+
+def task_setup(params: dict[str, Any]) -> tuple[dict[str, Any], Callable]:
+    """One StyleSchedule shared by every env of the run (moved by the returned hook); a
+    judge from params['judge']: 'lexicon' or a dict for the LLM judge client."""
+    params = dict(params)
+    schedule = StyleSchedule(params.pop("styles", STYLES), params.pop("switch_steps", (150, 300)))
+    judge_cfg = params.pop("judge", "lexicon")
+    judge = LexiconJudge() if judge_cfg == "lexicon" else judge_from_config(dict(judge_cfg))
+    return {**params, "schedule": schedule, "judge": judge}, schedule.set_step
+
+
+def _demonstration(prompt, rng, *, error_rate: float = 0.0):
+    del error_rate
+    return demonstration(prompt, rng)
+
+
+register_task(
+    "style",
+    env=StyleEnv,
+    prompts=task_prompts,
+    demonstrations=_demonstration,
+    setup=task_setup,
+)

@@ -38,15 +38,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sao_jax.registry import Registry, check_params
+from sao_jax.rl import checks as ck
 from sao_jax.rl import gae
-from sao_jax.rl import registry as rg
 
 
 class Advantages(NamedTuple):
     advantages_bt: jax.Array  # [B, T], 0 off action tokens
     returns_bt: jax.Array | None  # [B, T] critic targets (critic-based estimators only)
     baseline_state: Any  # the updated estimator state (moving_average), else as given
-    metrics: rg.Metrics
+    metrics: ck.Metrics
 
 
 class MovingAverageState(NamedTuple):
@@ -88,8 +89,8 @@ def whiten_advantages(
     advantages_bt: jax.Array, action_mask_bt: jax.Array, *, eps: float = 1e-6, shift_mean=True
 ) -> jax.Array:
     """(A - mean) / sqrt(var + eps) over action tokens (no shift: A / sqrt(var + eps))."""
-    bt = rg.check_bt(advantages_bt, "advantages_bt")
-    m_bt = rg.as_mask(action_mask_bt, "action_mask_bt", bt, False)
+    bt = ck.check_bt(advantages_bt, "advantages_bt")
+    m_bt = ck.as_mask(action_mask_bt, "action_mask_bt", bt, False)
     n = jnp.maximum(jnp.sum(m_bt), 1)
     mean = jnp.sum(jnp.where(m_bt, advantages_bt, 0.0)) / n
     var = jnp.sum(jnp.where(m_bt, jnp.square(advantages_bt - mean), 0.0)) / n
@@ -133,12 +134,18 @@ class Estimator:
     arrays: tuple[str, ...] = ()  # keyword array inputs a caller may pass (not config)
 
 
-ESTIMATORS: rg.Registry[Estimator] = rg.Registry("advantage estimator")
+ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
 
 
 def register(name: str, **attrs: Any) -> Callable:
+    """Decorator: registers `fn(x: Inputs, **params) -> Advantages` as the estimator `name`,
+    with the inputs it needs (`Estimator` fields: needs_values runs the critic first,
+    needs_outcome / needs_groups / needs_state, ...) and `params`, each parameter with its
+    default (a run sets them as rl.estimators.<name>.<param>). A new estimator is one file
+    with this call (sao_jax/registry.py has the how-to)."""
+
     def wrap(fn):
-        ESTIMATORS.add(name, Estimator(fn, **attrs))
+        ESTIMATORS.register(name, Estimator(fn, **attrs))
         return fn
 
     return wrap
@@ -197,7 +204,7 @@ def _rows(x: Inputs) -> tuple[jax.Array, jax.Array]:
 
 def _row_advantages(x: Inputs, adv_b: jax.Array, valid_b: jax.Array, state=None):
     adv_b = jnp.where(valid_b, adv_b, 0.0)
-    metrics = {"rows_zero_advantage": rg.masked_sum_count(adv_b == 0, valid_b)}
+    metrics = {"rows_zero_advantage": ck.masked_sum_count(adv_b == 0, valid_b)}
     a_bt = jnp.where(x.m_bt, adv_b[:, None], 0.0)
     return Advantages(a_bt, None, x.baseline_state if state is None else state, metrics)
 
@@ -285,11 +292,11 @@ def compute_advantages(
     Arguments an estimator needs but got as None raise ValueError naming them.
     """
     entry = ESTIMATORS.get(name)
-    rg.check_params("advantage estimator", name, params, (*entry.params, *entry.arrays))
+    check_params("advantage estimator", name, params, (*entry.params, *entry.arrays))
     params = {**entry.params, **params}
-    checked = rg.is_checked(checked)
-    bt = rg.check_bt(action_mask_bt, "action_mask_bt")
-    m_bt = rg.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
+    checked = ck.is_checked(checked)
+    bt = ck.check_bt(action_mask_bt, "action_mask_bt")
+    m_bt = ck.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
     need = {
         "values_bt": (entry.needs_values, values_bt),
         "rewards_bt": (entry.needs_rewards, rewards_bt),
@@ -301,10 +308,10 @@ def compute_advantages(
         if needed and value is None:
             raise ValueError(f"advantage estimator {name!r} needs {arg}, got None")
     if entry.needs_outcome:
-        rg.check_b(outcome_b, "outcome_b", bt[0])
-        rg.check_float(outcome_b, "outcome_b")
+        ck.check_b(outcome_b, "outcome_b", bt[0])
+        ck.check_float(outcome_b, "outcome_b")
     if entry.needs_groups:
-        rg.check_b(group_ids_b, "group_ids_b", bt[0])
+        ck.check_b(group_ids_b, "group_ids_b", bt[0])
         if not jnp.issubdtype(group_ids_b.dtype, jnp.integer):
             raise TypeError(f"group_ids_b: expected an int array, got dtype {group_ids_b.dtype}")
     if entry.needs_state:
@@ -319,9 +326,9 @@ def compute_advantages(
     a_bt = out.advantages_bt
     metrics = dict(out.metrics)
     valid_b = jnp.any(m_bt, axis=1)
-    metrics["rows_without_actions"] = rg.masked_sum_count(~valid_b, jnp.ones_like(valid_b))
-    metrics["advantage"] = rg.masked_sum_count(a_bt, m_bt)
-    metrics["advantage_sq"] = rg.masked_sum_count(jnp.square(a_bt), m_bt)
+    metrics["rows_without_actions"] = ck.masked_sum_count(~valid_b, jnp.ones_like(valid_b))
+    metrics["advantage"] = ck.masked_sum_count(a_bt, m_bt)
+    metrics["advantage_sq"] = ck.masked_sum_count(jnp.square(a_bt), m_bt)
     if out.returns_bt is not None:
-        metrics["returns"] = rg.masked_sum_count(out.returns_bt, m_bt)
+        metrics["returns"] = ck.masked_sum_count(out.returns_bt, m_bt)
     return out._replace(metrics=metrics)

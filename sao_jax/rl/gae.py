@@ -14,7 +14,7 @@ Observation tokens get no TD error and no advantage. After the row's last action
 the recursion bootstraps with `last_value_b` (zeros: terminated; V(last): truncated).
 
 Rewards belong on action tokens (`place_outcome_reward`, `place_turn_rewards`). A nonzero
-reward on a non-action token is an error in checked mode (sao_jax.rl.registry); otherwise
+reward on a non-action token is an error in checked mode (sao_jax.rl.checks); otherwise
 it is credited, undiscounted, to the last action token *before* it in time (so an outcome
 written on a trailing observation still reaches the advantages in full); one before the
 row's first action token has nothing to credit and is dropped.
@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sao_jax.rl import registry as rg
+from sao_jax.rl import checks as ck
 from sao_jax.rl.gae_chunked import MIN_DISCOUNT, gae_chunked
 
 GAE_IMPLS = ("scan", "associative", "chunked")
@@ -156,23 +156,23 @@ class _Inputs(NamedTuple):
 
 def _prepare(rewards_bt, values_bt, action_mask_bt, gamma, lam, last_value_b, checked):
     """Shape checks (always) and value checks (checked mode); float inputs, bool mask."""
-    bt = rg.check_bt(values_bt, "values_bt")
-    rg.check_bt(rewards_bt, "rewards_bt", bt)
-    rg.check_float(values_bt, "values_bt")
-    rg.check_float(rewards_bt, "rewards_bt")
-    m_bt = rg.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
+    bt = ck.check_bt(values_bt, "values_bt")
+    ck.check_bt(rewards_bt, "rewards_bt", bt)
+    ck.check_float(values_bt, "values_bt")
+    ck.check_float(rewards_bt, "rewards_bt")
+    m_bt = ck.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
     dtype = jnp.result_type(rewards_bt.dtype, values_bt.dtype, jnp.float32)
     if last_value_b is None:
         last_b = jnp.zeros((bt[0],), dtype)
     else:
-        rg.check_b(last_value_b, "last_value_b", bt[0])
+        ck.check_b(last_value_b, "last_value_b", bt[0])
         last_b = jnp.asarray(last_value_b, dtype)
     return _Inputs(
         jnp.asarray(rewards_bt, dtype),
         jnp.asarray(values_bt, dtype),
         m_bt,
-        rg.as_unit_scalar(gamma, "gamma", checked).astype(dtype),
-        rg.as_unit_interval(lam, "lam", bt[0], checked),
+        ck.as_unit_scalar(gamma, "gamma", checked).astype(dtype),
+        ck.as_unit_interval(lam, "lam", bt[0], checked),
         last_b,
     )
 
@@ -185,7 +185,7 @@ def _check_impl(impl: str | None) -> str:
 
 
 def _require_rewards_on(r_bt: jax.Array, on_bt: jax.Array, what: str) -> None:
-    rg.require_value(
+    ck.require_value(
         jnp.all(jnp.where(on_bt, True, r_bt == 0)),
         f"rewards_bt: nonzero reward on a non-{what} token (place rewards on action tokens: "
         "place_outcome_reward / place_turn_rewards)",
@@ -219,7 +219,7 @@ def skip_observation_gae(
     Returns:
       advantages_bt and returns_bt = advantages_bt + values_bt on action tokens, 0 elsewhere.
     """
-    checked = rg.is_checked(checked)
+    checked = ck.is_checked(checked)
     x = _prepare(rewards_bt, values_bt, action_mask_bt, gamma, lam, last_value_b, checked)
     if checked:
         _require_rewards_on(x.r_bt, x.m_bt, "action")
@@ -234,7 +234,7 @@ def length_adaptive_lambda(action_mask_bt: jax.Array, alpha: float | jax.Array =
 
     Longer trajectories get lambda closer to 1 (less bias where the TD chain is long).
     """
-    m_bt = rg.as_mask(action_mask_bt, "action_mask_bt", None, False)
+    m_bt = ck.as_mask(action_mask_bt, "action_mask_bt", None, False)
     if isinstance(alpha, (int, float)) and not alpha > 0:
         raise ValueError(f"alpha: must be > 0, got {alpha}")
     l_b = jnp.sum(m_bt, axis=1).astype(jnp.float32)  # [B]
@@ -279,7 +279,7 @@ def critic_and_policy_advantages(
 
 def last_action_mask(action_mask_bt: jax.Array) -> jax.Array:
     """[B, T] bool: True on each row's last action token (no True in rows without one)."""
-    m_bt = rg.as_mask(action_mask_bt, "action_mask_bt", None, False)
+    m_bt = ck.as_mask(action_mask_bt, "action_mask_bt", None, False)
     t = m_bt.shape[1]
     last_b = t - 1 - jnp.argmax(m_bt[:, ::-1], axis=1)  # [B]
     return (jnp.arange(t)[None, :] == last_b[:, None]) & jnp.any(m_bt, axis=1, keepdims=True)
@@ -293,9 +293,9 @@ def place_outcome_reward(
     Never on an observation or pad token, even when the row ends with one; rows with no
     action token get no reward.
     """
-    bt = rg.check_bt(action_mask_bt, "action_mask_bt")
-    rg.check_b(outcome_b, "outcome_b", bt[0])
-    rg.as_mask(action_mask_bt, "action_mask_bt", bt, rg.is_checked(checked))
+    bt = ck.check_bt(action_mask_bt, "action_mask_bt")
+    ck.check_b(outcome_b, "outcome_b", bt[0])
+    ck.as_mask(action_mask_bt, "action_mask_bt", bt, ck.is_checked(checked))
     out_b = jnp.asarray(outcome_b, jnp.result_type(outcome_b.dtype, jnp.float32))
     return jnp.where(last_action_mask(action_mask_bt), out_b[:, None], 0.0)
 
@@ -318,11 +318,11 @@ def turn_bounds(
 
 
 def _check_turn_ids(turn_ids_bt: Any, bt: tuple[int, int], m_bt: jax.Array, checked: bool):
-    rg.check_bt(turn_ids_bt, "turn_ids_bt", bt)
+    ck.check_bt(turn_ids_bt, "turn_ids_bt", bt)
     if not jnp.issubdtype(turn_ids_bt.dtype, jnp.integer):
         raise TypeError(f"turn_ids_bt: expected an int array, got dtype {turn_ids_bt.dtype}")
     if checked:
-        rg.require_value(
+        ck.require_value(
             jnp.all(jnp.where(m_bt, turn_ids_bt >= 0, turn_ids_bt == -1)),
             "turn_ids_bt: must be >= 0 on action tokens and -1 elsewhere",
         )
@@ -340,16 +340,16 @@ def place_turn_rewards(
     turn_ids_bt holds the model-turn index of action tokens (-1 elsewhere). Turn ids
     outside [0, N) get no reward (an error in checked mode).
     """
-    checked = rg.is_checked(checked)
-    bt = rg.check_bt(action_mask_bt, "action_mask_bt")
-    m_bt = rg.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
+    checked = ck.is_checked(checked)
+    bt = ck.check_bt(action_mask_bt, "action_mask_bt")
+    m_bt = ck.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
     _check_turn_ids(turn_ids_bt, bt, m_bt, checked)
-    shape = rg.shape_of(turn_rewards_bn, "turn_rewards_bn")
+    shape = ck.shape_of(turn_rewards_bn, "turn_rewards_bn")
     if len(shape) != 2 or shape[0] != bt[0]:
         raise ValueError(f"turn_rewards_bn: expected shape [B={bt[0]}, N], got {shape}")
     n = shape[1]
     if checked:
-        rg.require_value(
+        ck.require_value(
             jnp.all(jnp.where(m_bt, turn_ids_bt < n, True)),
             f"turn_ids_bt: turn index >= N = {n} (turn_rewards_bn has N columns)",
         )
@@ -398,7 +398,7 @@ def step_level_gae(
     """
     if reduce not in ("mean", "last"):
         raise ValueError(f"reduce: must be 'mean' or 'last', got {reduce!r}")
-    checked = rg.is_checked(checked)
+    checked = ck.is_checked(checked)
     x = _prepare(rewards_bt, values_bt, action_mask_bt, gamma, lam, last_value_b, checked)
     if turn_ids_bt is not None:
         _check_turn_ids(turn_ids_bt, x.m_bt.shape, x.m_bt, checked)
@@ -438,13 +438,13 @@ def cross_observation_gae(
     the recursion with its own TD error and gamma*lam per token. Advantages and returns
     are then masked to action tokens for the loss.
     """
-    checked = rg.is_checked(checked)
+    checked = ck.is_checked(checked)
     x = _prepare(rewards_bt, values_bt, action_mask_bt, gamma, lam, last_value_b, checked)
     if token_mask_bt is None:
         last_bt = last_action_mask(x.m_bt)
         tok_bt = jnp.cumsum(last_bt[:, ::-1], axis=1)[:, ::-1] > 0  # t <= last action
     else:
-        tok_bt = rg.as_mask(token_mask_bt, "token_mask_bt", x.m_bt.shape, checked)
+        tok_bt = ck.as_mask(token_mask_bt, "token_mask_bt", x.m_bt.shape, checked)
     if checked:
         _require_rewards_on(x.r_bt, tok_bt, "token_mask")
     a_bt, ret_bt = _gae_jit(

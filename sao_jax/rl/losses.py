@@ -60,7 +60,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sao_jax.rl import registry as rg
+from sao_jax.registry import Registry, check_params
+from sao_jax.rl import checks as ck
 
 sg = jax.lax.stop_gradient
 
@@ -90,7 +91,7 @@ class LossInputs(NamedTuple):
 class TokenLoss(NamedTuple):
     loss_bt: jax.Array  # per-token loss (only read on action tokens)
     keep_bt: jax.Array  # bool: the token carries gradient
-    metrics: rg.Metrics
+    metrics: ck.Metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +105,19 @@ class Loss:
     kind: str = "policy"  # "policy" or "value"
 
 
-LOSSES: rg.Registry[Loss] = rg.Registry("loss")
+LOSSES: Registry[Loss] = Registry("loss")
 
 
 def register(name: str, params: dict[str, float], **attrs: Any) -> Callable:
+    """Decorator: registers `fn(x: LossInputs, **params) -> TokenLoss` as the policy loss
+    `name` (`kind="value"` for a value loss). `params` maps each parameter to its default
+    (a run sets them as rl.losses.<name>.<param>); `needs_old_logp` / `needs_entropy` say
+    which optional inputs it reads. The whole loss is -sum m * loss_bt / denominator, and
+    keep_bt feeds the keep-rate metrics. A new loss is one file with this call
+    (sao_jax/registry.py has the how-to)."""
+
     def wrap(fn):
-        LOSSES.add(name, Loss(fn, params, **attrs))
+        LOSSES.register(name, Loss(fn, params, **attrs))
         return fn
 
     return wrap
@@ -149,9 +157,9 @@ def _ppo(x: LossInputs, old_logp_bt: jax.Array, eps_low: float, eps_high: float)
     low_bt = x.m_bt & (sg(rho_bt) < 1 - eps_low) & (x.adv_bt < 0)
     high_bt = x.m_bt & (sg(rho_bt) > 1 + eps_high) & (x.adv_bt > 0)
     metrics = {
-        "ppo_clip_low": rg.masked_sum_count(low_bt, x.m_bt),
-        "ppo_clip_high": rg.masked_sum_count(high_bt, x.m_bt),
-        "clip_frac": rg.masked_sum_count(low_bt | high_bt, x.m_bt),
+        "ppo_clip_low": ck.masked_sum_count(low_bt, x.m_bt),
+        "ppo_clip_high": ck.masked_sum_count(high_bt, x.m_bt),
+        "clip_frac": ck.masked_sum_count(low_bt | high_bt, x.m_bt),
     }
     return TokenLoss(-surr_bt, x.m_bt & ~low_bt & ~high_bt, metrics)
 
@@ -176,7 +184,7 @@ def _icepop_loss(x: LossInputs, eps_low, eps_high, band_low, band_high, weighted
     w_bt, band_bt = icepop_weight(x.old_logp_bt, x.rollout_logp_bt, x.m_bt, band_low, band_high)
     if not weighted:
         w_bt = band_bt.astype(jnp.float32)
-    metrics = dict(ppo.metrics, icepop_weight=rg.masked_sum_count(w_bt, x.m_bt))
+    metrics = dict(ppo.metrics, icepop_weight=ck.masked_sum_count(w_bt, x.m_bt))
     return TokenLoss(w_bt * ppo.loss_bt, band_bt, metrics)
 
 
@@ -202,22 +210,22 @@ def _positive_nll(x: LossInputs) -> TokenLoss:
 # --------------------------------------------------------------------------- metrics
 
 
-def _common_metrics(x: LossInputs, keep_bt, staleness_bt) -> rg.Metrics:
+def _common_metrics(x: LossInputs, keep_bt, staleness_bt) -> ck.Metrics:
     log_r_bt = sg(_log_ratio(x.logp_bt, x.rollout_logp_bt, x.m_bt))
     metrics = {
-        "keep_rate": rg.masked_sum_count(keep_bt, x.m_bt),
-        "approx_kl": rg.masked_sum_count(jnp.expm1(log_r_bt) - log_r_bt, x.m_bt),
+        "keep_rate": ck.masked_sum_count(keep_bt, x.m_bt),
+        "approx_kl": ck.masked_sum_count(jnp.expm1(log_r_bt) - log_r_bt, x.m_bt),
     }
     if x.entropy_bt is not None:
         h_bt = sg(x.entropy_bt)
-        metrics["masked_entropy"] = rg.masked_sum_count(h_bt, x.m_bt & ~keep_bt)
-        metrics["kept_entropy"] = rg.masked_sum_count(h_bt, keep_bt)
+        metrics["masked_entropy"] = ck.masked_sum_count(h_bt, x.m_bt & ~keep_bt)
+        metrics["kept_entropy"] = ck.masked_sum_count(h_bt, keep_bt)
     if staleness_bt is not None:
         for suffix, lo, hi in STALENESS_BUCKETS:
             in_bt = x.m_bt & (staleness_bt >= lo)
             if hi is not None:
                 in_bt &= staleness_bt <= hi
-            metrics[f"keep_rate_stale_{suffix}"] = rg.masked_sum_count(keep_bt, in_bt)
+            metrics[f"keep_rate_stale_{suffix}"] = ck.masked_sum_count(keep_bt, in_bt)
     return metrics
 
 
@@ -225,8 +233,8 @@ def _common_metrics(x: LossInputs, keep_bt, staleness_bt) -> rg.Metrics:
 
 
 def _float_bt(x: Any, name: str, bt: tuple[int, int]) -> jax.Array:
-    rg.check_bt(x, name, bt)
-    rg.check_float(x, name)
+    ck.check_bt(x, name, bt)
+    ck.check_float(x, name)
     return jnp.asarray(x).astype(jnp.float32)
 
 
@@ -239,12 +247,12 @@ def _denominator(denominator: Any, m_bt: jax.Array, checked: bool) -> jax.Array:
     if isinstance(denominator, (int, float)) and not denominator > 0:
         raise ValueError(f"denominator: must be > 0, got {denominator}")
     if checked:
-        rg.require_value(d > 0, "denominator: must be > 0")
+        ck.require_value(d > 0, "denominator: must be > 0")
     return d
 
 
 def _check_loss_params(name: str, entry: Loss, params: dict[str, Any]) -> dict[str, Any]:
-    rg.check_params("loss", name, params, tuple(entry.params))
+    check_params("loss", name, params, tuple(entry.params))
     out = {**entry.params, **params}
     for key, value in out.items():
         if isinstance(value, (int, float)) and not value >= 0:
@@ -265,7 +273,7 @@ def policy_loss(
     denominator: Any = None,
     checked: bool | None = None,
     **params: Any,
-) -> tuple[jax.Array, rg.Metrics]:
+) -> tuple[jax.Array, ck.Metrics]:
     """(scalar loss, metrics) of policy loss `name` (module doc); differentiable in logp_bt.
 
     Unknown names, parameters the loss does not accept, and inputs a loss needs but got as
@@ -275,9 +283,9 @@ def policy_loss(
     if entry.kind != "policy":
         raise ValueError(f"loss {name!r} is a {entry.kind} loss; call value_loss instead")
     params = _check_loss_params(name, entry, params)
-    checked = rg.is_checked(checked)
-    bt = rg.check_bt(action_mask_bt, "action_mask_bt")
-    m_bt = rg.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
+    checked = ck.is_checked(checked)
+    bt = ck.check_bt(action_mask_bt, "action_mask_bt")
+    m_bt = ck.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
     for arg, needed, value in (
         ("old_logp_bt", entry.needs_old_logp, old_logp_bt),
         ("entropy_bt", entry.needs_entropy, entropy_bt),
@@ -294,11 +302,11 @@ def policy_loss(
         optional(entropy_bt, "entropy_bt"),
     )
     if staleness_bt is not None:
-        rg.check_bt(staleness_bt, "staleness_bt", bt)
+        ck.check_bt(staleness_bt, "staleness_bt", bt)
         if not jnp.issubdtype(staleness_bt.dtype, jnp.integer):
             raise TypeError(f"staleness_bt: expected an int array, got dtype {staleness_bt.dtype}")
         if checked:
-            rg.require_value(
+            ck.require_value(
                 jnp.all(jnp.where(m_bt, staleness_bt >= 0, True)), "staleness_bt: must be >= 0"
             )
     denom = _denominator(denominator, m_bt, checked)
@@ -317,7 +325,7 @@ def value_loss(
     clip_eps: float | None = None,
     denominator: Any = None,
     checked: bool | None = None,
-) -> tuple[jax.Array, rg.Metrics]:
+) -> tuple[jax.Array, ck.Metrics]:
     """Masked MSE on action tokens: sum m * 0.5 (V - R)^2 / denom (the `value_mse` loss).
 
     With clip_eps (off by default), PPO-style value clipping around old_values_bt:
@@ -325,13 +333,13 @@ def value_loss(
     Metrics: value_loss, value_residual(_sq) (R - V), returns(_sq) (explained variance
     1 - Var(R - V) / Var(R) on the host) and, when clipping, value_clip_frac.
     """
-    checked = rg.is_checked(checked)
-    bt = rg.check_bt(action_mask_bt, "action_mask_bt")
-    m_bt = rg.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
+    checked = ck.is_checked(checked)
+    bt = ck.check_bt(action_mask_bt, "action_mask_bt")
+    m_bt = ck.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
     v_bt = _float_bt(values_bt, "values_bt", bt)
     r_bt = sg(_float_bt(returns_bt, "returns_bt", bt))
     sq_bt = jnp.square(v_bt - r_bt)
-    metrics: rg.Metrics = {}
+    metrics: ck.Metrics = {}
     if clip_eps is not None:
         if not (isinstance(clip_eps, (int, float)) and clip_eps > 0):
             raise ValueError(f"clip_eps: must be a number > 0 (or None), got {clip_eps!r}")
@@ -340,19 +348,19 @@ def value_loss(
         old_bt = sg(_float_bt(old_values_bt, "old_values_bt", bt))
         v_clip_bt = old_bt + jnp.clip(v_bt - old_bt, -clip_eps, clip_eps)
         sq_clip_bt = jnp.square(v_clip_bt - r_bt)
-        metrics["value_clip_frac"] = rg.masked_sum_count(sq_clip_bt > sq_bt, m_bt)
+        metrics["value_clip_frac"] = ck.masked_sum_count(sq_clip_bt > sq_bt, m_bt)
         sq_bt = jnp.maximum(sq_bt, sq_clip_bt)
     loss_bt = 0.5 * sq_bt
     loss = jnp.sum(jnp.where(m_bt, loss_bt, 0.0)) / _denominator(denominator, m_bt, checked)
     res_bt = sg(r_bt - v_bt)
     metrics |= {
-        "value_loss": rg.masked_sum_count(sg(loss_bt), m_bt),
-        "value_residual": rg.masked_sum_count(res_bt, m_bt),
-        "value_residual_sq": rg.masked_sum_count(jnp.square(res_bt), m_bt),
-        "returns": rg.masked_sum_count(r_bt, m_bt),
-        "returns_sq": rg.masked_sum_count(jnp.square(r_bt), m_bt),
+        "value_loss": ck.masked_sum_count(sg(loss_bt), m_bt),
+        "value_residual": ck.masked_sum_count(res_bt, m_bt),
+        "value_residual_sq": ck.masked_sum_count(jnp.square(res_bt), m_bt),
+        "returns": ck.masked_sum_count(r_bt, m_bt),
+        "returns_sq": ck.masked_sum_count(jnp.square(r_bt), m_bt),
     }
     return loss, metrics
 
 
-LOSSES.add("value_mse", Loss(value_loss, {}, kind="value"))
+LOSSES.register("value_mse", Loss(value_loss, {}, kind="value"))

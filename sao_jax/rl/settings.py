@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 
+from sao_jax.registry import RegistryError
 from sao_jax.rl import advantages, gae, losses
 from sao_jax.rl.batch import check_divisible
-from sao_jax.schema import ConfigDict, register_validator, require
+from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
 ORDERS = ("critic_first", "policy_first")
 LAMBDA_MODES = ("adaptive", "fixed")
@@ -47,16 +48,15 @@ def estimator_params(rl: ConfigDict) -> dict:
 def _validate_section(config: ConfigDict) -> None:
     rl = config.rl
     require(rl.batch_size >= 1, "rl.batch_size", f"must be >= 1, got {rl.batch_size}")
+    for field, registry in (("advantage", advantages.ESTIMATORS), ("policy_loss", losses.LOSSES)):
+        try:
+            registry.get(rl[field])
+        except RegistryError as e:
+            raise ConfigError(f"config field rl.{field}: {e}") from None
     require(
-        rl.advantage in advantages.ESTIMATORS.names(),
-        "rl.advantage",
-        f"unknown estimator {rl.advantage!r}; known: {advantages.ESTIMATORS.names()}",
-    )
-    policy_losses = [n for n in losses.LOSSES.names() if losses.LOSSES.get(n).kind == "policy"]
-    require(
-        rl.policy_loss in policy_losses,
+        losses.LOSSES.get(rl.policy_loss).kind == "policy",
         "rl.policy_loss",
-        f"unknown policy loss {rl.policy_loss!r}; known: {policy_losses}",
+        f"{rl.policy_loss!r} is a {losses.LOSSES.get(rl.policy_loss).kind} loss, not a policy loss",
     )
     require(rl.k_critic >= 1, "rl.k_critic", f"must be >= 1, got {rl.k_critic}")
     require(rl.order in ORDERS, "rl.order", f"must be one of {ORDERS}, got {rl.order!r}")

@@ -75,7 +75,7 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 @register_validator("env")
 def _check_env(config: ConfigDict) -> None:
     e = config.env
-    from sao_jax.envs.tasks import RegistryError, get_task
+    from sao_jax.envs.registry import RegistryError, get_task
 
     try:
         task = get_task(e.name)

@@ -18,9 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sao_jax.envs import registry  # noqa: F401 (registers the built-in tasks)
 from sao_jax.envs.base import Prompt
-from sao_jax.envs.tasks import get_task
+from sao_jax.envs.registry import get_task
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.rl import passes
@@ -32,7 +31,7 @@ Segments = list[tuple[str, bool]]
 
 def demonstration(env_name: str, prompt: Prompt, rng: np.random.Generator, error_rate: float):
     """(text, is_model_turn) segments of one demonstration of task `env_name` (its
-    registered builder, sao_jax/envs/tasks.py)."""
+    registered builder, sao_jax/envs/registry.py)."""
     task = get_task(env_name)
     if task.demonstrations is None:
         raise ConfigError(f"config field env.name: no demonstrations for task {env_name!r}")

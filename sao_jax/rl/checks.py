@@ -1,7 +1,6 @@
-"""Helpers shared by the RL math: registries by name, shape checks, and checked mode.
-
-Registries (`Registry`) map a name to an entry (a function plus its declared needs); an
-unknown name raises ValueError listing the known ones.
+"""Input checks shared by the RL math (shapes always, values in checked mode), and the
+(sum, count) metric pair it returns. Its estimators and losses are picked by name from
+registries of the one mechanism, sao_jax/registry.py.
 
 Input checks come in two strengths:
 - Shape, rank and dtype checks run always, at trace time (they cost nothing at run time).
@@ -17,16 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 from collections.abc import Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-E = TypeVar("E")
 
 _CHECKED = contextvars.ContextVar("sao_rl_checked", default=False)
 
@@ -57,40 +53,6 @@ def require_value(ok: jax.Array | bool, message: str) -> None:
         jax.debug.callback(functools.partial(_raise_unless, message), ok)
     else:
         _raise_unless(message, ok)
-
-
-@dataclasses.dataclass(frozen=True)
-class Registry(Generic[E]):
-    """Entries by name; `get` rejects unknown names with the list of known ones."""
-
-    kind: str  # what the entries are, for error messages ("advantage estimator")
-    entries: dict[str, E] = dataclasses.field(default_factory=dict)
-
-    def add(self, name: str, entry: E) -> E:
-        if name in self.entries:
-            raise ValueError(f"{self.kind} {name!r} is registered twice")
-        self.entries[name] = entry
-        return entry
-
-    def get(self, name: str) -> E:
-        if not isinstance(name, str) or name not in self.entries:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {sorted(self.entries)}")
-        return self.entries[name]
-
-    def names(self) -> list[str]:
-        return sorted(self.entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.entries
-
-
-def check_params(kind: str, name: str, params: dict[str, Any], accepted: tuple[str, ...]):
-    """Raises TypeError naming keyword parameters that `name` does not accept."""
-    extra = sorted(set(params) - set(accepted))
-    if extra:
-        raise TypeError(
-            f"{kind} {name!r} got unexpected parameter(s) {extra}; it accepts {sorted(accepted)}"
-        )
 
 
 # ----------------------------------------------------------------------------- shapes
