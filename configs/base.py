@@ -3,8 +3,10 @@
 Every section's defaults, with a comment per field, are `sao_jax.defaults.default_config()`
 (sao_jax/defaults.py: seed, model, mesh, optim, rl, sampling, env, data, init, sft,
 value_pretrain, train); this file takes them as they are and puts the embedded model
-(configs/models/tiny.py) in `model`. Each section is validated by the module that consumes
-it (sao_jax.config.validate).
+(configs/models/tiny.py) in `model`. Every RNG stream of a run (model init, prompts,
+rollouts, evaluation, SFT, value pretraining, the update step) is split from `seed` by
+name, in one table (sao_jax/run/streams.py). Each section is validated by the module that
+consumes it (sao_jax.config.validate).
 """
 
 from sao_jax.configs.models import tiny

@@ -33,6 +33,7 @@ from absl import app, flags, logging
 
 from sao_jax import config as config_lib
 from sao_jax.data.prompts import prompt_source
+from sao_jax.run.streams import stream_seed
 from sao_jax.sampling.engine import Engine
 from sao_jax.train import Run
 
@@ -126,7 +127,8 @@ def probe_seed(seed: int) -> dict:
     t0 = time.time()
     for name, temp in (("sampled", 1.0), ("greedy", 0.0)):
         cfg = run.engine_cfg.__class__(**{**run.engine_cfg.__dict__, "temperature": temp})
-        engine = Engine.create(run.sampler_def, run.tokenizer, run.env_factory, cfg, seed=seed + 11)
+        key_seed = stream_seed(seed, "testbed_probe")
+        engine = Engine.create(run.sampler_def, run.tokenizer, run.env_factory, cfg, seed=key_seed)
         trajs, _ = engine.run(params, held_prompts)
         out[f"{name}_per_level"] = per_level(trajs, levels_of)
         out[f"{name}_success"] = float(np.mean([bool(t.info.get("success")) for t in trajs]))

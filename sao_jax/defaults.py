@@ -4,7 +4,8 @@
 configs/base.py) and what `sao_jax.config.validate` checks a config's field names and types
 against (`reference`). The sections and who reads them:
 
-  seed            the one seed the run's RNG streams are split from
+  seed            the one seed the run's named RNG streams are split from, by one table
+                  (sao_jax/run/streams.py)
   model           ModelConfig's fields (sao_jax/models/config.py, one comment per field);
                   configs/base.py puts the embedded model there (configs/models/tiny.py)
   mesh            device mesh and the one logical-axis rules table (sao_jax/parallel/mesh.py)
@@ -42,7 +43,7 @@ OPEN_FIELDS = ("model", "sampling", "env.params", "env.prompts", "data.template_
 def default_config() -> ConfigDict:
     """A fresh ConfigDict of every section's defaults (the module docstring lists them)."""
     c = ConfigDict()
-    c.seed = 0  # the one seed every named RNG stream is split from
+    c.seed = 0  # the one seed every named RNG stream is split from (sao_jax/run/streams.py)
     c.model = ConfigDict(dataclasses.asdict(ModelConfig()))  # sao_jax/models/config.py
     c.mesh = mesh_section()  # device mesh and the logical-axis rules table
     c.optim = ConfigDict()  # the RL optimizers, one per model

@@ -42,17 +42,17 @@ from sao_jax.report.progress import Progress
 from sao_jax.rl.update import Learner
 from sao_jax.run import accounting as acct
 from sao_jax.run import value_pretrain
-from sao_jax.run.evaluation import EVAL_SEED_OFFSET, Evaluator
+from sao_jax.run.evaluation import Evaluator
 from sao_jax.run.inputs import Inputs, build_models, read_inputs
 from sao_jax.run.settings import check_run
 from sao_jax.run.sft import SFTTrainer, demo_batches
+from sao_jax.run.streams import stream_seed
 from sao_jax.sampling.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.sampling.trajectory import Trajectory, pack_batch, pad_batch, round_up
 from sao_jax.schema import ConfigDict, ConfigError
 
 log = logging.getLogger("sao_jax")
-PRETRAIN_SEED_OFFSET = 3  # value pretraining's prompt stream and sampler: seed + 3
 
 
 class Run:
@@ -84,7 +84,9 @@ class Run:
         self.sampler_def = self.models.policy_def
         if jax.process_count() > 1:
             self.sampler_def = ModelDef.of(lambda: Policy(self.models.cfg, rngs=nnx.Rngs(0)))
-        self.engine_cfg, self.sampler_cfg = configs_from_section(config.sampling, config.seed)
+        self.engine_cfg, self.sampler_cfg = configs_from_section(
+            config.sampling, stream_seed(config.seed, "rollouts")
+        )
         self.chat = inputs.chat  # None: raw text prompts
         # The bounds of every rollouts take (RL loop and value pretraining): docs/checkpointing.md
         self.take_bounds = dict(
@@ -101,7 +103,7 @@ class Run:
             eval_prompts,
             self.engine_cfg,
             sampled=config.train.eval_sampled,
-            seed=config.seed + EVAL_SEED_OFFSET,
+            seed=stream_seed(config.seed, "eval"),
             max_env_errors=self.sampler_cfg.max_env_errors,
         )
         t = config.train
@@ -109,7 +111,7 @@ class Run:
             workdir / "checkpoints", keep=t.keep_checkpoints, async_save=t.async_checkpoints
         )
         self.writer = None  # created once the resume step is known
-        self.key = jax.random.key(config.seed)
+        self.key = jax.random.key(stream_seed(config.seed, "update"))
         self.loaded_critic: dict | None = None  # meta of a critic from init.critic_path
 
     # ------------------------------------------------------------------------ stages
@@ -124,7 +126,7 @@ class Run:
             demo_prompts = prompt_iterator(
                 cfg.env.name,
                 "train",
-                seed=cfg.seed + 7,
+                seed=stream_seed(cfg.seed, "sft_prompts"),
                 eval_fraction=cfg.env.eval_fraction,
                 **cfg.env.prompts,
             )
@@ -135,7 +137,7 @@ class Run:
                 batch_size=cfg.sft.batch_size,
                 length=cfg.sft.length,
                 error_rate=cfg.sft.error_rate,
-                seed=cfg.seed,
+                seed=stream_seed(cfg.seed, "sft_batches"),
                 add_bos=self.engine_cfg.add_bos,
             )
             batches = (distributed.global_from_replicated(x, self.batch_sharding) for x in batches)
@@ -155,7 +157,7 @@ class Run:
             )
         else:
             critic = critic_params_from_policy(policy, models.critic)
-        return self.learner.new_state(policy, critic, cfg.seed)
+        return self.learner.new_state(policy, critic, stream_seed(cfg.seed, "update"))
 
     def save_policy(self, path: pathlib.Path, policy) -> None:
         """Writes the warm-start policy, reusable by other runs (init.kind='params')."""
@@ -215,10 +217,10 @@ class Run:
 
     def pretrain_rollouts(self, policy):
         """The sampler of value pretraining: the fixed warm-start policy, published once
-        and never again, on a prompt stream of its own (seed + 3), so the RL prompt stream
-        is the same whether the critic was pretrained here or loaded."""
+        and never again, on a prompt stream of its own (stream 'value_pretrain'), so the RL
+        prompt stream is the same whether the critic was pretrained here or loaded."""
         cfg, vp = self.config, self.config.value_pretrain
-        seed = cfg.seed + PRETRAIN_SEED_OFFSET
+        seed = stream_seed(cfg.seed, "value_pretrain")
         prompts = distributed.process_shard(run_prompts(cfg, seed=seed)[0])
         args = (self.sampler_def, self.tokenizer, self.env_factory, iter(prompts.to_iter_dataset()))
         if self.set_env_step is not None:
@@ -288,7 +290,8 @@ class Run:
         kw = dict(group_size=cfg.env.group_size)
         args = (self.sampler_def, self.tokenizer, self.env_factory, self.prompts)
         if cfg.train.rollouts == "sync":
-            return SyncRollouts(*args, self.engine_cfg, seed=cfg.seed + 5, **kw, **self.take_bounds)
+            seed = stream_seed(cfg.seed, "sync_rollouts")
+            return SyncRollouts(*args, self.engine_cfg, seed=seed, **kw, **self.take_bounds)
         timeout = self.take_bounds["take_timeout_s"]
         return AsyncRollouts(*args, self.engine_cfg, self.sampler_cfg, take_timeout_s=timeout, **kw)
 

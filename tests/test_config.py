@@ -1,6 +1,8 @@
 """The one default config (sao_jax/defaults.py): configs/base.py is it plus the embedded
 model, it validates, and `validate` checks field names and types against it."""
 
+import pathlib
+import re
 import sys
 
 import numpy as np
@@ -13,6 +15,7 @@ from sao_jax.configs import base
 from sao_jax.rl import advantages, losses
 from sao_jax.rl.batch import check_divisible
 from sao_jax.rl.settings import estimator_params, loss_params
+from sao_jax.run import streams
 from sao_jax.schema import ConfigError
 
 
@@ -125,3 +128,28 @@ def test_a_loss_and_an_estimator_are_one_file_plus_a_config(tmp_path, monkeypatc
         action_mask_bt=m_bt, **loss_params(c.rl),
     )  # fmt: skip
     assert float(loss) == 2.0 and float(metrics["keep_rate"][0]) == 2.0
+
+
+def test_named_streams_derive_the_seeds_every_committed_result_used():
+    got = {name: streams.stream_seed(10, name) for name in streams.STREAMS}
+    assert got == {
+        "model_init": 10, "prompts": 10, "rollouts": 10, "update": 10, "sft_batches": 10,
+        "eval": 11, "value_pretrain": 13, "sync_rollouts": 15, "sft_prompts": 17,
+        "testbed_probe": 21,
+    }  # fmt: skip
+    with pytest.raises(KeyError, match="unknown RNG stream 'evl'"):
+        streams.stream_seed(0, "evl")
+
+
+def test_no_seed_offsets_outside_the_streams_table():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    offset = re.compile(r"seed\s*\+\s*\d|SEED_OFFSET")
+    files = [*(root / "sao_jax").rglob("*.py"), *(root / "experiments").glob("*.py")]  # not bench/
+    hits = [
+        f"{path.relative_to(root)}:{i}"
+        for path in sorted(files)
+        if path.name != "streams.py"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if offset.search(line)
+    ]
+    assert not hits, hits

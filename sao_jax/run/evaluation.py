@@ -25,7 +25,6 @@ from sao_jax.sampling.sampler import ENV_FAILURES, EnvErrorLimit, describe_drop
 from sao_jax.sampling.trajectory import Trajectory
 
 LEVEL_KEY = "level"  # prompt meta: the difficulty level, scored separately when present
-EVAL_SEED_OFFSET = 1  # a run's evaluator samples from key(config.seed + 1), folded with the step
 
 
 def summarize(trajs: Sequence[Trajectory], dropped: int, prefix: str) -> dict[str, float]:

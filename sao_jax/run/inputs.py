@@ -12,6 +12,7 @@ from sao_jax.envs.registry import env_factory
 from sao_jax.models import hf
 from sao_jax.models.config import ModelConfig, run_overrides
 from sao_jax.models.factory import Models, init_models
+from sao_jax.run.streams import stream_seed
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.text.chat_template import run_chat_format
 from sao_jax.text.tokenizer import load_tokenizer
@@ -24,7 +25,8 @@ def build_models(config: ConfigDict, sharder, tokenizer) -> Models:
         _, cdef, critic = hf.load_hf_critic(config.init.hf_path, sharder=sharder, **run)
         models = Models(cfg, pdef, policy, cdef, critic)
     else:
-        models = init_models(ModelConfig.from_config(config.model), sharder, config.seed)
+        seed = stream_seed(config.seed, "model_init")
+        models = init_models(ModelConfig.from_config(config.model), sharder, seed)
     if tokenizer.vocab_size > models.cfg.vocab_size:
         raise ConfigError(
             f"config field model.vocab_size: {models.cfg.vocab_size} < the tokenizer's "
@@ -62,7 +64,8 @@ def read_inputs(config: ConfigDict) -> Inputs:
         raise
     except ValueError as e:  # unknown reward, bad env parameter, bad chat rendering
         raise ConfigError(f"config field env.params: {e}") from None
-    train_prompts, eval_prompts = run_prompts(config)  # task generator or dataset
+    # the task's generator or a dataset
+    train_prompts, eval_prompts = run_prompts(config, seed=stream_seed(config.seed, "prompts"))
     try:  # the chat template renders, the env takes the prompts
         factory().reset(eval_prompts[0])
     except ValueError as e:

@@ -9,9 +9,10 @@ binomial SE of ~2 points per score at 40% success. Rescoring the checkpoint of `
 noise down without training anything again. What a run is scored on is what its own
 evaluation uses, from the run's config.json: the held-out split of `env` for the run's
 seed (`heldout` prompts instead of `env.eval_size`; the first ones are the run's own), the
-sampling settings of `sampling`, the sampling key of the seed (`seed + 1`, folded with
-the step, as `sao_jax/train.py` does). Runs of one seed (the rows of a table) therefore see
-the same prompts and keys: their differences stay paired (common random numbers).
+sampling settings of `sampling`, the sampling key of the seed's 'eval' stream
+(sao_jax/run/streams.py), folded with the step, as `sao_jax/train.py` does. Runs of one
+seed (the rows of a table) therefore see the same prompts and keys: their differences
+stay paired (common random numbers).
 Engines are compiled once per model / sampling / task and reused across seeds.
 """
 
@@ -25,8 +26,9 @@ from sao_jax import export
 from sao_jax.models.factory import policy_def
 from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.run.evaluation import EVAL_SEED_OFFSET, Evaluator
+from sao_jax.run.evaluation import Evaluator
 from sao_jax.run.inputs import read_inputs
+from sao_jax.run.streams import stream_seed
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.schema import ConfigDict, ConfigError
 
@@ -68,12 +70,14 @@ class Rescorer:
     def _evaluator(self, config: ConfigDict) -> Evaluator:
         cfg = heldout_config(config, self.heldout)
         inputs = read_inputs(cfg)  # the seed's held-out prompts (ConfigError names a field)
-        seed = cfg.seed + EVAL_SEED_OFFSET
+        seed = stream_seed(cfg.seed, "eval")
         key = _engine_key(cfg)
         if key in self._evaluators:
             return self._evaluators[key].for_prompts(inputs.eval_prompts, seed=seed)
         mcfg = export.model_config(cfg)
-        engine_cfg, sampler_cfg = configs_from_section(cfg.sampling, cfg.seed)
+        engine_cfg, sampler_cfg = configs_from_section(
+            cfg.sampling, stream_seed(cfg.seed, "rollouts")
+        )
         evaluator = Evaluator(
             policy_def(mcfg, Sharder()),
             inputs.tokenizer,
