@@ -11,6 +11,7 @@ from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner
+from tests.learner_variants import SeparateV0Learner
 
 B, T, V = 8, 20, 32
 
@@ -31,9 +32,8 @@ def _config(experts=4, **rl):
 
 def _run(config, separate: bool):
     models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
-    learner = Learner(
-        config, models.policy_def, models.critic_def, Sharder(), separate_v0_pass=separate
-    )
+    cls = SeparateV0Learner if separate else Learner
+    learner = cls(config, models.policy_def, models.critic_def, Sharder())
     state = learner.new_state(models.policy, models.critic, seed=0)
     metrics = []
     for i in range(2):

@@ -18,9 +18,10 @@ from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.rl import packing
 from sao_jax.rl.batch import check_batch
-from sao_jax.rl.update import Learner, reduce_metrics
+from sao_jax.rl.update import reduce_metrics
 from sao_jax.sampling.trajectory import Trajectory, pack_batch, pad_batch, padding_fraction
 from sao_jax.schema import ConfigError
+from tests.learner_variants import CountingLearner
 
 B, T, VOCAB, EXPERTS, TOP_K = 8, 32, 32, 8, 2
 
@@ -141,7 +142,7 @@ def test_packed_update_equals_padded(rl, mesh):
     config = _config(**rl)
     sharder = Sharder(build_mesh(mesh)) if mesh else Sharder()
     models = init_models(ModelConfig.from_config(config.model), sharder, seed=0)
-    learner = Learner(config, models.policy_def, models.critic_def, sharder)
+    learner = CountingLearner(config, models.policy_def, models.critic_def, sharder)
     replay, groups = bool(rl.get("routing_replay")), rl.get("advantage") == "grpo"
     pairs = _batches(learner, replay=replay, groups=groups, max_len=T // 2 if mesh else T)
     padded, packed = [p for p, _ in pairs], [q for _, q in pairs]

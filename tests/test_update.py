@@ -16,6 +16,7 @@ from sao_jax.rl.optim import critic_frozen_labels
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner, NonFiniteError, reduce_metrics
 from sao_jax.schema import ConfigError
+from tests.learner_variants import CountingLearner
 
 B, T = 8, 24
 
@@ -51,7 +52,7 @@ def default():
     """One learner (compiled once) for the default SAO config; each test gets a fresh state."""
     config = _config(aux=0.0, max_consecutive_skips=2)  # aux loss is per microbatch by design
     models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
-    learner = Learner(config, models.policy_def, models.critic_def, Sharder())
+    learner = CountingLearner(config, models.policy_def, models.critic_def, Sharder())
     return learner, lambda: learner.new_state(models.policy, models.critic, seed=0)
 
 

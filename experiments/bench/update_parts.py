@@ -131,14 +131,14 @@ def pass_programs(learner, holder, batch) -> dict[str, object]:
     critic steps (with V0 fused into the first when the learner fuses it), the policy
     forward, and the policy step (forward + backward + AdamW)."""
     n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
-    critic_fwd = jax.jit(learner._critic_values)
-    v0 = critic_fwd(holder["state"].critic, batch) if learner.separate_v0_pass else None
-    steps = jax.jit(lambda c, o, b, v: learner._critic_steps(c, o, b, v, n_tok)[:2])
+    critic_fwd = jax.jit(learner.critic_values)
+    v0 = learner.initial_values(holder["state"].critic, batch)  # None: fused, as run
+    steps = jax.jit(lambda c, o, b, v: learner.critic_steps(c, o, b, v, n_tok)[:2])
     policy_fwd = jax.jit(
         lambda p, b: P.policy_pass(learner.policy_def.bind(p), b, replay=False)["logp"]
     )
     key = jax.random.key(0)  # the PPO minibatch shuffle (unused by SAO's single step)
-    policy_step = jax.jit(lambda s, b: learner._policy_step(s, b, b["rewards"], n_tok, key)[:2])
+    policy_step = jax.jit(lambda s, b: learner.policy_step(s, b, b["rewards"], n_tok, key)[:2])
     run = lambda fn, args: lambda: jax.block_until_ready(fn(*args()))
     st = lambda: holder["state"]
     fns = {

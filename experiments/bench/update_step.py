@@ -13,7 +13,7 @@ below), each run with SAO's defaults (configs/base.py: critic_first, K = 2 criti
 DIS loss, frozen critic attention) on a synthetic multi-turn batch, in two forms:
 
   before  moe_impl 'dense' (every expert on every token), V0 by its own critic forward
-          (`Learner(separate_v0_pass=True)`) and attention_impl 'naive_literal' (the
+          (`SeparateV0Learner` below) and attention_impl 'naive_literal' (the
           naive attention in its input layout, which 'auto' ran at these lengths) and the
           per-token products as two-token-dim einsums: the update step before issue 16;
   after   moe_impl 'auto' (on CPU: 'grouped', matmuls over tiles of each expert's group), V0
@@ -121,6 +121,13 @@ def attention_forms(entries: list[str]) -> dict[str, dict]:
     return forms
 
 
+class SeparateV0Learner(Learner):
+    """The before form's V0: its own critic forward before the K critic steps."""
+
+    def initial_values(self, critic, batch):
+        return self.critic_values(critic, batch)
+
+
 @dataclasses.dataclass
 class Form:
     """One form of the update step, compiled, with its FLOP counts and timings."""
@@ -176,8 +183,8 @@ def _build_form(name, spec, overrides, b, t, args, host_batch, routing) -> Form:
     sharder = Sharder()
     separate = spec.get("separate_v0", False)
     models = init_models(cfg, sharder, seed=args.seed)  # same params in both forms
-    learner = Learner(
-        config, models.policy_def, models.critic_def, sharder, separate_v0_pass=separate
+    learner = (SeparateV0Learner if separate else Learner)(
+        config, models.policy_def, models.critic_def, sharder
     )
     holder = {"state": learner.new_state(models.policy, models.critic, seed=args.seed)}
     batch = jax.device_put(host_batch)

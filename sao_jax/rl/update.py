@@ -6,12 +6,12 @@ One call, with `rl.order == 'critic_first'` (the default):
      V0 is the first critic step's own forward (same parameters, per microbatch: the
      targets of a row need only that row's values), pulled back with `jax.vjp` once the
      targets are known, so no separate critic forward is run for it. The result is
-     bit-identical to a separate V0 pass (`Learner(..., separate_v0_pass=True)`).
+     bit-identical to a separate V0 pass (`initial_values`; tests/test_critic_v0.py).
   3. V1 = the updated critic(batch); policy advantages from V1 with the length-adaptive
      lambda (or the configured estimator: GRPO, moving average, ... skip the critic).
   4. The policy's optimizer steps with the configured loss (DIS by default): one step on
      the whole batch (SAO), or `rl.ppo_epochs` x `rl.minibatches` minibatch steps (the
-     PPO rows, as veRL / OpenRLHF run them; `_policy_step`).
+     PPO rows, as veRL / OpenRLHF run them; `policy_step`).
 With 'policy_first', advantages come from V0, the policy step is taken, then the K
 critic steps. `value_step` runs steps 1-2 only: the critic warm-up read as critic-only
 RL steps (`rl.critic_only_steps`). Value pretraining before RL is sao_jax/run/value_pretrain.py.
@@ -76,12 +76,7 @@ class Learner:
         policy_def: ModelDef,
         critic_def: ModelDef | None,
         sharder: Sharder,
-        *,
-        separate_v0_pass: bool = False,
     ):
-        """`separate_v0_pass`: compute V0 with its own critic forward before the critic
-        steps (the earlier, slower form; same results bit for bit; for tests and benches)."""
-        self.separate_v0_pass = separate_v0_pass
         self.rl = rl = config.rl
         self.sharder = sharder
         self.policy_def = policy_def
@@ -133,7 +128,6 @@ class Learner:
                 in_shardings=(self.state_shardings, batch_sh, rep),
                 out_shardings=(self.state_shardings, rep),
             )
-        self.traces = {"update_step": 0, "value_step": 0}
         self.update_step = jit(self._update_step)
         self.value_step = jit(self._value_step)
         self._jit_init = jax.jit(
@@ -173,7 +167,15 @@ class Learner:
 
     # --------------------------------------------------------------------- the math
 
-    def _critic_values(self, critic: Params, batch) -> dict[str, jax.Array]:
+    def initial_values(self, critic: Params, batch) -> dict[str, jax.Array] | None:
+        """V0, the values the critic targets come from, before the K critic steps; None:
+        from the first critic step's own forward (one critic forward fewer). The earlier
+        form, a separate V0 pass, is a subclass returning `critic_values(critic, batch)`
+        (tests/test_critic_v0.py checks both agree bit for bit; benches time them)."""
+        del critic, batch
+        return None
+
+    def critic_values(self, critic: Params, batch) -> dict[str, jax.Array]:
         model = self.critic_def.bind(critic)
         fn = lambda mb: {k: v for k, v in P.critic_pass(model, mb).items() if k != "aux_loss"}
         out = P.map_microbatches(fn, batch, self.rl.microbatches, self.sharder)
@@ -276,12 +278,12 @@ class Learner:
         metrics = dict(metrics, grad_norm=U.one(optax.tree.norm(grads)), loss=U.one(loss))
         return params, opt, ok, metrics
 
-    def _critic_steps(self, critic, copt, batch, values0, n_tok):
+    def critic_steps(self, critic, copt, batch, values0, n_tok):
         """K optimizer steps on the value MSE against fixed targets from V0.
 
         values0 None (the default): V0 comes from the first step's own forward, and the
-        other K - 1 steps follow in a scan. Given values0 (`separate_v0_pass`): the K
-        steps in one scan, as before. Returns (critic, copt, ok, metrics, targets, values0).
+        other K - 1 steps follow in a scan. Given values0 (`initial_values`): the K steps
+        in one scan. Returns (critic, copt, ok, metrics, targets, values0).
         """
         rl = self.rl
 
@@ -318,7 +320,7 @@ class Learner:
         metrics = {**U.prefixed("critic_first", first), **U.prefixed("critic", last)}
         return critic, copt, jnp.all(oks), metrics, targets, values0
 
-    def _policy_step(self, state: TrainState, batch, advantages_bt, n_tok, key):
+    def policy_step(self, state: TrainState, batch, advantages_bt, n_tok, key):
         """The policy's optimizer steps on one batch; metrics pooled over them.
 
         rl.ppo_epochs = rl.minibatches = 1 (SAO's DIS): one step on the whole batch.
@@ -403,28 +405,28 @@ class Learner:
         return params, opt, ok, metrics
 
     def _update_step(self, state: TrainState, batch, key):
-        self.traces["update_step"] += 1  # Python side effect: runs once per trace
-        rl = self.rl  # `key` shuffles the minibatches of the PPO loop (_policy_step)
+        rl = self.rl  # `key` shuffles the minibatches of the PPO loop (policy_step)
         n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
         critic, copt, ok_c, metrics = state.critic, state.critic_opt, jnp.array(True), {}
         values = critic_run = None
         lr_metrics = {"policy/lr": U.one(self.policy_lr(update_count(state.policy_opt)))}
         if self.uses_critic:  # K critic steps; V0 from the first one's forward
-            values = self._critic_values(critic, batch) if self.separate_v0_pass else None
-            critic_run = self._critic_steps(critic, copt, batch, values, n_tok)
+            critic_run = self.critic_steps(
+                critic, copt, batch, self.initial_values(critic, batch), n_tok
+            )
             values = critic_run[-1]
             lr_metrics["critic/lr"] = U.one(self.critic_lr(update_count(state.critic_opt)))
             mc_bt = monte_carlo_returns(batch["rewards"], batch["action_mask"], rl.gamma)
             ev_pre = self._honest_ev(values, mc_bt, batch)
         if self.uses_critic and rl.order == "critic_first":
             critic, copt, ok_c, metrics, _, _ = critic_run
-            values = self._critic_values(critic, batch)
+            values = self.critic_values(critic, batch)
             metrics["critic/ev_post_update"] = self._honest_ev(values, mc_bt, batch)
         adv = self._advantages(batch, values, self._policy_lambda(batch), state.baseline)
         advantages_bt = adv.advantages_bt
         if rl.whiten_advantages:
             advantages_bt = adv_lib.whiten_advantages(advantages_bt, batch["action_mask"])
-        policy, popt, ok_p, pmetrics = self._policy_step(state, batch, advantages_bt, n_tok, key)
+        policy, popt, ok_p, pmetrics = self.policy_step(state, batch, advantages_bt, n_tok, key)
         if self.uses_critic and rl.order == "policy_first":  # computed above, from V0
             critic, copt, ok_c, metrics, _, _ = critic_run
         metrics = {**metrics, **pmetrics, **U.prefixed("adv", adv.metrics), **lr_metrics}
@@ -447,15 +449,14 @@ class Learner:
 
     def _value_step(self, state: TrainState, batch, key):
         """Critic-only RL step (rl.critic_only_steps); the policy is untouched."""
-        self.traces["value_step"] += 1
         del key
         if not self.uses_critic:
             return state.replace(updates=state.updates + 1), {}
         n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
-        values = self._critic_values(state.critic, batch) if self.separate_v0_pass else None
+        values = self.initial_values(state.critic, batch)
         mc_bt = monte_carlo_returns(batch["rewards"], batch["action_mask"], self.rl.gamma)
         lr = U.one(self.critic_lr(update_count(state.critic_opt)))
-        critic, copt, ok, metrics, _, values = self._critic_steps(
+        critic, copt, ok, metrics, _, values = self.critic_steps(
             state.critic, state.critic_opt, batch, values, n_tok
         )
         metrics["critic/lr"] = lr
