@@ -230,7 +230,7 @@ def update_step_passes(
     critic_first (SAO's default): K critic forward + backward steps (V0 for the targets
     comes from step 1's forward), critic forward recompute (V1), policy forward +
     backward. policy_first: the policy step, then the K critic steps.
-    `separate_v0`: V0 by its own critic forward first (`Learner(separate_v0_pass=True)`,
+    `separate_v0`: V0 by its own critic forward first (a Learner whose `initial_values` runs it,
     the form before issue 16). `old_logp`: one more policy forward for pi_old (losses
     that need it, e.g. ppo_clip). `critic_trainable`: what the critic trains during RL
     (`sao_jax.rl.optim.critic_trainable`; "moe", SAO's default, see model_pass_flops).
