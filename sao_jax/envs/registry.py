@@ -44,22 +44,6 @@ from typing import Any
 from sao_jax.envs.base import Env, Prompt
 from sao_jax.registry import Registry, RegistryError
 
-__all__ = [
-    "REWARDS",
-    "TASKS",
-    "RegistryError",
-    "Reward",
-    "Task",
-    "env_factory",
-    "get_task",
-    "make_env",
-    "make_reward",
-    "register_reward",
-    "register_task",
-    "reward_names",
-    "task_names",
-]
-
 # Modules whose import registers the built-in tasks and rewards (each registers its own).
 BUILTIN_TASKS = (
     "sao_jax.envs.arithmetic",
