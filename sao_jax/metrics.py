@@ -370,7 +370,7 @@ def derived_metrics(means: Mapping[str, float]) -> dict[str, float]:
     * `N_std` for each pair `N`, `N_sq`: sqrt(max(E[x^2] - E[x]^2, 0));
     * `P/explained_variance` for each prefix P with value_residual(_sq), returns(_sq):
       EV = 1 - Var(R - V) / Var(R), Var(y) = E[y^2] - E[y]^2, over the tokens counted
-      (0 when Var(R) = 0, like `sao_jax.rl.update.explained_variance`).
+      (0 when Var(R) = 0, like `sao_jax.rl.metrics.explained_variance`).
     Float32 device sums lose precision when |mean| >> std; these are diagnostics.
     """
     out = {}

@@ -58,8 +58,9 @@ def _train(config):
     from sao_jax.models.config import ModelConfig
     from sao_jax.models.factory import init_models
     from sao_jax.parallel.mesh import sharder_from_config
+    from sao_jax.rl.metrics import reduce_metrics
     from sao_jax.rl.synthetic import synthetic_batch
-    from sao_jax.rl.update import Learner, reduce_metrics
+    from sao_jax.rl.update import Learner
 
     sharder = sharder_from_config(config)
     models = init_models(ModelConfig.from_config(config.model), sharder, seed=0)

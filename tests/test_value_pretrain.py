@@ -12,8 +12,8 @@ from sao_jax import config as config_lib
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder, build_mesh
+from sao_jax.rl.gae import monte_carlo_returns
 from sao_jax.rl.synthetic import synthetic_batch
-from sao_jax.rl.update import monte_carlo_returns
 from sao_jax.run.settings import pretraining_fields
 from sao_jax.run.value_pretrain import STEP_KEY, PlateauStop, ValuePretrainer, pretrain
 from sao_jax.schema import ConfigError

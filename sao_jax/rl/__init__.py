@@ -4,7 +4,8 @@ The face: `Learner` (update_step / value_step, jitted once per config, model pai
 mesh) over a `TrainState`; advantage estimators (`compute_advantages`, by name from
 `ESTIMATORS`) and losses (`policy_loss`, `value_loss`, by name from `LOSSES`), both
 registries of sao_jax/registry.py; observation-skipping GAE and the length-adaptive
-lambda; the batch's checks; the optimizers. Each name comes from the module that holds it.
+lambda; the batch's checks; the optimizers; metrics as (sum, count) pairs, averaged on the
+host by `reduce_metrics`. Each name comes from the module that holds it.
 """
 
 from sao_jax.rl.advantages import ESTIMATORS, Advantages, compute_advantages, whiten_advantages
@@ -12,6 +13,7 @@ from sao_jax.rl.batch import BATCH_FIELDS, check_batch, check_divisible
 from sao_jax.rl.checks import checked_mode
 from sao_jax.rl.gae import length_adaptive_lambda, skip_observation_gae
 from sao_jax.rl.losses import LOSSES, policy_loss, value_loss
+from sao_jax.rl.metrics import reduce_metrics
 from sao_jax.rl.optim import make_optimizer
 from sao_jax.rl.state import TrainState
 from sao_jax.rl.update import Learner, NonFiniteError
@@ -31,6 +33,7 @@ __all__ = [
     "length_adaptive_lambda",
     "make_optimizer",
     "policy_loss",
+    "reduce_metrics",
     "skip_observation_gae",
     "value_loss",
     "whiten_advantages",

@@ -41,13 +41,14 @@ import jax.numpy as jnp
 from sao_jax.registry import Registry, check_params
 from sao_jax.rl import checks as ck
 from sao_jax.rl import gae
+from sao_jax.rl import metrics as rm
 
 
 class Advantages(NamedTuple):
     advantages_bt: jax.Array  # [B, T], 0 off action tokens
     returns_bt: jax.Array | None  # [B, T] critic targets (critic-based estimators only)
     baseline_state: Any  # the updated estimator state (moving_average), else as given
-    metrics: ck.Metrics
+    metrics: rm.Metrics
 
 
 class MovingAverageState(NamedTuple):
@@ -204,7 +205,7 @@ def _rows(x: Inputs) -> tuple[jax.Array, jax.Array]:
 
 def _row_advantages(x: Inputs, adv_b: jax.Array, valid_b: jax.Array, state=None):
     adv_b = jnp.where(valid_b, adv_b, 0.0)
-    metrics = {"rows_zero_advantage": ck.masked_sum_count(adv_b == 0, valid_b)}
+    metrics = {"rows_zero_advantage": rm.masked_sum_count(adv_b == 0, valid_b)}
     a_bt = jnp.where(x.m_bt, adv_b[:, None], 0.0)
     return Advantages(a_bt, None, x.baseline_state if state is None else state, metrics)
 
@@ -326,9 +327,9 @@ def compute_advantages(
     a_bt = out.advantages_bt
     metrics = dict(out.metrics)
     valid_b = jnp.any(m_bt, axis=1)
-    metrics["rows_without_actions"] = ck.masked_sum_count(~valid_b, jnp.ones_like(valid_b))
-    metrics["advantage"] = ck.masked_sum_count(a_bt, m_bt)
-    metrics["advantage_sq"] = ck.masked_sum_count(jnp.square(a_bt), m_bt)
+    metrics["rows_without_actions"] = rm.masked_sum_count(~valid_b, jnp.ones_like(valid_b))
+    metrics["advantage"] = rm.masked_sum_count(a_bt, m_bt)
+    metrics["advantage_sq"] = rm.masked_sum_count(jnp.square(a_bt), m_bt)
     if out.returns_bt is not None:
-        metrics["returns"] = ck.masked_sum_count(out.returns_bt, m_bt)
+        metrics["returns"] = rm.masked_sum_count(out.returns_bt, m_bt)
     return out._replace(metrics=metrics)

@@ -1,6 +1,6 @@
-"""Input checks shared by the RL math (shapes always, values in checked mode), and the
-(sum, count) metric pair it returns. Its estimators and losses are picked by name from
-registries of the one mechanism, sao_jax/registry.py.
+"""Input checks shared by the RL math: shapes always, values in checked mode. (Its
+metrics are sao_jax/rl/metrics.py; its estimators and losses are picked by name from
+registries of the one mechanism, sao_jax/registry.py.)
 
 Input checks come in two strengths:
 - Shape, rank and dtype checks run always, at trace time (they cost nothing at run time).
@@ -133,12 +133,3 @@ def as_unit_scalar(x: Any, name: str, checked: bool) -> jax.Array:
     if checked:
         require_value((arr >= 0) & (arr <= 1), f"{name}: must be in [0, 1]")
     return arr
-
-
-def masked_sum_count(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(sum of x where mask, number of such entries) as float32 scalars: a metric pair."""
-    m = mask.astype(jnp.float32)
-    return jnp.sum(jnp.where(mask, x, 0).astype(jnp.float32)), jnp.sum(m)
-
-
-Metrics = dict[str, tuple[jax.Array, jax.Array]]

@@ -226,6 +226,17 @@ def skip_observation_gae(
     return _gae_jit(*x, impl=_check_impl(impl))
 
 
+def monte_carlo_returns(rewards_bt, action_mask_bt, gamma) -> jax.Array:
+    """Observed return of every action token, lambda = 1 and no bootstrap:
+    R_t = sum over action tokens t' >= t of gamma^(number of action tokens in [t, t')) r_t'
+    (observation tokens skipped, docs/method.md section 4); 0 off action tokens."""
+    zeros_bt = jnp.zeros(rewards_bt.shape, jnp.float32)
+    _, returns_bt = skip_observation_gae(
+        rewards_bt, zeros_bt, action_mask_bt, gamma=gamma, lam=1.0, checked=False
+    )
+    return returns_bt
+
+
 # --------------------------------------------------------------------------- lambdas
 
 

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 
 from sao_jax.registry import Registry, check_params
 from sao_jax.rl import checks as ck
+from sao_jax.rl import metrics as rm
 
 sg = jax.lax.stop_gradient
 
@@ -91,7 +92,7 @@ class LossInputs(NamedTuple):
 class TokenLoss(NamedTuple):
     loss_bt: jax.Array  # per-token loss (only read on action tokens)
     keep_bt: jax.Array  # bool: the token carries gradient
-    metrics: ck.Metrics
+    metrics: rm.Metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +158,9 @@ def _ppo(x: LossInputs, old_logp_bt: jax.Array, eps_low: float, eps_high: float)
     low_bt = x.m_bt & (sg(rho_bt) < 1 - eps_low) & (x.adv_bt < 0)
     high_bt = x.m_bt & (sg(rho_bt) > 1 + eps_high) & (x.adv_bt > 0)
     metrics = {
-        "ppo_clip_low": ck.masked_sum_count(low_bt, x.m_bt),
-        "ppo_clip_high": ck.masked_sum_count(high_bt, x.m_bt),
-        "clip_frac": ck.masked_sum_count(low_bt | high_bt, x.m_bt),
+        "ppo_clip_low": rm.masked_sum_count(low_bt, x.m_bt),
+        "ppo_clip_high": rm.masked_sum_count(high_bt, x.m_bt),
+        "clip_frac": rm.masked_sum_count(low_bt | high_bt, x.m_bt),
     }
     return TokenLoss(-surr_bt, x.m_bt & ~low_bt & ~high_bt, metrics)
 
@@ -184,7 +185,7 @@ def _icepop_loss(x: LossInputs, eps_low, eps_high, band_low, band_high, weighted
     w_bt, band_bt = icepop_weight(x.old_logp_bt, x.rollout_logp_bt, x.m_bt, band_low, band_high)
     if not weighted:
         w_bt = band_bt.astype(jnp.float32)
-    metrics = dict(ppo.metrics, icepop_weight=ck.masked_sum_count(w_bt, x.m_bt))
+    metrics = dict(ppo.metrics, icepop_weight=rm.masked_sum_count(w_bt, x.m_bt))
     return TokenLoss(w_bt * ppo.loss_bt, band_bt, metrics)
 
 
@@ -210,22 +211,22 @@ def _positive_nll(x: LossInputs) -> TokenLoss:
 # --------------------------------------------------------------------------- metrics
 
 
-def _common_metrics(x: LossInputs, keep_bt, staleness_bt) -> ck.Metrics:
+def _common_metrics(x: LossInputs, keep_bt, staleness_bt) -> rm.Metrics:
     log_r_bt = sg(_log_ratio(x.logp_bt, x.rollout_logp_bt, x.m_bt))
     metrics = {
-        "keep_rate": ck.masked_sum_count(keep_bt, x.m_bt),
-        "approx_kl": ck.masked_sum_count(jnp.expm1(log_r_bt) - log_r_bt, x.m_bt),
+        "keep_rate": rm.masked_sum_count(keep_bt, x.m_bt),
+        "approx_kl": rm.masked_sum_count(jnp.expm1(log_r_bt) - log_r_bt, x.m_bt),
     }
     if x.entropy_bt is not None:
         h_bt = sg(x.entropy_bt)
-        metrics["masked_entropy"] = ck.masked_sum_count(h_bt, x.m_bt & ~keep_bt)
-        metrics["kept_entropy"] = ck.masked_sum_count(h_bt, keep_bt)
+        metrics["masked_entropy"] = rm.masked_sum_count(h_bt, x.m_bt & ~keep_bt)
+        metrics["kept_entropy"] = rm.masked_sum_count(h_bt, keep_bt)
     if staleness_bt is not None:
         for suffix, lo, hi in STALENESS_BUCKETS:
             in_bt = x.m_bt & (staleness_bt >= lo)
             if hi is not None:
                 in_bt &= staleness_bt <= hi
-            metrics[f"keep_rate_stale_{suffix}"] = ck.masked_sum_count(keep_bt, in_bt)
+            metrics[f"keep_rate_stale_{suffix}"] = rm.masked_sum_count(keep_bt, in_bt)
     return metrics
 
 
@@ -273,7 +274,7 @@ def policy_loss(
     denominator: Any = None,
     checked: bool | None = None,
     **params: Any,
-) -> tuple[jax.Array, ck.Metrics]:
+) -> tuple[jax.Array, rm.Metrics]:
     """(scalar loss, metrics) of policy loss `name` (module doc); differentiable in logp_bt.
 
     Unknown names, parameters the loss does not accept, and inputs a loss needs but got as
@@ -325,7 +326,7 @@ def value_loss(
     clip_eps: float | None = None,
     denominator: Any = None,
     checked: bool | None = None,
-) -> tuple[jax.Array, ck.Metrics]:
+) -> tuple[jax.Array, rm.Metrics]:
     """Masked MSE on action tokens: sum m * 0.5 (V - R)^2 / denom (the `value_mse` loss).
 
     With clip_eps (off by default), PPO-style value clipping around old_values_bt:
@@ -339,7 +340,7 @@ def value_loss(
     v_bt = _float_bt(values_bt, "values_bt", bt)
     r_bt = sg(_float_bt(returns_bt, "returns_bt", bt))
     sq_bt = jnp.square(v_bt - r_bt)
-    metrics: ck.Metrics = {}
+    metrics: rm.Metrics = {}
     if clip_eps is not None:
         if not (isinstance(clip_eps, (int, float)) and clip_eps > 0):
             raise ValueError(f"clip_eps: must be a number > 0 (or None), got {clip_eps!r}")
@@ -348,17 +349,17 @@ def value_loss(
         old_bt = sg(_float_bt(old_values_bt, "old_values_bt", bt))
         v_clip_bt = old_bt + jnp.clip(v_bt - old_bt, -clip_eps, clip_eps)
         sq_clip_bt = jnp.square(v_clip_bt - r_bt)
-        metrics["value_clip_frac"] = ck.masked_sum_count(sq_clip_bt > sq_bt, m_bt)
+        metrics["value_clip_frac"] = rm.masked_sum_count(sq_clip_bt > sq_bt, m_bt)
         sq_bt = jnp.maximum(sq_bt, sq_clip_bt)
     loss_bt = 0.5 * sq_bt
     loss = jnp.sum(jnp.where(m_bt, loss_bt, 0.0)) / _denominator(denominator, m_bt, checked)
     res_bt = sg(r_bt - v_bt)
     metrics |= {
-        "value_loss": ck.masked_sum_count(sg(loss_bt), m_bt),
-        "value_residual": ck.masked_sum_count(res_bt, m_bt),
-        "value_residual_sq": ck.masked_sum_count(jnp.square(res_bt), m_bt),
-        "returns": ck.masked_sum_count(r_bt, m_bt),
-        "returns_sq": ck.masked_sum_count(jnp.square(r_bt), m_bt),
+        "value_loss": rm.masked_sum_count(sg(loss_bt), m_bt),
+        "value_residual": rm.masked_sum_count(res_bt, m_bt),
+        "value_residual_sq": rm.masked_sum_count(jnp.square(res_bt), m_bt),
+        "returns": rm.masked_sum_count(r_bt, m_bt),
+        "returns_sq": rm.masked_sum_count(jnp.square(r_bt), m_bt),
     }
     return loss, metrics
 

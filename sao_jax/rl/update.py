@@ -19,7 +19,7 @@ RL steps (`rl.critic_only_steps`). Value pretraining before RL is sao_jax/run/va
 Critic metrics: `critic/ev_pre_update` is the explained variance of the values BEFORE this
 update's critic steps on the batch, which the critic has never trained on (the honest
 number), `critic/ev_post_update` that of the values after them (in-sample), both against
-the observed Monte-Carlo returns (`monte_carlo_returns`: lambda = 1, no bootstrap).
+the observed Monte-Carlo returns (`gae.monte_carlo_returns`: lambda = 1, no bootstrap).
 
 Both are jitted once with explicit shardings and the state donated. A non-finite loss
 or gradient anywhere skips the whole update (parameters and optimizer states unchanged)
@@ -41,8 +41,8 @@ from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.rl import advantages as adv_lib
 from sao_jax.rl import gae, losses
+from sao_jax.rl import metrics as rm
 from sao_jax.rl import passes as P
-from sao_jax.rl import step_utils as U
 from sao_jax.rl.batch import check_batch, check_divisible
 from sao_jax.rl.optim import (
     apply_updates,
@@ -53,14 +53,24 @@ from sao_jax.rl.optim import (
 )
 from sao_jax.rl.settings import estimator_params, loss_params
 from sao_jax.rl.state import TrainState, init_state, state_shardings
-from sao_jax.rl.step_utils import (  # noqa: F401  (part of this module's API)
-    Metrics,
-    explained_variance,
-    minibatch_indices,
-    monte_carlo_returns,
-    reduce_metrics,
-)
 from sao_jax.schema import ConfigDict, ConfigError
+
+
+def minibatch_indices(key, batch_size: int, epochs: int, minibatches: int) -> jax.Array:
+    """[epochs * minibatches, batch_size // minibatches] int32 row indices: epoch e is the
+    permutation of the rows drawn with fold_in(key, e), cut into `minibatches` parts."""
+    perm = lambda e: jax.random.permutation(jax.random.fold_in(key, e), batch_size)
+    perms_eb = jax.vmap(perm)(jnp.arange(epochs))  # [E, B]
+    return perms_eb.reshape(epochs * minibatches, batch_size // minibatches).astype(jnp.int32)
+
+
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _select(ok, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 class NonFiniteError(RuntimeError):
@@ -274,8 +284,8 @@ class Learner:
     def _critic_update(self, params, opt, loss, grads, metrics):
         updates, opt = self.critic_tx.update(grads, opt, params)
         params = apply_updates(params, updates, self.critic_frozen)
-        ok = jnp.isfinite(loss) & U.all_finite(grads)
-        metrics = dict(metrics, grad_norm=U.one(optax.tree.norm(grads)), loss=U.one(loss))
+        ok = jnp.isfinite(loss) & _all_finite(grads)
+        metrics = dict(metrics, grad_norm=rm.one(optax.tree.norm(grads)), loss=rm.one(loss))
         return params, opt, ok, metrics
 
     def critic_steps(self, critic, copt, batch, values0, n_tok):
@@ -317,7 +327,7 @@ class Learner:
         # Report the first and last of the K steps' metrics.
         first = jax.tree.map(lambda x: x[0], per_step)
         last = jax.tree.map(lambda x: x[-1], per_step)
-        metrics = {**U.prefixed("critic_first", first), **U.prefixed("critic", last)}
+        metrics = {**rm.prefixed("critic_first", first), **rm.prefixed("critic", last)}
         return critic, copt, jnp.all(oks), metrics, targets, values0
 
     def policy_step(self, state: TrainState, batch, advantages_bt, n_tok, key):
@@ -350,7 +360,7 @@ class Learner:
             policy, opt, ok, metrics = self._policy_update(
                 state.policy, state.policy_opt, mb_batch, n_tok
             )
-            return policy, opt, ok, U.prefixed("policy", metrics)
+            return policy, opt, ok, rm.prefixed("policy", metrics)
 
         rows = batch["tokens"].shape[0]
         idx_sr = minibatch_indices(key, rows, rl.ppo_epochs, rl.minibatches)  # [E*M, B/M]
@@ -369,7 +379,7 @@ class Learner:
             one_step, (state.policy, state.policy_opt), idx_sr
         )
         metrics = jax.tree.map(lambda x: jnp.sum(x, axis=0), per_step)  # (sum, count) pooled
-        return policy, opt, jnp.all(oks), U.prefixed("policy", metrics)
+        return policy, opt, jnp.all(oks), rm.prefixed("policy", metrics)
 
     def _policy_update(self, params, opt, mb_batch, n_tok):
         """One policy optimizer step on `mb_batch` (gradients accumulated over
@@ -391,8 +401,8 @@ class Learner:
                 **self.loss_kwargs,
             )
             m = mb["action_mask"]
-            metrics = dict(metrics, entropy=U.masked(out["entropy"], m))
-            metrics["logp_gap"] = U.masked(out["logp"] - mb["rollout_logp"], m)
+            metrics = dict(metrics, entropy=rm.masked_sum_count(out["entropy"], m))
+            metrics["logp_gap"] = rm.masked_sum_count(out["logp"] - mb["rollout_logp"], m)
             return loss + out["aux_loss"] / rl.microbatches, metrics
 
         loss, grads, metrics = P.accumulate_grads(
@@ -400,8 +410,8 @@ class Learner:
         )
         updates, opt = self.policy_tx.update(grads, opt, params)
         params = optax.apply_updates(params, updates)
-        ok = jnp.isfinite(loss) & U.all_finite(grads)
-        metrics = dict(metrics, grad_norm=U.one(optax.tree.norm(grads)), loss=U.one(loss))
+        ok = jnp.isfinite(loss) & _all_finite(grads)
+        metrics = dict(metrics, grad_norm=rm.one(optax.tree.norm(grads)), loss=rm.one(loss))
         return params, opt, ok, metrics
 
     def _update_step(self, state: TrainState, batch, key):
@@ -409,14 +419,14 @@ class Learner:
         n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
         critic, copt, ok_c, metrics = state.critic, state.critic_opt, jnp.array(True), {}
         values = critic_run = None
-        lr_metrics = {"policy/lr": U.one(self.policy_lr(update_count(state.policy_opt)))}
+        lr_metrics = {"policy/lr": rm.one(self.policy_lr(update_count(state.policy_opt)))}
         if self.uses_critic:  # K critic steps; V0 from the first one's forward
             critic_run = self.critic_steps(
                 critic, copt, batch, self.initial_values(critic, batch), n_tok
             )
             values = critic_run[-1]
-            lr_metrics["critic/lr"] = U.one(self.critic_lr(update_count(state.critic_opt)))
-            mc_bt = monte_carlo_returns(batch["rewards"], batch["action_mask"], rl.gamma)
+            lr_metrics["critic/lr"] = rm.one(self.critic_lr(update_count(state.critic_opt)))
+            mc_bt = gae.monte_carlo_returns(batch["rewards"], batch["action_mask"], rl.gamma)
             ev_pre = self._honest_ev(values, mc_bt, batch)
         if self.uses_critic and rl.order == "critic_first":
             critic, copt, ok_c, metrics, _, _ = critic_run
@@ -429,11 +439,11 @@ class Learner:
         policy, popt, ok_p, pmetrics = self.policy_step(state, batch, advantages_bt, n_tok, key)
         if self.uses_critic and rl.order == "policy_first":  # computed above, from V0
             critic, copt, ok_c, metrics, _, _ = critic_run
-        metrics = {**metrics, **pmetrics, **U.prefixed("adv", adv.metrics), **lr_metrics}
+        metrics = {**metrics, **pmetrics, **rm.prefixed("adv", adv.metrics), **lr_metrics}
         if self.uses_critic:
             metrics["critic/ev_pre_update"] = ev_pre
         if values is not None:
-            metrics["critic/value"] = U.masked(values["values"], batch["action_mask"])
+            metrics["critic/value"] = rm.masked_sum_count(values["values"], batch["action_mask"])
         new = state.replace(
             step=state.step + 1,
             policy=policy,
@@ -445,7 +455,7 @@ class Learner:
         return self._guard(state, new, ok_c & ok_p, metrics, batch)
 
     def _honest_ev(self, values, mc_bt, batch):
-        return U.one(explained_variance(values["values"], mc_bt, batch["action_mask"]))
+        return rm.one(rm.explained_variance(values["values"], mc_bt, batch["action_mask"]))
 
     def _value_step(self, state: TrainState, batch, key):
         """Critic-only RL step (rl.critic_only_steps); the policy is untouched."""
@@ -454,8 +464,8 @@ class Learner:
             return state.replace(updates=state.updates + 1), {}
         n_tok = jnp.maximum(jnp.sum(batch["action_mask"]), 1).astype(jnp.float32)
         values = self.initial_values(state.critic, batch)
-        mc_bt = monte_carlo_returns(batch["rewards"], batch["action_mask"], self.rl.gamma)
-        lr = U.one(self.critic_lr(update_count(state.critic_opt)))
+        mc_bt = gae.monte_carlo_returns(batch["rewards"], batch["action_mask"], self.rl.gamma)
+        lr = rm.one(self.critic_lr(update_count(state.critic_opt)))
         critic, copt, ok, metrics, _, values = self.critic_steps(
             state.critic, state.critic_opt, batch, values, n_tok
         )
@@ -466,7 +476,7 @@ class Learner:
 
     def _guard(self, old: TrainState, new: TrainState, ok, metrics, batch):
         """Keep `new` if everything was finite, else `old`; count skips either way."""
-        state = U.select(ok, new, old)
+        state = _select(ok, new, old)
         skipped = (~ok).astype(jnp.int32)
         state = state.replace(
             updates=old.updates + 1,
@@ -474,7 +484,8 @@ class Learner:
             consecutive_skips=jnp.where(ok, 0, old.consecutive_skips + 1),
         )
         metrics = dict(metrics)
-        metrics["skipped"] = U.one(skipped)
-        metrics["batch/outcome"] = U.masked(batch["outcome"], jnp.ones_like(batch["outcome"]))
-        metrics["batch/action_tokens"] = U.one(jnp.sum(batch["action_mask"]))
+        metrics["skipped"] = rm.one(skipped)
+        outcome_b = batch["outcome"]
+        metrics["batch/outcome"] = rm.masked_sum_count(outcome_b, jnp.ones_like(outcome_b))
+        metrics["batch/action_tokens"] = rm.one(jnp.sum(batch["action_mask"]))
         return state, metrics

@@ -7,7 +7,7 @@ regresses the Monte-Carlo returns of fresh rollouts of the fixed warm-start poli
   rollouts. Epochs over a small fixed set memorise it (held-out EV falls while in-sample
   EV rises), so there are none.
 * Targets: observed Monte-Carlo returns, lambda = 1 and no bootstrap, discount rl.gamma
-  (`sao_jax.rl.update.monte_carlo_returns`), whatever rl.lam_critic says.
+  (`sao_jax.rl.gae.monte_carlo_returns`), whatever rl.lam_critic says.
 * Held out: `heldout_rollouts` rollouts sampled first and never trained on (training
   rollouts of their prompts are skipped). Their explained variance and value loss are
   measured at step 0, every `eval_every` steps and at the last step.
@@ -50,6 +50,7 @@ from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.rl import losses
 from sao_jax.rl import passes as P
+from sao_jax.rl.gae import monte_carlo_returns
 from sao_jax.rl.optim import (
     apply_updates,
     make_optimizer,
@@ -58,7 +59,7 @@ from sao_jax.rl.optim import (
     update_count,
 )
 from sao_jax.rl.state import optimizer_shardings
-from sao_jax.rl.update import NonFiniteError, monte_carlo_returns
+from sao_jax.rl.update import NonFiniteError
 from sao_jax.run.settings import WARM_START_CRITIC_SUBDIR, pretraining_fields
 from sao_jax.schema import ConfigDict, ConfigError
 

@@ -1,0 +1,43 @@
+"""The RL math's metrics: name -> (sum, count) pairs of float32 scalars, summed over
+microbatches and devices on the way, and turned into means on the host only on log steps
+(`reduce_metrics`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Metrics = dict[str, tuple[jax.Array, jax.Array]]
+
+
+def masked_sum_count(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum of x where mask, number of such entries) as float32 scalars: a metric pair."""
+    m = mask.astype(jnp.float32)
+    return jnp.sum(jnp.where(mask, x, 0).astype(jnp.float32)), jnp.sum(m)
+
+
+def one(x) -> tuple[jax.Array, jax.Array]:
+    """The pair of one value (count 1)."""
+    return jnp.asarray(x, jnp.float32), jnp.ones((), jnp.float32)
+
+
+def prefixed(prefix: str, metrics: Metrics) -> Metrics:
+    return {f"{prefix}/{k}": v for k, v in metrics.items()}
+
+
+def explained_variance(values_bt, returns_bt, mask_bt) -> jax.Array:
+    """1 - Var(R - V) / Var(R) over action tokens (0 when Var(R) = 0)."""
+    m = mask_bt.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    mean = lambda x: jnp.sum(x * m) / n
+    var = lambda x: mean(jnp.square(x - mean(x)))
+    var_r = var(returns_bt)
+    return jnp.where(var_r > 0, 1.0 - var(returns_bt - values_bt) / jnp.maximum(var_r, 1e-12), 0.0)
+
+
+def reduce_metrics(metrics: Metrics) -> dict[str, float]:
+    """Host side: (sum, count) pairs -> means (NaN where count is 0)."""
+    out = {}
+    for k, (s, c) in jax.device_get(metrics).items():
+        out[k] = float(s) / float(c) if float(c) > 0 else float("nan")
+    return out
