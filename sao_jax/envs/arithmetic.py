@@ -30,6 +30,7 @@ import numpy as np
 
 from sao_jax.envs import calculator
 from sao_jax.envs.base import Prompt, StepResult
+from sao_jax.envs.episode import IntegerAnswerEpisode
 from sao_jax.envs.registry import register_task
 
 QUESTION, CALL, RESULT, ANSWER, ERROR = "q:", "c:", "r:", "a:", "e:"
@@ -168,10 +169,11 @@ def parse_answer(line: str) -> int | None:
     return int(m.group()) if m else None
 
 
-class ArithmeticEnv:
+class ArithmeticEnv(IntegerAnswerEpisode):
     """Calculator tool use; reward 1.0 for a correct `a:` answer, else 0.0."""
 
     stop_strings = STOP_STRINGS
+    task = "arithmetic"
 
     def __init__(self, *, max_turns: int = 4, max_turn_chars: int = 40) -> None:
         if max_turns < 1:
@@ -180,21 +182,13 @@ class ArithmeticEnv:
             raise ValueError(f"arithmetic max_turn_chars={max_turn_chars}: must be >= 4")
         self.max_turns = max_turns
         self.max_turn_chars = max_turn_chars
-        self._target: int | None = None
-        self._turn = 0
-        self._calls = 0
-        self._done = True
 
     def reset(self, prompt: Prompt) -> str:
-        if type(prompt.answer) is not int:
-            raise ValueError(f"arithmetic prompt {prompt.uid!r}: answer must be an int")
-        self._target, self._turn, self._calls, self._done = prompt.answer, 0, 0, False
+        self._start(prompt)
         return prompt.text
 
     def step(self, action_text: str) -> StepResult:
-        if self._target is None or self._done:
-            raise RuntimeError("arithmetic env: step() before reset() or after the episode ended")
-        self._turn += 1
+        self._next_turn()
         line, terminated, lead = split_turn(action_text)
         info: dict[str, Any] = {"turn": self._turn}
         if len(line) > self.max_turn_chars or "\n" in line:
@@ -209,7 +203,7 @@ class ArithmeticEnv:
         if not terminated:
             return self._error("bad", "calculator call not terminated by a newline", lead)
         expr = line[len(CALL) :]
-        self._calls += 1
+        self._tools += 1
         if not _EXPR_RE.fullmatch(expr):
             return self._error("syntax", f"call {expr[:16]!r} has characters outside 0-9+-*/%(). ")
         try:
@@ -218,21 +212,8 @@ class ArithmeticEnv:
             return self._error(e.code, str(e))
         return self._continue(obs, info)
 
-    def _continue(self, observation: str, info: dict[str, Any]) -> StepResult:
-        if self._turn >= self.max_turns:
-            return self._finish(False, answer=None, info=info, truncated=True)
-        return StepResult(observation, 0.0, False, info)
-
     def _error(self, code: str, message: str, lead: str = "") -> StepResult:
-        return self._continue(f"{lead}{ERROR}{code}\n", {"turn": self._turn, "error": message})
-
-    def _finish(
-        self, success: bool, *, answer: int | None, info: dict[str, Any], truncated: bool = False
-    ) -> StepResult:
-        self._done = True
-        info = {**info, "success": success, "truncated": truncated, "answer": answer}
-        info.update(target=self._target, tool_calls=self._calls)
-        return StepResult("", 1.0 if success else 0.0, True, info)
+        return self._continue(f"{lead}{ERROR}{code}\n", {"error": message})
 
 
 def _solution_calls(tree: Tree, corrupt_at: int, rng: np.random.Generator) -> tuple[list[str], int]:

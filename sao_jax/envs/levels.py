@@ -41,6 +41,7 @@ import numpy as np
 from sao_jax.envs import arithmetic as A
 from sao_jax.envs import calculator
 from sao_jax.envs.base import Prompt, StepResult
+from sao_jax.envs.episode import IntegerAnswerEpisode
 from sao_jax.envs.registry import register_task
 
 
@@ -147,10 +148,11 @@ def is_step(call: A.Tree, problem: A.Tree) -> bool:
     return not isinstance(call, int) and any(_matches(call, t) for t in _subtrees(problem))
 
 
-class LevelsEnv:
+class LevelsEnv(IntegerAnswerEpisode):
     """Checked calculator with a per-episode turn budget; reward 1.0 for a correct answer."""
 
     stop_strings = A.STOP_STRINGS
+    task = "arithmetic_levels"
 
     def __init__(self, *, spare_turns: int = 1, max_turn_chars: int = 40) -> None:
         if spare_turns < 0:
@@ -161,23 +163,18 @@ class LevelsEnv:
         self.max_turn_chars = max_turn_chars
         self.max_turns = 1  # set per episode by reset: n_ops + 1 + spare_turns
         self._problem: A.Tree | None = None
-        self._turn = self._calls = self._errors = 0
-        self._done = True
+        self._errors = 0
 
     def reset(self, prompt: Prompt) -> str:
-        if type(prompt.answer) is not int:
-            raise ValueError(f"arithmetic_levels prompt {prompt.uid!r}: answer must be an int")
+        self._check_prompt(prompt)  # before the problem is parsed
         self._problem = A.parse_tree(expr_of(prompt))
-        self._target = prompt.answer
         self.max_turns = A.n_ops_of(self._problem) + 1 + self.spare_turns
-        self._turn = self._calls = self._errors = 0
-        self._done = False
+        self._start(prompt)
+        self._errors = 0
         return prompt.text
 
     def step(self, action_text: str) -> StepResult:
-        if self._problem is None or self._done:
-            raise RuntimeError("arithmetic_levels: step() before reset() or after the end")
-        self._turn += 1
+        self._next_turn()
         line, terminated, lead = A.split_turn(action_text)
         if len(line) > self.max_turn_chars or "\n" in line:
             return self._error("bad", f"turn is not one line of <= {self.max_turn_chars}", lead)
@@ -191,7 +188,7 @@ class LevelsEnv:
         if not terminated:
             return self._error("bad", "calculator call not terminated by a newline", lead)
         expr = line[len(A.CALL) :]
-        self._calls += 1
+        self._tools += 1
         if not A._EXPR_RE.fullmatch(expr):
             return self._error("syntax", f"call {expr[:16]!r} has characters outside 0-9+-*()")
         try:
@@ -205,24 +202,12 @@ class LevelsEnv:
             return self._error(STEP_ERROR, f"call {expr!r} is not a step of the problem")
         return self._continue(f"{A.RESULT}{value}\n")
 
-    def _continue(self, observation: str, info: dict[str, Any] | None = None) -> StepResult:
-        info = {"turn": self._turn, **(info or {})}
-        if self._turn >= self.max_turns:
-            return self._finish(False, answer=None, truncated=True, info=info)
-        return StepResult(observation, 0.0, False, info)
-
     def _error(self, code: str, message: str, lead: str = "") -> StepResult:
         self._errors += 1
         return self._continue(f"{lead}{A.ERROR}{code}\n", {"error": message})
 
-    def _finish(
-        self, success: bool, *, answer: int | None, truncated: bool = False, info=None
-    ) -> StepResult:
-        self._done = True
-        info = {**(info or {}), "turn": self._turn, "success": success, "truncated": truncated}
-        info.update(answer=answer, target=self._target, tool_calls=self._calls)
-        info["tool_errors"] = self._errors
-        return StepResult("", 1.0 if success else 0.0, True, info)
+    def _final_info(self) -> dict[str, Any]:
+        return {"tool_errors": self._errors}
 
 
 # --------------------------------------------------------------------------- demonstrations

@@ -21,6 +21,7 @@ from typing import Any
 
 from sao_jax.envs import arithmetic, sandbox, tool_calls
 from sao_jax.envs.base import Prompt, StepResult
+from sao_jax.envs.episode import IntegerAnswerEpisode
 from sao_jax.envs.registry import register_task
 
 CODE_OPEN, FENCE_CLOSE, OUTPUT_OPEN = "```python\n", "```\n", "```output\n"
@@ -75,10 +76,12 @@ def extract_code(text: str) -> tuple[str | None, str | None]:
     return rest[:end], None
 
 
-class PythonToolEnv:
+class PythonToolEnv(IntegerAnswerEpisode):
     """Python as a tool; reward 1.0 for a correct `a:` answer, else 0.0."""
 
     stop_strings = STOP_STRINGS
+    task = "python_tool"
+    tool_count = "code_runs"
 
     def __init__(
         self,
@@ -105,21 +108,13 @@ class PythonToolEnv:
         self.limits = limits or sandbox.SandboxLimits()
         self.isolation = isolation
         self.allow_weak_isolation = allow_weak_isolation
-        self._target: int | None = None
-        self._turn = 0
-        self._runs = 0
-        self._done = True
 
     def reset(self, prompt: Prompt) -> str:
-        if type(prompt.answer) is not int:
-            raise ValueError(f"python_tool prompt {prompt.uid!r}: answer must be an int")
-        self._target, self._turn, self._runs, self._done = prompt.answer, 0, 0, False
+        self._start(prompt)
         return prompt.text
 
     def step(self, action_text: str) -> StepResult:
-        if self._target is None or self._done:
-            raise RuntimeError("python_tool env: step() before reset() or after the episode ended")
-        self._turn += 1
+        self._next_turn()
         text = action_text if isinstance(action_text, str) else repr(action_text)
         lead = "" if text.endswith("\n") else "\n"
         info: dict[str, Any] = {"turn": self._turn}
@@ -129,7 +124,7 @@ class PythonToolEnv:
         if error is not None:
             return self._continue(f"{lead}e:bad\n", {**info, "error": error})
         if code is not None:
-            self._runs += 1
+            self._tools += 1
             result = sandbox.run_python(
                 code, self.limits, isolation=self.isolation, allow_weak=self.allow_weak_isolation
             )
@@ -141,19 +136,6 @@ class PythonToolEnv:
             value = int(answers[-1])
             return self._finish(value == self._target, answer=value, info=info)
         return self._continue(f"{lead}e:bad\n", {**info, "error": "neither code nor answer"})
-
-    def _continue(self, observation: str, info: dict[str, Any]) -> StepResult:
-        if self._turn >= self.max_turns:
-            return self._finish(False, answer=None, info=info, truncated=True)
-        return StepResult(observation, 0.0, False, info)
-
-    def _finish(
-        self, success: bool, *, answer: int | None, info: dict[str, Any], truncated: bool = False
-    ) -> StepResult:
-        self._done = True
-        info = {**info, "success": success, "truncated": truncated, "answer": answer}
-        info.update(target=self._target, code_runs=self._runs)
-        return StepResult("", 1.0 if success else 0.0, True, info)
 
 
 def demonstration(prompt: Prompt, **env_kwargs: Any) -> list[tuple[str, bool]]:
