@@ -6,6 +6,8 @@ the slow reference here. They must agree to fp32 rounding with packed segments, 
 GQA / MQA / MHA, the whole layer (q/k RMSNorm, RoPE), and cached decoding.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 from flax import nnx
 
 from sao_jax.models.attention import (
+    NAIVE_IMPLS,
     Attention,
     KVCache,
     attention_mask,
@@ -25,6 +28,16 @@ from sao_jax.models.attention import (
 from sao_jax.parallel.mesh import Sharder
 
 B, T, H = 2, 24, 8
+
+
+@contextlib.contextmanager
+def literal_naive():
+    """The 'naive' impl computed by the literal form while functions are traced inside."""
+    saved, NAIVE_IMPLS["naive"] = NAIVE_IMPLS["naive"], grouped_attention_literal
+    try:
+        yield
+    finally:
+        NAIVE_IMPLS["naive"] = saved
 
 
 def _packed():
@@ -91,13 +104,13 @@ def _layer(impl):
     )
 
 
-def test_layer_naive_equals_naive_literal_with_qk_norm():
-    """The whole layer through `training_attention` by impl name: values and param grads."""
+def test_layer_naive_equals_the_literal_form_with_qk_norm():
+    """The whole layer through `training_attention`: values and param grads."""
     pos, seg = _packed()
     x = jax.random.normal(jax.random.key(5), (B, T, 32))
 
-    def run(impl):
-        graphdef, params = nnx.split(_layer(impl))
+    def run(literal):
+        graphdef, params = nnx.split(_layer("naive"))
         params["q_norm"]["scale"][...] = jnp.linspace(0.5, 1.5, H)
         params["k_norm"]["scale"][...] = jnp.linspace(1.5, 0.5, H)
 
@@ -105,9 +118,10 @@ def test_layer_naive_equals_naive_literal_with_qk_norm():
             y, _ = nnx.merge(graphdef, p)(x, pos, seg)
             return jnp.sum(y**2)
 
-        return jax.jit(jax.value_and_grad(loss))(params)
+        with literal_naive() if literal else contextlib.nullcontext():
+            return jax.jit(jax.value_and_grad(loss))(params)
 
-    (ln, gn), (ll, gl) = run("naive"), run("naive_literal")
+    (ln, gn), (ll, gl) = run(False), run(True)
     np.testing.assert_allclose(ln, ll, rtol=1e-5)
     for (path, a), (_, b) in zip(
         jax.tree_util.tree_leaves_with_path(gn), jax.tree_util.tree_leaves_with_path(gl)
@@ -123,8 +137,9 @@ def test_decode_with_cache_equals_literal_training_pass():
     x = jax.random.normal(jax.random.key(7), (B, t, 32))
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (B, t))
     seg = jnp.ones((B, t), jnp.int32)
-    layer = _layer("naive_literal")
-    want, _ = layer(x, pos, seg)
+    layer = _layer("naive")
+    with literal_naive():
+        want, _ = layer(x, pos, seg)
     cache = init_cache(B, 20, 2, H, jnp.float32)
     got, cache = layer(x[:, :10], pos[:, :10], seg[:, :10], cache)
     outs = [got]
@@ -149,12 +164,9 @@ def test_cached_attention_equals_literal_over_the_cache():
     np.testing.assert_allclose(cached_attention(q, pos, cache), want, atol=2e-6)
 
 
-def test_training_attention_dispatches_both_naive_forms():
+def test_training_attention_naive_equals_the_literal_form():
     pos, seg = _packed()
     q, k, v, _ = _qkv(4, 2)
-    kw = dict(impl="naive", block=512, sharder=Sharder())
-    got = training_attention(q, k, v, pos, seg, **kw)
-    want = training_attention(q, k, v, pos, seg, **{**kw, "impl": "naive_literal"})
-    np.testing.assert_allclose(got, want, atol=2e-6)
+    got = training_attention(q, k, v, pos, seg, impl="naive", block=512, sharder=Sharder())
     mask = attention_mask(pos, pos, seg, seg)
-    np.testing.assert_array_equal(want, grouped_attention_literal(q, k, v, mask))
+    np.testing.assert_allclose(got, grouped_attention_literal(q, k, v, mask), atol=2e-6)

@@ -194,17 +194,14 @@ def test_token_einsum_equals_einsum(spec, x_shape, w_shape):
     x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
     ct = jax.random.normal(kc, jnp.einsum(spec, x, w).shape)
 
-    def value_and_grads(flat):
-        with layers.flat_tokens(flat):
-            loss = lambda x, w: jnp.sum(layers.token_einsum(spec, x, w) * ct)
-            return layers.token_einsum(spec, x, w), jax.grad(loss, argnums=(0, 1))(x, w)
+    def value_and_grads(einsum):
+        loss = lambda x, w: jnp.sum(einsum(spec, x, w) * ct)
+        return einsum(spec, x, w), jax.grad(loss, argnums=(0, 1))(x, w)
 
-    (got, got_g), (want, want_g) = value_and_grads(True), value_and_grads(False)
-    np.testing.assert_allclose(got, jnp.einsum(spec, x, w), rtol=1e-5, atol=1e-5)
+    (got, got_g), (want, want_g) = value_and_grads(layers.token_einsum), value_and_grads(jnp.einsum)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for g, wg in zip(got_g, want_g):
         np.testing.assert_allclose(g, wg, rtol=1e-5, atol=1e-5)
-    assert layers.FLAT_TOKENS  # the context restores the default
 
 
 def test_token_einsum_rejects_non_token_products():

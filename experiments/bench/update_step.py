@@ -13,18 +13,19 @@ below), each run with SAO's defaults (configs/base.py: critic_first, K = 2 criti
 DIS loss, frozen critic attention) on a synthetic multi-turn batch, in two forms:
 
   before  moe_impl 'dense' (every expert on every token), V0 by its own critic forward
-          (`SeparateV0Learner` below) and attention_impl 'naive_literal' (the
-          naive attention in its input layout, which 'auto' ran at these lengths) and the
-          per-token products as two-token-dim einsums: the update step before issue 16;
+          (`SeparateV0Learner` below), the naive attention in its input layout (which
+          'auto' ran at these lengths) and the per-token products as two-token-dim einsums
+          (`before_forms` below patches both in): the update step before issue 16;
   after   moe_impl 'auto' (on CPU: 'grouped', matmuls over tiles of each expert's group), V0
           from the first critic step's own forward, attention_impl 'auto', and the per-token
           products over one merged token dim (sao_jax/models/layers.py `token_einsum`).
 
 `--two-token-dims` adds the after form with the per-token products as two-token-dim
-einsums (`layers.flat_tokens(False)`): the after step before `token_einsum`, same rounds.
+einsums (`before_forms(two_token_dims=True)`): the after step before `token_einsum`.
 
 `--attention IMPL[:BLOCK] ...` adds one more after form per entry, with that
-`model.attention_impl` (and `model.attention_block`), timed in the same rounds: e.g.
+`model.attention_impl` (and `model.attention_block`), timed in the same rounds; IMPL may
+also be `naive_literal` (the naive attention in its input layout, `before_forms`): e.g.
 `naive_literal naive` is the heads-major attention's before / after within one run.
 Useful FLOPs count the attention scores of the causal lower triangle only (the work a
 causal mask needs); executed FLOPs count the whole square for the naive forms and the
@@ -54,6 +55,7 @@ inside the step, so the two need not agree).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import platform
@@ -67,7 +69,8 @@ from sao_jax.experiments.bench import update_parts as parts
 
 from sao_jax import config as config_lib
 from sao_jax.configs import base
-from sao_jax.models import attention_backends, layers
+from sao_jax.models import attention as attention_lib
+from sao_jax.models import attention_backends, layers, transformer
 from sao_jax.models.config import ATTENTION_IMPLS, ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.models.moe.dispatch import resolve_impl
@@ -98,27 +101,57 @@ MODELS = (
 )
 FORMS = {
     "before": dict(
-        moe_impl="dense", separate_v0=True, attention_impl="naive_literal", flat_tokens=False
+        moe_impl="dense",
+        separate_v0=True,
+        attention_impl="naive",
+        literal_attention=True,
+        flat_tokens=False,
     ),
     "after": dict(moe_impl="auto"),
 }
 # `--two-token-dims`: the after step with the per-token products as two-token-dim einsums
-# (models/layers.token_einsum off), i.e. the after step before they were merged.
+# (`before_forms(two_token_dims=True)`), i.e. the after step before they were merged.
 TWO_TOKEN_DIMS = {"after, two-token-dim einsums": dict(moe_impl="auto", flat_tokens=False)}
 
 
 def attention_forms(entries: list[str]) -> dict[str, dict]:
     """`--attention` entries 'impl' or 'impl:block' -> extra after forms by name."""
-    forms = {}
+    forms, impls = {}, (*ATTENTION_IMPLS, "naive_literal")
     for entry in entries:
         impl, _, block = entry.partition(":")
-        if impl not in ATTENTION_IMPLS or (block and not block.isdigit()):
-            raise SystemExit(
-                f"--attention: {entry!r} is not IMPL[:BLOCK], IMPL in {ATTENTION_IMPLS}"
-            )
+        if impl not in impls or (block and not block.isdigit()):
+            raise SystemExit(f"--attention: {entry!r} is not IMPL[:BLOCK], IMPL in {impls}")
         extra = {"attention_block": int(block)} if block else {}
+        if impl == "naive_literal":
+            impl, extra = "naive", {**extra, "literal_attention": True}
         forms[f"after, attention {entry}"] = dict(moe_impl="auto", attention_impl=impl, **extra)
     return forms
+
+
+@contextlib.contextmanager
+def before_forms(*, literal_attention: bool = False, two_token_dims: bool = False):
+    """Functions traced inside run forms the library no longer has: the naive attention
+    in its input layout (`grouped_attention_literal`) and per-token products as plain
+    two-token-dim einsums (the same values; the layouts before issue 16)."""
+    patches = []
+    if literal_attention:
+        patches.append(
+            (attention_lib.NAIVE_IMPLS, "naive", attention_lib.grouped_attention_literal)
+        )
+    saved = [(table, key, table[key]) for table, key, _ in patches]
+    modules = (layers, attention_lib, transformer) if two_token_dims else ()
+    saved_einsums = [(m, m.token_einsum) for m in modules]
+    try:
+        for table, key, value in patches:
+            table[key] = value
+        for m in modules:
+            m.token_einsum = jnp.einsum
+        yield
+    finally:
+        for table, key, value in saved:
+            table[key] = value
+        for m, fn in saved_einsums:
+            m.token_einsum = fn
 
 
 class SeparateV0Learner(Learner):
@@ -171,8 +204,12 @@ def matmul_peak_fn(dtype: str, n: int, inner: int):
 
 
 def build_form(name, spec, overrides, b, t, args, host_batch, routing) -> Form:
-    # Everything of the form is traced (first called) here, so the flag holds for it.
-    with layers.flat_tokens(spec.get("flat_tokens", True)):
+    # Everything of the form is traced (first called) here, so the patches hold for it.
+    before = dict(
+        literal_attention=spec.get("literal_attention", False),
+        two_token_dims=not spec.get("flat_tokens", True),
+    )
+    with before_forms(**before):
         return _build_form(name, spec, overrides, b, t, args, host_batch, routing)
 
 
@@ -220,6 +257,7 @@ def _build_form(name, spec, overrides, b, t, args, host_batch, routing) -> Form:
     factor /= useful_factor  # MoE rows computed per useful row
     pass_fns = {} if args.no_passes else parts.pass_programs(learner, holder, batch)
     attention = attn_impl if naive else f"{attn_impl}:{block}"
+    attention = "naive_literal" if spec.get("literal_attention") else attention
     return Form(
         name,
         resolve_impl(cfg.moe_impl),

@@ -7,7 +7,7 @@ tokens are written contiguously from position 0, so stale or padded entries sit 
 positions beyond the query and are masked by causality alone.
 
 Without a cache (training passes) the kernel is chosen by `impl` (attention_backends.py:
-naive, blockwise, cudnn, splash, auto, naive_literal); `grouped_attention` below is the
+naive, blockwise, cudnn, splash, auto); `grouped_attention` below is the
 naive form, the reference every other kernel is tested against, and it is itself tested
 against `grouped_attention_literal`, the same formula in the input layout.
 
@@ -148,8 +148,8 @@ def grouped_attention(q_btnh, k_bskh, v_bskh, mask_bts) -> jax.Array:
 
 def grouped_attention_literal(q_btnh, k_bskh, v_bskh, mask_bts) -> jax.Array:
     """`grouped_attention` written literally, in the input layout: the slow reference of the
-    tests and the `naive_literal` impl (the before of benchmarks). Its products'
-    batch dims (b, k) are not leading, which XLA:CPU runs ~4x slower per FLOP."""
+    tests (and the attention layout before heads-major, timed by the benches). Its
+    products' batch dims (b, k) are not leading, which XLA:CPU runs ~4x slower per FLOP."""
     b, t, n, h = q_btnh.shape
     kv = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, kv, n // kv, h)
@@ -176,7 +176,7 @@ def training_attention(
 
 
 # The materialised-score impls by name (attention_backends.py lists every impl).
-NAIVE_IMPLS = {"naive": grouped_attention, "naive_literal": grouped_attention_literal}
+NAIVE_IMPLS = {"naive": grouped_attention}
 
 
 class Attention(nnx.Module):

@@ -2,8 +2,6 @@
 
   naive      softmax over the materialised [B, K, G, T, S] scores, heads-major (attention.py;
              the reference of the other kernels and the decode path)
-  naive_literal  the same in the input layout, as before heads-major: slower on CPU, kept
-             as the before of side-by-side benchmarks (`grouped_attention_literal`)
   blockwise  pure-JAX flash attention with an O(T) custom VJP (attention_kernels.py)
   cudnn      `jax.nn.dot_product_attention(implementation='cudnn')`: cuDNN's fused flash
              attention on NVIDIA GPUs (bfloat16 / float16)

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-# attention_backends.py; naive_literal: the naive form before heads-major (benchmarks)
-ATTENTION_IMPLS = ("auto", "naive", "blockwise", "cudnn", "splash", "naive_literal")
+ATTENTION_IMPLS = ("auto", "naive", "blockwise", "cudnn", "splash")  # attention_backends.py
 REMAT_POLICIES = ("none", "full", "dots")  # transformer.py REMAT
 # config.model fields a Hugging Face config.json does not set: how the model runs, not what
 # it is. An init.kind='hf' run takes them from config.model too (`run_overrides`).

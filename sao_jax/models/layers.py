@@ -8,7 +8,6 @@ B batch, T length, D model width, V vocab, F MLP width, N query heads, H head wi
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -18,23 +17,6 @@ from flax import nnx
 from sao_jax.parallel.mesh import Sharder
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
-
-# True: `token_einsum` merges the two token dims into one before the product (the form that
-# XLA:CPU differentiates fast). False (only inside `flat_tokens(False)`): the plain
-# two-token-dim einsum, kept as the "before" of side-by-side benchmarks
-# (experiments/bench/update_step.py). The values are the same either way.
-FLAT_TOKENS = True
-
-
-@contextlib.contextmanager
-def flat_tokens(on: bool):
-    """Functions traced inside run `token_einsum` flat (on) or as the plain einsum (off)."""
-    global FLAT_TOKENS
-    saved, FLAT_TOKENS = FLAT_TOKENS, on
-    try:
-        yield
-    finally:
-        FLAT_TOKENS = saved
 
 
 def token_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -53,8 +35,6 @@ def token_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     tok = x_spec[:2]
     if out[:2] != tok or tok[0] in w_spec or tok[1] in w_spec or x.ndim != len(x_spec):
         raise ValueError(f"token_einsum: {spec!r} is not a per-token product of x {x.shape}")
-    if not FLAT_TOKENS:
-        return jnp.einsum(spec, x, w)
     b, t = x.shape[:2]
     flat = f"{tok[1]}{x_spec[2:]},{w_spec}->{tok[1]}{out[2:]}"
     y = jnp.einsum(flat, x.reshape(b * t, *x.shape[2:]), w)
