@@ -1,7 +1,6 @@
 """Analytic parameter and FLOP counts against the real param trees and hand-worked cases."""
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +9,10 @@ import pytest
 from configs import base
 from configs.models import tiny
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.factory import critic_def, init_models, policy_def
+from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.parallel.partition import path_str
 from sao_jax.plan import flops
-from sao_jax.plan.memory import category, memory_plan, parse_mesh
+from sao_jax.plan.memory import memory_plan, parse_mesh
 from sao_jax.rl.optim import TRAINABLE_SETS, trainable_labels
 from sao_jax.rl.passes import critic_pass
 from sao_jax.rl.synthetic import synthetic_batch
@@ -35,45 +33,47 @@ DENSE = ModelConfig(
 CONFIGS = {"tiny": TINY, "mixed": MIXED}
 
 
-def _leaves(cfg: ModelConfig, head: str) -> dict[str, tuple[int, ...]]:
-    mdef = (policy_def if head == "policy" else critic_def)(cfg, Sharder())
-    leaves = jax.tree_util.tree_leaves_with_path(mdef.shapes())
-    return {path_str(p): tuple(s.shape) for p, s in leaves}
+def _formula_counts(cfg: ModelConfig, head: str) -> dict[str, int]:
+    """The Qwen3-MoE parameter counts written out by hand (the literal reference)."""
+    d, h, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+    moe = len(cfg.moe_layers)
+    proj = 2 * d * cfg.num_attention_heads * h + 2 * d * cfg.num_key_value_heads * h
+    counts = {
+        "attention": layers * (proj + 2 * h),
+        "router": moe * d * cfg.num_experts,
+        "experts": moe * 3 * cfg.num_experts * d * cfg.moe_intermediate_size,
+        "dense mlp": (layers - moe) * 3 * d * cfg.intermediate_size,
+        "norms": 2 * layers * d + d,
+        "embedding + lm_head": cfg.vocab_size * d,
+        "value head": d + 1 if head == "critic" else 0,
+    }
+    if head == "policy" and not cfg.tie_word_embeddings:
+        counts["embedding + lm_head"] += d * cfg.vocab_size
+    return {k: v for k, v in counts.items() if v}
 
 
-def _tree_counts(cfg, head):
-    out = {}
-    for path, shape in _leaves(cfg, head).items():
-        out[category(path)] = out.get(category(path), 0) + math.prod(shape)
-    return out
-
-
-def _tree_matmul_params(cfg, head):
-    """Matrices (ndim >= 2) and the value head from the tree; experts scaled by k / E;
-    the embedding table only when it doubles as the LM head."""
-    n = 0
-    for path, shape in _leaves(cfg, head).items():
-        size = math.prod(shape)
-        if path == "trunk.embed.embedding":
-            n += size if (head == "policy" and cfg.tie_word_embeddings) else 0
-        elif ".mlp.experts." in path:
-            n += size * cfg.num_experts_per_tok // cfg.num_experts
-        elif len(shape) >= 2 or path == "value_head":
-            n += size
-    return n
+def _formula_matmul_params(cfg: ModelConfig, head: str) -> int:
+    d, moe = cfg.hidden_size, len(cfg.moe_layers)
+    n = cfg.num_hidden_layers * flops.attention_proj_params(cfg)
+    n += (cfg.num_hidden_layers - moe) * 3 * d * cfg.intermediate_size
+    n += moe * (d * cfg.num_experts + 3 * cfg.num_experts_per_tok * d * cfg.moe_intermediate_size)
+    return n + (d * cfg.vocab_size if head == "policy" else d)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("head", flops.HEADS)
-def test_counts_match_the_param_tree(name, head):
-    cfg = CONFIGS[name]
-    assert flops.param_counts(cfg, head) == _tree_counts(cfg, head)
-    assert flops.total_params(cfg, head) == sum(_tree_counts(cfg, head).values())
-    assert flops.matmul_params(cfg, head) == _tree_matmul_params(cfg, head)
-    experts = _tree_counts(cfg, head)["experts"]
-    want_active = sum(_tree_counts(cfg, head).values()) - experts * (
-        1 - cfg.num_experts_per_tok / cfg.num_experts
-    )
+@pytest.mark.parametrize("scan", [False, True], ids=["per_layer", "stacked"])
+def test_counts_from_the_model_shapes_match_the_formulas(name, head, scan):
+    cfg = dataclasses.replace(CONFIGS[name], scan_layers=scan)
+    want = _formula_counts(cfg, head)
+    assert flops.param_counts(cfg, head) == want
+    assert flops.total_params(cfg, head) == sum(want.values())
+    d, h = cfg.hidden_size, cfg.head_dim
+    proj = 2 * d * cfg.num_attention_heads * h + 2 * d * cfg.num_key_value_heads * h
+    assert flops.attention_proj_params(cfg) == proj
+    assert flops.matmul_params(cfg, head) == _formula_matmul_params(cfg, head)
+    experts = want["experts"]
+    want_active = sum(want.values()) - experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)
     assert flops.active_params(cfg, head) == want_active
 
 

@@ -27,15 +27,12 @@ XLA:CPU's `ragged_dot`: E) turns a count into the EXECUTED FLOPs of that impleme
 from __future__ import annotations
 
 from sao_jax.models.config import ModelConfig
+from sao_jax.plan import shapes
 from sao_jax.schema import ConfigError
 
-HEADS = ("policy", "critic")
+HEADS = shapes.HEADS
+
 ORDERS = ("critic_first", "policy_first")
-
-
-def _check_head(head: str) -> None:
-    if head not in HEADS:
-        raise ConfigError(f"argument head: must be one of {HEADS}, got {head!r}")
 
 
 def _check_positive(**values: int) -> None:
@@ -46,35 +43,19 @@ def _check_positive(**values: int) -> None:
 
 def attention_proj_params(cfg: ModelConfig) -> int:
     """q, k, v, o projections of one layer: 2 D N H + 2 D K H (q/k norms not included)."""
-    d, h = cfg.hidden_size, cfg.head_dim
-    return 2 * d * cfg.num_attention_heads * h + 2 * d * cfg.num_key_value_heads * h
+    return shapes.attention_proj_params(cfg)
 
 
 def param_counts(cfg: ModelConfig, head: str = "policy") -> dict[str, int]:
-    """Parameter counts by the categories of sao_jax.plan.memory (zero ones omitted).
+    """Parameter counts by the categories of sao_jax.plan.shapes (zero ones omitted), from
+    the model's own parameter shapes; for Qwen3-MoE that is
 
     attention = L (2 D N H + 2 D K H + 2 H)      (projections + per-head q/k norms)
     router    = L_moe D E;  experts = L_moe 3 E D F_e;  dense mlp = L_dense 3 D F
     norms     = 2 L D + D                          (two per layer + the final norm)
     embedding + lm_head = V D (+ D V for an untied policy head); value head = D + 1
     """
-    _check_head(head)
-    d, moe = cfg.hidden_size, len(cfg.moe_layers)
-    dense = cfg.num_hidden_layers - moe
-    counts = {
-        "attention": cfg.num_hidden_layers * (attention_proj_params(cfg) + 2 * cfg.head_dim),
-        "router": moe * d * cfg.num_experts,
-        "experts": moe * 3 * cfg.num_experts * d * cfg.moe_intermediate_size,
-        "dense mlp": dense * 3 * d * cfg.intermediate_size,
-        "norms": 2 * cfg.num_hidden_layers * d + d,
-        "embedding + lm_head": cfg.vocab_size * d,
-        "value head": 0,
-    }
-    if head == "policy" and not cfg.tie_word_embeddings:
-        counts["embedding + lm_head"] += d * cfg.vocab_size
-    if head == "critic":
-        counts["value head"] = d + 1
-    return {k: v for k, v in counts.items() if v}
+    return shapes.param_counts(cfg, head)
 
 
 def total_params(cfg: ModelConfig, head: str = "policy") -> int:
@@ -94,18 +75,13 @@ def active_params(cfg: ModelConfig, head: str = "policy") -> int:
 
 
 def matmul_params(cfg: ModelConfig, head: str = "policy") -> int:
-    """Active parameters that multiply every token in a matmul (see the module docstring).
+    """Active parameters that multiply every token in a matmul (see the module docstring),
+    from the model's shapes (`sao_jax.plan.shapes.matmul_params`); for Qwen3-MoE
 
     L (2 D N H + 2 D K H) + L_dense 3 D F + L_moe (D E + 3 k D F_e) + head, where the
     head is D V for the policy (tied or not) and D for the critic's value head.
     """
-    _check_head(head)
-    d, moe = cfg.hidden_size, len(cfg.moe_layers)
-    dense = cfg.num_hidden_layers - moe
-    n = cfg.num_hidden_layers * attention_proj_params(cfg)
-    n += dense * 3 * d * cfg.intermediate_size
-    n += moe * (d * cfg.num_experts + 3 * cfg.num_experts_per_tok * d * cfg.moe_intermediate_size)
-    return n + (d * cfg.vocab_size if head == "policy" else d)
+    return shapes.matmul_params(cfg, head)
 
 
 def attention_score_flops(
@@ -128,7 +104,7 @@ def attention_score_flops(
 def expert_forward_flops(cfg: ModelConfig, batch: int, length: int) -> int:
     """Useful FLOPs of the routed experts in one forward: L_moe x 2 x 3 k D F_e x B x T."""
     _check_positive(batch=batch, length=length)
-    per_token = 2 * 3 * cfg.num_experts_per_tok * cfg.hidden_size * cfg.moe_intermediate_size
+    per_token = 2 * shapes.expert_params_per_token(cfg)
     return len(cfg.moe_layers) * per_token * batch * length
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -27,19 +26,9 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.models.transformer import Critic, Policy
 from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES, Rules, Sharder
 from sao_jax.parallel.partition import ModelDef, path_str
+from sao_jax.plan.shapes import category
 from sao_jax.rl.optim import critic_frozen_labels, make_optimizer
 from sao_jax.schema import ConfigDict, ConfigError
-
-# Parameter categories by dotted path (first match wins).
-CATEGORIES = (
-    ("attention", r"(^|\.)attn\."),
-    ("router", r"\.mlp\.gate\.kernel$"),
-    ("experts", r"\.mlp\.experts\."),
-    ("dense mlp", r"\.mlp\.(gate|up|down)_proj$"),
-    ("embedding + lm_head", r"(^|\.)(embed\.embedding|lm_head)$"),
-    ("norms", r"norm\.scale$"),
-    ("value head", r"^value_"),
-)
 
 
 def parse_mesh(text: str, devices: int, axes: Sequence[str] = MESH_AXES) -> dict[str, int]:
@@ -75,13 +64,6 @@ def abstract_mesh(sizes: Mapping[str, int]) -> AbstractMesh:
     return AbstractMesh(
         tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes)
     )
-
-
-def category(path: str) -> str:
-    for name, pattern in CATEGORIES:
-        if re.search(pattern, path):
-            return name
-    return "other"
 
 
 def _nbytes(shape, dtype, sharding: NamedSharding | None) -> int:
