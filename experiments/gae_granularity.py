@@ -14,30 +14,28 @@ from absl import app
 
 from sao_jax.configs import ablations as ablations_cfg
 from sao_jax.experiments import ablations as abl
+from sao_jax.report import ablations as report
 
 # docs/method.md section 4 (AIME2025, 400 steps); the paper has no cross-observation row.
 PAPER = {"sao": (89.8,), "step_mean": (85.8,), "step_last": (87.3,)}
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    spec = abl.chosen(ablations_cfg.get_sweep(f"table=gae,mode={abl.MODE.value}"))
-    results, wall_s = abl.run(spec)
-    if abl.DRY_RUN.value:
-        return
-    abl.write(
+def table5(exp, spec, results, wall_s: float) -> str:
+    return report.ablation_report(
+        exp,
+        "Table 5 at laptop scale: advantage granularity (SAO = token-level)",
         "gae_granularity",
-        abl.ablation_report(
-            "Table 5 at laptop scale: advantage granularity (SAO = token-level)",
-            "gae_granularity",
-            spec,
-            results,
-            wall_s,
-            paper=PAPER,
-            paper_columns=("AIME2025 @400",),
-        ),
+        spec,
+        results,
+        wall_s,
+        paper=PAPER,
+        paper_columns=("AIME2025 @400",),
     )
+
+
+main = abl.table_main(
+    "gae_granularity", lambda mode: ablations_cfg.get_sweep(f"table=gae,mode={mode}"), table5
+)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ from sao_jax import sweep
 from sao_jax.configs import online_shift as shift_cfg
 from sao_jax.envs.style import STYLES
 from sao_jax.experiments import ablations as abl
+from sao_jax.report import ablations as table
 from sao_jax.report import compare, tables
+from sao_jax.report.experiment import Experiment, by_row, failures
 
 METRIC = "train/reward"  # r_quality * r_style under the current target style
 RECOVER_FRACTION = 0.8  # recovered: reward back to 0.8 x its pre-switch level
@@ -169,11 +171,11 @@ def critic_text(rows, switches: tuple[int, ...], total: int) -> str:
     )
 
 
-def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
+def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> str:
     switches = tuple(spec.fixed["env.params.switch_steps"])
     total = spec.fixed["train.total_steps"]
     window = max(4, min(switches[0], switches[-1] - switches[0]) // 2)
-    rows = abl.by_row(results)
+    rows = by_row(results)
     headers = ["row", "runs"]
     headers += [
         f"mean reward % {style}, steps {a}-{b - 1}" for style, a, b in phases(switches, total)
@@ -230,7 +232,7 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
         LABELS.get(rs[0].point.variant, row): tables.mean_curve([r.history for r in rs], METRIC)
         for row, rs in rows.items()
     }
-    path = abl.plot_path("online_shift_reward")
+    path = exp.plot_path("online_shift_reward")
     tables.plot_curves(
         path,
         "Reward under a moving target style",
@@ -239,7 +241,7 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
         vlines=switches,
         vline_label="style switch",
     )
-    text = abl.header("Online learning with a moving target (style shift)", spec, results, wall_s)
+    text = exp.header("Online learning with a moving target (style shift)", spec, results, wall_s)
     text += "\n" + tables.markdown_table(headers, body)
     n_seeds = len(ref)
     text += (
@@ -264,9 +266,9 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
     text += pairs_text(scores)
     text += critic_text(rows, switches, total)
     text += signal_text(rows, switches, total)
-    text += "\n" + abl.mechanisms_text(rows, labels=LABELS)
+    text += "\n" + table.mechanisms_text(rows, labels=LABELS)
     text += f"\n## Plots\n\n![{path.stem}](plots/{path.name})\n"
-    text += abl.failures(results)
+    text += failures(results)
     text += "\n## Every run\n\n" + tables.points_table(results, rule=None)
     return text
 
@@ -313,14 +315,7 @@ def shift_verdict(
     )
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    spec = abl.chosen(shift_cfg.get_sweep(f"mode={abl.MODE.value}"))
-    results, wall_s = abl.run(spec)
-    if abl.DRY_RUN.value:
-        return
-    abl.write("online_shift", report(spec, results, wall_s))
+main = abl.table_main("online_shift", lambda mode: shift_cfg.get_sweep(f"mode={mode}"), report)
 
 
 if __name__ == "__main__":

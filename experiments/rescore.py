@@ -28,18 +28,20 @@ import numpy as np
 from absl import app, flags
 from absl import logging as absl_logging
 
-from sao_jax import sweep
+from sao_jax import cli, sweep
 from sao_jax.configs import ablations as ablations_cfg
 from sao_jax.experiments import ablations as abl
 from sao_jax.experiments import gae_granularity as gae
+from sao_jax.report import ablations as table
 from sao_jax.report import compare, tables
+from sao_jax.report.experiment import by_row, machine_of
 from sao_jax.run import rescore
 
 TABLE = flags.DEFINE_enum("table", "table4", ["table4", "gae"], "Which table's runs.")
 HELDOUT = flags.DEFINE_integer("heldout", 2048, "Held-out prompts per run (one rollout each).")
 GREEDY = flags.DEFINE_bool("greedy", True, "Also decode greedily (--nogreedy: half the time).")
 TABLES = {  # --table -> (report name, title, the paper's rows)
-    "table4": ("ablations", "Table 4", abl.PAPER),
+    "table4": ("ablations", "Table 4", table.PAPER),
     "gae": ("gae_granularity", "Table 5", gae.PAPER),
 }
 SFT = "sft"  # the SAO row's step-0 checkpoint: the seed's warm start
@@ -57,7 +59,7 @@ def scores(
     path = cache_path(workdir, heldout, step)
     if path.is_file():
         cached = json.loads(path.read_text())
-        if abl.GREEDY in cached or not rescorer.greedy:
+        if table.GREEDY in cached or not rescorer.greedy:
             return cached
     out = rescorer(workdir, step)
     path.parent.mkdir(exist_ok=True)
@@ -117,30 +119,30 @@ def level_text(rescored, order: list[str], labels: dict[str, str]) -> str:
     )
 
 
-def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> str:
+def report(exp, spec, results, rescored, step: int, heldout: int, wall_s: float) -> str:
     """Markdown: rows x (rescored sampled, greedy, Δ vs SAO) and the runs' own Δ."""
     _, title, paper = TABLES[TABLE.value]
-    rows = abl.by_row(results)
+    rows = by_row(results)
     paper0 = {k: v[0] for k, v in paper.items()}
 
-    ref = per_seed(rescored, "sao", abl.METRIC)
-    sft = per_seed(rescored, SFT, abl.METRIC)
+    ref = per_seed(rescored, "sao", table.METRIC)
+    sft = per_seed(rescored, SFT, table.METRIC)
     gain = compare.paired_difference(ref, sft).diff if ref and sft else float("nan")
     headers = ["row", "runs", f"success % @{step} ({heldout} prompts)", "greedy %"]
     headers += ["Δ vs SAO (paired)", "verdict", "own eval: Δ vs SAO (same seeds)"]
     body, mdds = [], []
     for row in [SFT, *rows]:
         variant = row if row == SFT else rows[row][0].point.variant
-        label = "SFT warm start (step 0)" if row == SFT else abl.LABELS.get(variant, row)
-        line = [label, len(per_seed(rescored, row, abl.METRIC))]
+        label = "SFT warm start (step 0)" if row == SFT else table.LABELS.get(variant, row)
+        line = [label, len(per_seed(rescored, row, table.METRIC))]
         line += [
             compare.fmt_mean_se(list(per_seed(rescored, row, m).values()))
-            for m in (abl.METRIC, abl.GREEDY)
+            for m in (table.METRIC, table.GREEDY)
         ]
         if variant == "sao":
             line += ["(reference)", "-", "(reference)"]
         else:
-            d = compare.paired_difference(per_seed(rescored, row, abl.METRIC), ref)
+            d = compare.paired_difference(per_seed(rescored, row, table.METRIC), ref)
             gap = (
                 float("nan")
                 if row == SFT
@@ -149,17 +151,17 @@ def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> s
             line += [compare.fmt_difference(d), compare.verdict(d, gap)]
             if row != SFT:
                 mdds.append(d.mdd)
-                own = abl.final_by_seed(rows[row], abl.METRIC, step)
-                own_ref = abl.final_by_seed(rows["sao"], abl.METRIC, step)
+                own = table.final_by_seed(rows[row], table.METRIC, step)
+                own_ref = table.final_by_seed(rows["sao"], table.METRIC, step)
                 line.append(compare.fmt_difference(compare.paired_difference(own, own_ref)))
             else:
                 line.append("-")
         body.append(line)
-    machine = abl.machine_of(results)
+    machine = machine_of(results)
     text = (
         f"# {title} rescored on {heldout} held-out prompts\n\n"
-        f"- command: `{abl.command()}`\n"
-        f"- mode: {abl.MODE.value}; seeds: {', '.join(map(str, spec.seeds))}\n"
+        f"- command: `{exp.command}`\n"
+        f"- mode: {exp.mode}; seeds: {', '.join(map(str, spec.seeds))}\n"
         f"- rescored: {len(results)} finished runs' checkpoints at step {step}, and the SAO "
         "runs' step 0 (the shared warm start); nothing trained\n"
         f"- wall time of this invocation: {wall_s / 60:.1f} min (scores cached beside the "
@@ -184,11 +186,12 @@ def report(spec, results, rescored, step: int, heldout: int, wall_s: float) -> s
         )
     labels = {SFT: "SFT warm start (step 0)"}
     labels.update(
-        {rs[0].point.variant: abl.LABELS.get(rs[0].point.variant, r) for r, rs in rows.items()}
+        {rs[0].point.variant: table.LABELS.get(rs[0].point.variant, r) for r, rs in rows.items()}
     )
     return text + level_text(rescored, list(labels), labels)
 
 
+@cli.guard
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -196,19 +199,20 @@ def main(argv):
         raise app.UsageError(f"--heldout: at least one prompt, got {HELDOUT.value}")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's info logs
     t0 = time.time()
+    exp = abl.experiment()
     name = TABLES[TABLE.value][0]
-    spec = abl.chosen(ablations_cfg.get_sweep(f"table={TABLE.value},mode={abl.MODE.value}"))
+    spec = exp.chosen(ablations_cfg.get_sweep(f"table={TABLE.value},mode={exp.mode}"))
     if "sao" not in spec.variants:
         raise app.UsageError("--rows: the differences are taken against 'sao'; include it")
-    results = sweep.collect(spec, abl.sweep_dir())
+    results = sweep.collect(spec, exp.sweep_path)
     missing = [r for r in results if r.status != "done"]
     if missing:
         raise app.UsageError(
-            f"--sweep_dir={abl.sweep_dir()}: {len(missing)} of {len(results)} runs not "
+            f"--sweep_dir={exp.sweep_path}: {len(missing)} of {len(results)} runs not "
             f"finished, e.g. {missing[0].point.name} ({missing[0].status}); run "
             f"`python -m experiments.{name}` with the same flags first"
         )
-    step = abl.eval_steps(spec)[-1]
+    step = table.eval_steps(spec)[-1]
     rescorer = rescore.Rescorer(HELDOUT.value, greedy=GREEDY.value)
     rescored = {}
     for r in results:
@@ -216,9 +220,9 @@ def main(argv):
         for row, at in todo:
             out = with_uniform(scores(rescorer, r.workdir, HELDOUT.value, at))
             rescored[(row, r.point.seed)] = out
-            print(f"[rescore] {r.point.name} step {at}: {abl.METRIC} {out[abl.METRIC]:.4f}")
-    text = report(spec, results, rescored, step, HELDOUT.value, time.time() - t0)
-    abl.write(f"{name}_rescored", text)
+            print(f"[rescore] {r.point.name} step {at}: {table.METRIC} {out[table.METRIC]:.4f}")
+    text = report(exp, spec, results, rescored, step, HELDOUT.value, time.time() - t0)
+    exp.write(f"{name}_rescored", text)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ from absl import app
 from sao_jax import sweep
 from sao_jax.configs import ablations as ablations_cfg
 from sao_jax.experiments import ablations as abl
+from sao_jax.report import ablations as table
 from sao_jax.report import compare, tables
+from sao_jax.report.experiment import Experiment, failures
 
 ROWS = {"sao": "DIS", "vanilla_vapo": "no DIS"}
 
@@ -47,7 +49,7 @@ KEEP = "policy/keep_rate"  # share of action tokens the policy loss keeps (DIS b
 def keep_rate(rs: Sequence[sweep.PointResult]) -> str:
     """Mean over the run of the logged keep rate (mean ± SE over seeds) and its lowest
     logged value: below 100% means the loss masked (DIS) or clipped (PPO) some tokens."""
-    text = abl.fmt_run_means(rs, KEEP, digits=2)
+    text = table.fmt_run_means(rs, KEEP, digits=2)
     return "n/a" if text == "-" else text
 
 
@@ -58,7 +60,7 @@ def cell(rs: Sequence[sweep.PointResult]) -> list[str]:
         return ["-"] * 5
     collapses = [tables.detect_collapse(r.history, error=r.error) for r in rs]
     train = [tables.series(r.history, "train/success")[1] for r in rs]
-    after = [tables.finite((r.summary or {}).get("after", {}).get(abl.METRIC)) for r in rs]
+    after = [tables.finite((r.summary or {}).get("after", {}).get(table.METRIC)) for r in rs]
     return [
         tables.fmt_collapses(collapses),
         compare.fmt_mean_se([t[-1] if t.size else None for t in train]),
@@ -68,7 +70,7 @@ def cell(rs: Sequence[sweep.PointResult]) -> list[str]:
     ]
 
 
-def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
+def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> str:
     index = collections.defaultdict(list)
     for r in results:
         ov = dict(r.point.overrides)
@@ -89,7 +91,7 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
         for s, lr in grid
     ]
     total = spec.fixed["train.total_steps"]
-    text = abl.header(
+    text = exp.header(
         "Staleness x learning rate: collapse with and without DIS", spec, results, wall_s
     )
     text += "\n" + tables.markdown_table(headers, body)
@@ -104,7 +106,7 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
         "fired at that staleness and learning rate.\n"
         "- cells are mean ± SE over seeds; collapse: runs collapsed / runs.\n"
     )
-    text += "\n" + abl.definitions_text(f"budget: {total} RL steps; held-out success at the end.")
+    text += "\n" + table.definitions_text(f"budget: {total} RL steps; held-out success at the end.")
     text += "\n## Plots\n\n"
     for variant, name in ROWS.items():
         curves = {
@@ -114,22 +116,17 @@ def report(spec: sweep.SweepSpec, results, wall_s: float) -> str:
             for s, lr in grid
             if (variant, s, lr) in index
         }
-        path = abl.plot_path(f"staleness_lr_{variant}")
+        path = exp.plot_path(f"staleness_lr_{variant}")
         tables.plot_curves(path, f"Training success, {name}", "success", curves)
         text += f"![{path.stem}](plots/{path.name})\n"
-    text += abl.failures(results)
-    text += "\n## Every run\n\n" + tables.points_table(results, abl.METRIC)
+    text += failures(results)
+    text += "\n## Every run\n\n" + tables.points_table(results, table.METRIC)
     return text
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    spec = abl.chosen(ablations_cfg.get_sweep(f"table=staleness_lr,mode={abl.MODE.value}"))
-    results, wall_s = abl.run(spec)
-    if abl.DRY_RUN.value:
-        return
-    abl.write("staleness_lr", report(spec, results, wall_s))
+main = abl.table_main(
+    "staleness_lr", lambda mode: ablations_cfg.get_sweep(f"table=staleness_lr,mode={mode}"), report
+)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""How an experiment script runs its sweep and writes its report: `Experiment`, the
+command-line settings shared by the table scripts (experiments/ablations.py defines the
+flags), and what every report of a sweep says about its runs."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import pathlib
+import time
+from collections.abc import Sequence
+
+from sao_jax import sweep
+from sao_jax.report import tables
+from sao_jax.schema import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """Where the runs live, where the report goes, which seeds and rows run, and how."""
+
+    mode: str = "quick"  # smoke | quick | full: the sweep's size
+    sweep_dir: str | None = None  # the runs' workdirs (None: workdirs/sweeps/<mode>)
+    out_dir: str | None = None  # tables and plots (None: results/<mode>)
+    parallel: int = 1  # training runs at the same time
+    launcher: str = "local"  # where runs are started (sao_jax.sweep.LAUNCHERS)
+    dry_run: bool = False  # print the runs' commands, run nothing
+    seeds: Sequence[str] | None = None  # seeds instead of the mode's (as given)
+    rows: Sequence[str] | None = None  # rows (the sweep's variants) instead of all
+    command: str = ""  # the invocation, as the report header shows it
+
+    @property
+    def sweep_path(self) -> pathlib.Path:
+        return pathlib.Path(self.sweep_dir or f"workdirs/sweeps/{self.mode}")
+
+    @property
+    def out_path(self) -> pathlib.Path:
+        return pathlib.Path(self.out_dir or f"results/{self.mode}")
+
+    def chosen(self, spec: sweep.SweepSpec) -> sweep.SweepSpec:
+        """`spec` with the seeds of --seeds and the rows of --rows, where given."""
+        if self.seeds:
+            try:
+                seeds = tuple(int(s) for s in self.seeds)
+            except ValueError:
+                raise ConfigError(
+                    f"flag --seeds: integers separated by commas, got {list(self.seeds)}"
+                ) from None
+            spec = dataclasses.replace(spec, seeds=seeds)
+        if self.rows:
+            rows = list(self.rows)
+            unknown = [r for r in rows if r not in spec.variants]
+            if unknown or len(set(rows)) != len(rows):
+                raise ConfigError(
+                    f"flag --rows: {', '.join(unknown) or 'a repeated row'} in {rows}; the "
+                    f"{spec.name!r} sweep has the rows {', '.join(spec.variants)}"
+                )
+            spec = dataclasses.replace(spec, variants=tuple(rows))
+        return spec
+
+    def run(self, spec: sweep.SweepSpec) -> tuple[list[sweep.PointResult], float]:
+        """Runs (or resumes) the sweep with these settings; (results, wall s)."""
+        t0 = time.time()
+        how = dict(parallel=self.parallel, launcher=self.launcher, dry_run=self.dry_run)
+        results = sweep.run_sweep(spec, self.sweep_path, **how)
+        return results, time.time() - t0
+
+    def header(self, title: str, spec: sweep.SweepSpec, results, wall_s: float) -> str:
+        return tables.report_header(
+            title,
+            command=self.command,
+            mode=self.mode,
+            seeds=spec.seeds,
+            wall_s=wall_s,
+            points_wall_s=sum(
+                tables.finite((r.summary or {}).get("wall_time_s")) or 0.0 for r in results
+            ),
+            runs=len(results),
+            reused=sum(r.reused for r in results),
+            machine=machine_of(results),
+        )
+
+    def write(self, name: str, text: str) -> pathlib.Path:
+        path = self.out_path / f"{name}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(text)
+        print(f"wrote {path}")
+        return path
+
+    def plot_path(self, name: str) -> pathlib.Path:
+        path = self.out_path / "plots" / f"{name}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def by_row(results: Sequence[sweep.PointResult]) -> dict[str, list[sweep.PointResult]]:
+    out: dict[str, list[sweep.PointResult]] = collections.defaultdict(list)
+    for r in results:
+        out[r.row].append(r)
+    return dict(out)
+
+
+def machine_of(results: Sequence[sweep.PointResult]) -> str:
+    """The machine the first finished run recorded ('' if none did)."""
+    return next((r.summary.get("machine", "") for r in results if r.summary), "")
+
+
+def failures(results: Sequence[sweep.PointResult]) -> str:
+    bad = [r for r in results if r.status != "done"]
+    if not bad:
+        return ""
+    lines = ["", "## Runs that did not finish", ""]
+    for r in bad:
+        last = (r.error.strip().splitlines() or [""])[-1]
+        lines.append(f"- `{r.point.name}`: {r.status}. {last}")
+    return "\n".join(lines) + "\n"
