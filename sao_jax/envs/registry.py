@@ -107,6 +107,7 @@ register_task(
     env=python_tool.PythonToolEnv,
     prompts=_python_tool_prompts,
     demonstrations=_python_tool_demo,
+    runs_code=True,
 )
 register_task(
     "style",

@@ -16,7 +16,9 @@ register themselves in sao_jax/envs/registry.py.
 Rewards are registered the same way (`register_reward`), by name or import path
 (`env.params.reward="my_pkg.rewards:score"`); the built-ins (`math`, `exact_match`,
 `code_tests`) live in sao_jax/envs/rewards.py. A reward is a factory: `factory(**params)`
-returns `fn(completion_text, prompt) -> Reward`.
+returns `fn(completion_text, prompt) -> Reward`. A reward or task that runs model-written
+code (`runs_code=True`: `code_tests`, `python_tool`) needs the sandbox, and the run
+checks at start-up that it can have it (sao_jax/run/settings.py `check_sandbox`).
 
 Interfaces of a task's callables:
   env(**env.params) -> Env            (a class or factory; `chat=` is passed when the task
@@ -54,6 +56,7 @@ class Task:
     setup: Callable[[dict[str, Any]], tuple[dict[str, Any], Callable | None]] | None = None
     chat: bool = False  # the env accepts `chat=` (a sao_jax.chat.ChatFormat) and uses it
     rewards: bool = False  # the env accepts `reward=` (a name or import path) and params
+    runs_code: bool = False  # the env runs model-written code (in the sandbox)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,24 +89,31 @@ def register_task(
     setup: Callable[[dict[str, Any]], tuple[dict[str, Any], Callable | None]] | None = None,
     chat: bool = False,
     rewards: bool = False,
+    runs_code: bool = False,
 ) -> Task:
     """Registers (or re-registers, e.g. on a module reload) a task; returns it."""
     if not name or ":" in name:
         raise RegistryError(f"task name {name!r}: a non-empty name without ':'")
     if not callable(env):
         raise RegistryError(f"task {name!r}: env must be an Env class or factory, got {env!r}")
-    task = Task(name, env, prompts, demonstrations, setup, chat, rewards)
+    task = Task(name, env, prompts, demonstrations, setup, chat, rewards, runs_code)
     with _LOCK:
         _TASKS[name] = task
     return task
 
 
-def register_reward(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
-    """Decorator: `@register_reward("math")` on a factory `(**params) -> fn(text, prompt)`."""
+def register_reward(
+    name: str, *, runs_code: bool = False
+) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+    """Decorator: `@register_reward("math")` on a factory `(**params) -> fn(text, prompt)`;
+    `runs_code=True` marks a reward that runs model-written code (the factory's
+    `runs_code` attribute, which a reward given by import path may set itself)."""
 
     def wrap(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
         if not name or ":" in name:
             raise RegistryError(f"reward name {name!r}: a non-empty name without ':'")
+        if runs_code:
+            factory.runs_code = True
         with _LOCK:
             _REWARDS[name] = factory
         return factory
@@ -166,6 +176,23 @@ def get_task(name: str) -> Task:
     return _TASKS[name]
 
 
+def _reward_factory(name: str) -> Callable[..., RewardFn]:
+    _load_builtins()
+    if ":" in name:
+        return _import_path(name, "reward")
+    if name not in _REWARDS:
+        raise RegistryError(
+            f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))} "
+            "(or an import path 'package.module:factory')"
+        )
+    return _REWARDS[name]
+
+
+def reward_runs_code(name: str) -> bool:
+    """Whether reward `name` runs model-written code (registered with runs_code=True)."""
+    return bool(getattr(_reward_factory(name), "runs_code", False))
+
+
 def make_reward(name: str, **params: Any) -> RewardFn:
     """`fn(completion_text, prompt) -> Reward` of the reward `name` (or 'module:attr').
 
@@ -173,16 +200,7 @@ def make_reward(name: str, **params: Any) -> RewardFn:
       RegistryError: an unknown name (listing the known ones), or parameters its
         factory does not take.
     """
-    _load_builtins()
-    if ":" in name:
-        factory = _import_path(name, "reward")
-    elif name in _REWARDS:
-        factory = _REWARDS[name]
-    else:
-        raise RegistryError(
-            f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))} "
-            "(or an import path 'package.module:factory')"
-        )
+    factory = _reward_factory(name)
     try:
         return factory(**params)
     except TypeError as e:
