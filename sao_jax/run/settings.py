@@ -46,6 +46,7 @@ PRETRAIN_IGNORES = (
     "sampling.queue_size",
     "sampling.env_timeout_s",
     "sampling.max_env_errors",
+    "sampling.max_dropped_in_a_row",
     "env.eval_size",
     "env.group_size",  # value pretraining samples one rollout per prompt
 )
@@ -154,7 +155,8 @@ def train_section() -> ConfigDict:
     c.checkpoint_every = 25  # steps between checkpoints (0 = only at the end)
     c.keep_checkpoints = 3
     c.async_checkpoints = True
-    c.take_timeout_s = 600.0  # learner waits at most this long for a batch
+    c.take_timeout_s = 600.0  # no trajectory for this long: the run stops naming the drops
+    # (NoProgress, exit 2); bounds every rollouts wait and an evaluation's silence too
     c.report = True  # write report.md + plots at the end
     c.progress = True  # terminal progress bar
     return c
