@@ -191,7 +191,7 @@ HACKS = {
     "fork_survivor": (
         "import os, time\n"
         f"line = ({FAKE_VERDICT!r} + '\\n').encode()\n"
-        "if os.fork() == 0:\n    for _ in range(100):\n        for fd in range(256):\n"
+        "if os.fork() == 0:\n    for _ in range(30):\n        for fd in range(256):\n"
         "            try:\n                os.write(fd, line)\n            except OSError:\n"
         "                pass\n        time.sleep(0.02)\n    os._exit(0)\n"
         "def add(a, b):\n    return 0\n"
@@ -289,7 +289,7 @@ def _scores_zero(r) -> bool:
 def test_hack_scores_zero(name, mode):
     limits = LIMITS
     if name in ("hang_forever", "stop_everyone_and_ignore_signals"):
-        limits = sandbox.SandboxLimits(cpu_s=2, wall_s=3.0, max_procs=4)
+        limits = sandbox.SandboxLimits(cpu_s=1, wall_s=1.5, max_procs=4)  # ends in a kill
     if name == "scavenge_everything":  # it must finish: it looked everywhere, found nothing
         limits = sandbox.SandboxLimits(cpu_s=20, wall_s=30.0, memory_bytes=1 << 30)
         if mode == sandbox.RLIMITS and os.geteuid() != 0:

@@ -18,8 +18,8 @@ Two modes:
   program inside), host.py (reading, killing, cleaning up).
 * "rlimits" (weak, opt-in): the same program, rlimits and seccomp filter (plus: no
   sockets) without any namespace; the host file system stays visible to the child's uid
-  (nobody when the host is root, else the host's own uid!). Runs only with
-  allow_weak=True: asked for (isolation="rlimits"), or as the fallback of "auto".
+  (a uid of its own per run when the host is root, else the host's own uid!). Runs only
+  with allow_weak=True: asked for (isolation="rlimits"), or as the fallback of "auto".
 
 `isolation="auto"` is bwrap when the probe (one trial run, cached per process) succeeds;
 otherwise it raises SandboxUnavailable (one line naming the reason) unless
@@ -112,6 +112,7 @@ class SandboxResult:
 class TestsVerdict:
     """What the reference tests said about a solution (run_tests)."""
 
+    __test__ = False  # not a pytest test class, despite its name
     passed: int
     total: int  # top-level test statements (harness.count_tests)
     results: tuple[bool, ...]  # per test statement, in order
@@ -127,7 +128,7 @@ class SandboxSetup:
     """What this machine allows; probed once per process by `probe_setup`."""
 
     python: str  # interpreter for the child (runnable by the child's uid)
-    uid: int | None  # uid/gid bwrap (or the weak-mode child) runs as; None: the host's own
+    uid: int | None  # uid/gid bwrap runs as (the weak mode: a fresh one per run); None: the host's
     isolation: str  # best available: "bwrap" or "rlimits"
     bwrap: str | None  # path of bwrap when it works here
     binds: tuple[tuple[str, str], ...]  # the minimal root (bwrap mode)
