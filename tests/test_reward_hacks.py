@@ -112,12 +112,8 @@ for obj in gc.get_objects():
 print('scavenged', len(pids), 'processes')
 """
 )
-FAKE_VERDICT = (
-    "verdict "
-    + "0" * 32
-    + " "
-    + json.dumps({"complete": True, "total": 3, "passed": 3, "results": [True] * 3, "failures": []})
-)
+_FAKE = {"complete": True, "total": 3, "passed": 3, "results": "111", "failures": []}
+FAKE_VERDICT = "verdict " + "0" * 32 + " " + json.dumps(_FAKE)
 HACKS = {
     "exit0_at_import": "import os\ndef add(a, b):\n    return 0\nos._exit(0)\n",
     "exit0_in_call": "import os\ndef add(a, b):\n    os._exit(0)\n",
@@ -355,14 +351,14 @@ def test_verdict_needs_the_secret_and_every_test():
     and with every test of the source reported."""
     from sao_jax.envs.sandbox import runner
 
-    body = {"complete": True, "total": 3, "passed": 3, "results": [True] * 3, "failures": []}
+    body = {"complete": True, "total": 3, "passed": 3, "results": "111", "failures": []}
     line = lambda secret, b=body: f"verdict {secret} {json.dumps(b)}\n".encode()
     assert runner._verdict(line("s3cret"), "s3cret", 3)[0].all_passed
     assert runner._verdict(line("guess"), "s3cret", 3) == (
         None,
         "no verdict: the verdict channel carried something else",
     )
-    short = {**body, "total": 2, "passed": 2, "results": [True] * 2}
+    short = {**body, "total": 2, "passed": 2, "results": "11"}
     assert runner._verdict(line("s3cret", short), "s3cret", 3)[0] is None
     assert runner._verdict(b"", "s3cret", 3)[0] is None
     assert runner._verdict(line("s3cret", {**body, "complete": False}), "s3cret", 3)[0] is None
@@ -386,3 +382,12 @@ def test_tests_that_do_not_parse_give_no_verdict():
     r = sandbox.run_tests("def add(a, b):\n    return a + b\n", "assert add(1,", LIMITS,
                           isolation=sandbox.RLIMITS, allow_weak=True)  # fmt: skip
     assert r.verdict is None and r.error.startswith("the reference tests do not parse")
+
+
+def test_many_tests_fit_the_verdict_channel():
+    """Thousands of test statements: the verdict (one byte a test) stays under the
+    channel's cap, and every one is counted."""
+    tests = "".join(f"assert add({i}, 1) == {i + 1}\n" for i in range(5000))
+    r = _run("def add(a, b):\n    return a + b\n", tests, sandbox.RLIMITS,
+             sandbox.SandboxLimits(wall_s=60.0, cpu_s=30))  # fmt: skip
+    assert r.verdict is not None and r.verdict.passed == r.verdict.total == 5000, r.error

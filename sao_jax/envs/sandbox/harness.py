@@ -499,8 +499,9 @@ def run_tests(source: str, conn: Connection) -> dict:
             results.append(error is None)
         if error is not None and len(failures) < MAX_FAILURES:
             failures.append(f"line {stmt.lineno}: {error}"[:300])
+    passes = "".join("1" if ok else "0" for ok in results)  # one byte a test
     return {"complete": True, "total": len(results), "passed": sum(results),
-            "results": results, "failures": failures}  # fmt: skip
+            "results": passes, "failures": failures}  # fmt: skip
 
 
 def _describe(e: BaseException) -> str:
