@@ -140,7 +140,7 @@ class Evaluator:
         last = [time.monotonic()]  # when an episode last ended
 
         def check() -> None:
-            stop.raise_if_requested(f"{name} evaluation")
+            stop.raise_if_requested(f"running the {name} evaluation")
             timeout = self.stall_timeout_s
             if timeout is not None and time.monotonic() - last[0] > timeout:
                 raise NoProgress(
