@@ -7,8 +7,9 @@ r"""Trains one run from a config: warm start, value pretraining, async SAO RL, e
 
 A workdir that holds a run resumes it (same config); a different config there is refused
 unless --overwrite. SIGTERM/SIGINT saves a checkpoint and exits 0. A bad config or input
-file exits 2 with one line naming the field or file; a missing sandbox or an environment
-that keeps failing (RUN_ERRORS) exits 1 with one FATAL line naming the cause.
+file exits 2 with one line naming the field or file; so does a run that cannot go on
+(RUN_ERRORS: a missing sandbox, an environment that keeps failing, rollouts that produce
+nothing within their bound), with one FATAL line naming the cause.
 
 One process per host (TPU pod, GPU cluster; docs/scaling.md): every host runs the same
 command, and jax.distributed connects them before anything else runs. The coordinator
@@ -30,11 +31,13 @@ from ml_collections import config_flags
 from sao_jax import cli, train
 from sao_jax.envs.sandbox import SandboxUnavailable
 from sao_jax.parallel import distributed
-from sao_jax.sampling.sampler import EnvErrorLimit, SamplerError
+from sao_jax.sampling.env_calls import EnvCallsStuck
+from sao_jax.sampling.sampler import EnvErrorLimit, NoProgress, SamplerError
 
-# Run-time failures whose message says all (the sandbox, the env's last failure): one FATAL
-# line, exit 1. Input errors (a bad config field or file) are cli.guard's: one line, exit 2.
-RUN_ERRORS = (SandboxUnavailable, EnvErrorLimit, SamplerError)
+# Run-time failures whose message says all (the sandbox, the env's last failure, the drops
+# of rollouts that produce nothing): one FATAL line, exit 2, as for input errors (a bad
+# config field or file: cli.guard's one line).
+RUN_ERRORS = (SandboxUnavailable, EnvErrorLimit, EnvCallsStuck, NoProgress, SamplerError)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file[:variant].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, report).")
@@ -70,7 +73,7 @@ def main(argv):
     try:
         train.run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
     except RUN_ERRORS as e:
-        sys.exit(f"FATAL {type(e).__name__}: {' '.join(str(e).split())}")
+        cli.input_error_exit(e, f"FATAL {type(e).__name__}")
 
 
 def cli_main() -> None:

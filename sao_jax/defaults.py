@@ -175,6 +175,8 @@ def sampling_section() -> ConfigDict:
     c.queue_size = 64  # finished trajectories buffered ahead of the learner
     c.max_staleness = placeholder(int)  # drop if current - oldest version > this; None = off
     c.max_env_errors = 8  # environment failures in a row before the sampler fails
+    c.max_dropped_in_a_row = 64  # dropped episodes in a row (any reason, e.g. every prompt
+    # longer than max_len) before the run stops naming the drops by reason
     c.lockstep = placeholder(int)  # deterministic mode: trajectories per version
     return c
 
@@ -275,7 +277,8 @@ def train_section() -> ConfigDict:
     c.checkpoint_every = 25  # steps between checkpoints (0 = only at the end)
     c.keep_checkpoints = 3  # newest checkpoints kept (older ones deleted)
     c.async_checkpoints = True  # save in the background while training goes on
-    c.take_timeout_s = 600.0  # learner waits at most this long for a batch
+    c.take_timeout_s = 600.0  # no trajectory for this long: the run stops naming the drops
+    # (NoProgress, exit 2); bounds every rollouts wait and an evaluation's silence too
     c.report = True  # write report.md + plots at the end
     c.progress = True  # terminal progress bar
     return c

@@ -92,6 +92,7 @@ class Run:
         self.take_bounds = dict(
             take_timeout_s=config.train.take_timeout_s,
             max_env_errors=self.sampler_cfg.max_env_errors,
+            max_dropped_in_a_row=self.sampler_cfg.max_dropped_in_a_row,
         )
         self.env_factory, self.set_env_step = inputs.env_factory, inputs.set_env_step
         eval_prompts = inputs.eval_prompts
@@ -105,6 +106,7 @@ class Run:
             sampled=config.train.eval_sampled,
             seed=stream_seed(config.seed, "eval"),
             max_env_errors=self.sampler_cfg.max_env_errors,
+            stall_timeout_s=config.train.take_timeout_s,
         )
         t = config.train
         self.ckpt = checkpointing.Checkpointer(
@@ -371,7 +373,11 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
                 t_start=t_start,
             )
             counters = acct.resume_counters(meta.get("counters", {}))
-            log.info("resumed from step %d (checkpoint %d)", int(state.step), latest)
+            restored = r.ckpt.restored_step  # older than `latest` after a fallback
+            fallback = (
+                f", the newest readable; checkpoint {latest} was not" if restored != latest else ""
+            )
+            log.info("resumed from step %d (checkpoint %d%s)", int(state.step), restored, fallback)
         summary = _rl(r, state, counters, extra, stopper, t_start)
     return _close(r, workdir, t, summary)
 

@@ -125,6 +125,35 @@ def programs(w: dict) -> dict[str, str]:
         ),
         "env_leak": "import os\nprint(dict(os.environ))",
         "denied_syscalls": _syscalls_code(),
+        "unix_socket": (
+            "import socket\ns = socket.socket(socket.AF_UNIX)\ns.settimeout(2)\n"
+            f"s.connect({w['unix_path']!r})\nprint('connected')"
+        ),
+        "ipv6_socket": (
+            "import socket\ns = socket.socket(socket.AF_INET6)\ns.settimeout(2)\n"
+            f"s.connect(('::1', {w['port6'] or 9}))\nprint('connected')"
+        ),
+        "supervisor_mem": (  # patch the supervisor to outlive the run / forge a status
+            "import os\nppid = os.getppid()\n"
+            "for p, fl in (('mem', os.O_RDWR), ('environ', os.O_RDONLY)):\n    try:\n"
+            "        os.open('/proc/%d/%s' % (ppid, p), fl)\n        print('OPENED', p)\n"
+            "    except OSError as e:\n        print('refused', p, e)\n"
+        ),
+        "forge_other_status": (  # another run's status pipe, through its supervisor's /proc
+            "import os\nn = 0\ntry:\n    pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+            "except OSError:\n    pids = []\nfor pid in pids:\n    try:\n"
+            "        cmd = open('/proc/%s/cmdline' % pid, 'rb').read()\n    except OSError:\n"
+            "        continue\n    if b'status_fd' not in cmd or int(pid) == os.getpid():\n"
+            "        continue\n    n += 1\n    for fd in range(3, 16):\n        try:\n"
+            "            f = os.open('/proc/%s/fd/%d' % (pid, fd), os.O_WRONLY)\n"
+            "            print('WRITABLE', pid, fd)\n"  # never written: the corpus runs on
+            "        except OSError:\n            pass\nprint('supervisors seen', n)\n"
+        ),
+        "replace_private_dir": (  # the old root-side cleanup chmod-ed through the link
+            f"import os\nhere = os.getcwd()\ntry:\n    os.rename(here, '/tmp/{w['marker']}-dir')\n"
+            f"    os.symlink({secret!r}, here)\n    print('replaced')\nexcept OSError as e:\n"
+            "    print('refused', e)\n"
+        ),
     }
 
 
@@ -158,12 +187,27 @@ def make_world(base: str, sandbox_uid: int | None) -> dict:
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     listener.settimeout(0.2)
+    unix_path = os.path.join(base, "listener.sock")
+    unix_listener = socket.socket(socket.AF_UNIX)
+    unix_listener.bind(unix_path)
+    os.chmod(unix_path, 0o777)
+    unix_listener.listen(8)
+    unix_listener.settimeout(0.2)
+    try:  # the host's IPv6 loopback, where it has one
+        listener6 = socket.socket(socket.AF_INET6)
+        listener6.bind(("::1", 0))
+        listener6.listen(8)
+        listener6.settimeout(0.2)
+    except OSError:
+        listener6 = None
     return dict(
         secret_file=secret, public_file=public, rc_file=rc, shared_tmp=shared,
         victim_dir=victim_dir, checkout_file=os.path.abspath(__file__),
         host_pid=os.getpid(), victim_pid=victim.pid, port=listener.getsockname()[1],
         marker="sao-corpus-" + uuid.uuid4().hex, _victim=victim, _listener=listener,
-        scratch=os.path.join(base, "scratch"),
+        scratch=os.path.join(base, "scratch"), unix_path=unix_path,
+        _unix_listener=unix_listener, _listener6=listener6,
+        port6=listener6.getsockname()[1] if listener6 is not None else None,
     )  # fmt: skip
 
 
@@ -184,6 +228,16 @@ def _marked(marker: str) -> list[int]:
         except OSError:
             pass
     return found
+
+
+def _connection_arrived(listener) -> bool:
+    if listener is None:  # no IPv6 loopback on this host
+        return False
+    try:
+        listener.accept()[0].close()
+    except TimeoutError:
+        return False
+    return True
 
 
 def check(name: str, r: S.SandboxResult, w: dict) -> tuple[bool, str]:
@@ -226,14 +280,25 @@ def check(name: str, r: S.SandboxResult, w: dict) -> tuple[bool, str]:
         left = os.listdir(w["scratch"])
         ok = r.error is None or "exceeded" in r.error or r.exit_code is not None
         return ok and not left, detail + f" scratch_left={left}"
-    if name == "network":
-        try:
-            w["_listener"].accept()[0].close()
+    listeners = {"network": "_listener", "unix_socket": "_unix_listener"}
+    listeners["ipv6_socket"] = "_listener6"
+    if name in listeners:
+        if _connection_arrived(w[listeners[name]]):
             return False, detail + " a connection arrived"
-        except TimeoutError:
-            return "connected" not in r.stdout, detail
+        return "connected" not in r.stdout, detail
     if name == "env_leak":
         return PARENT_SECRET not in out, detail
+    if name == "supervisor_mem":
+        return "OPENED" not in r.stdout and r.stdout.count("refused") == 2, detail
+    if name == "forge_other_status":
+        return "WRITABLE" not in r.stdout, detail
+    if name == "replace_private_dir":
+        mode = os.stat(w["secret_file"]).st_mode & 0o777
+        moved = pathlib.Path("/tmp", w["marker"] + "-dir")
+        left = moved.exists()
+        if left:  # never leave it behind (the unprivileged host's gap)
+            shutil.rmtree(moved, ignore_errors=True)
+        return mode == 0o600 and not left, detail + f" key_mode={mode:o} moved_left={left}"
     if name == "denied_syscalls":
         pairs = dict(p.split("=") for p in r.stdout.split())
         bad = {k: v for k, v in pairs.items() if not v.startswith("-1/")}
@@ -253,8 +318,9 @@ def run_corpus(mode: str, base: str, workers: int = 4) -> dict[str, tuple[bool, 
 
         def one(name):
             r = S.run_python(
-                progs[name], LIMITS, isolation=mode, audit_hook=False, scratch_dir=w["scratch"]
-            )
+                progs[name], LIMITS, isolation=mode, allow_weak=True, audit_hook=False,
+                scratch_dir=w["scratch"],
+            )  # fmt: skip
             return name, r
 
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -265,6 +331,9 @@ def run_corpus(mode: str, base: str, workers: int = 4) -> dict[str, tuple[bool, 
         w["_victim"].kill()
         w["_victim"].wait()
         w["_listener"].close()
+        w["_unix_listener"].close()
+        if w["_listener6"] is not None:
+            w["_listener6"].close()
         for pid in _marked(w["marker"]):  # never leave an escaped process behind
             os.kill(pid, signal.SIGKILL)
         pathlib.Path("/tmp", w["marker"]).unlink(missing_ok=True)  # the weak mode's escape
@@ -278,7 +347,7 @@ def main(argv: list[str]) -> int:
     results = {}
     for mode in modes:
         try:
-            S.resolve_isolation(mode)
+            S.resolve_isolation(mode, allow_weak=True)
         except S.SandboxUnavailable as e:
             results[mode] = {"_unavailable": str(e)}
             continue

@@ -1,13 +1,14 @@
-"""Nothing hangs, and SIGTERM wins: each hang reproduced in issue 15 ends within a stated
-bound, with an error naming the cause, or with StopRequested / exit code 0.
+"""Nothing hangs, and SIGTERM wins: each hang reproduced in issues 15 and 24 ends within
+a stated bound, with an error naming the cause, or with StopRequested / exit code 0.
 
 The rollouts run a tiny model (tests/sampling_support.py) on envs that always raise, hang
 (with and without env_timeout_s), or ask an LLM judge that refuses connections or trickles
-one byte at a time (servers on 127.0.0.1 only). Then the main job itself (a subprocess on
-the style task's smoke config): a refusing judge ends it with one FATAL line naming the
-connection error; a judge that never answers blocks it until SIGTERM, which it honours
-(exit 0). The bounds are generous multiples of the configured limits (a loaded machine),
-far below "forever".
+one byte at a time (servers on 127.0.0.1 only), on prompts that never fit max_len, in sync
+and async rollouts and in evaluation. Then the main job itself (a subprocess on the style
+task's smoke config): a refusing judge ends it with one FATAL line naming the connection
+error, exit 2; a judge that never answers blocks it until SIGTERM, which it honours (exit
+0). The bounds are generous multiples of the configured limits (a loaded machine), far
+below "forever".
 """
 
 import contextlib
@@ -35,7 +36,7 @@ from sao_jax.run.evaluation import Evaluator
 from sao_jax.sampling.engine import EngineConfig
 from sao_jax.sampling.env_calls import EnvCalls, EnvCallsStuck
 from sao_jax.sampling.rollouts import AsyncRollouts, SyncRollouts
-from sao_jax.sampling.sampler import EnvErrorLimit, SamplerConfig, SamplerError
+from sao_jax.sampling.sampler import EnvErrorLimit, NoProgress, SamplerConfig, SamplerError
 from tests import train_support as ts
 from tests.sampling_support import MODEL, FakeTokenizer
 
@@ -109,7 +110,7 @@ def _release_hung_calls():
 
 
 def _engine(**kw):
-    return EngineConfig(num_slots=4, max_len=32, max_turn_tokens=4, **kw)
+    return EngineConfig(**{"num_slots": 4, "max_len": 32, "max_turn_tokens": 4, **kw})
 
 
 def _sync(model, env, *, timeout=60.0, errors=3, **engine_kw):
@@ -161,8 +162,8 @@ def test_evaluation_with_a_broken_env_fails_naming_it(model):
         model[0], FakeTokenizer(), RaisingEnv, env_prompts, _engine(), sampled=False,
         max_env_errors=4,
     )  # fmt: skip
-    with pytest.raises(EnvErrorLimit, match=r"greedy evaluation: .* 6 of 6 .*boom"):
-        ev(model[1])
+    with pytest.raises(EnvErrorLimit, match=r"greedy evaluation: 4 environment failures in a"):
+        ev(model[1])  # at the 4th failure in a row, not after every prompt
     ev.max_env_errors = 7  # six failures stay under the limit
     out = ev(model[1])
     assert out["eval/greedy_env_failures"] == 6 and out["eval/greedy_success"] == 0
@@ -184,14 +185,53 @@ def test_env_hangs_with_env_timeout(model):
 
 
 def test_env_hangs_without_env_timeout_take_timeout_bounds_it(model):
-    with within(SLACK_S), pytest.raises(TimeoutError, match=r"take\(4\): timed out after 1.5s"):
+    """No trajectory for take_timeout_s: NoProgress (a TimeoutError), one line naming the
+    bound's field and what came; in evaluation too (its stall bound)."""
+    want = r"take\(4\): timed out after 1.5s without a trajectory \(train.take_timeout_s"
+    with within(SLACK_S), pytest.raises(NoProgress, match=want) as e:
         _sync(model, HangingEnv, timeout=1.5, env_timeout_s=None).take(4)
+    assert "\n" not in str(e.value) and "0 of 4 taken" in str(e.value)
     src = _async(model, HangingEnv, timeout=1.5, env_timeout_s=None)
     try:
-        with within(SLACK_S), pytest.raises(TimeoutError, match="timed out after 1.5s"):
+        with within(SLACK_S), pytest.raises(NoProgress, match="timed out after 1.5s"):
             src.take(4)
     finally:
         assert src.stop(timeout=2 * SLACK_S)  # compiling, then leaving the env-call wait
+    env_prompts = [Prompt(f"e{i}", "bcd", None, {}) for i in range(6)]
+    ev = Evaluator(
+        model[0], FakeTokenizer(), HangingEnv, env_prompts, _engine(env_timeout_s=None),
+        sampled=False, stall_timeout_s=1.5,
+    )  # fmt: skip
+    with within(SLACK_S), pytest.raises(NoProgress, match="greedy evaluation: no episode ended"):
+        ev(model[1])
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_prompts_that_never_fit_max_len_stop_naming_the_drops(model, kind):
+    """Every prompt longer than max_len (the issue's max_len=4): not a silent stall until
+    the take timeout, but NoProgress after max_dropped_in_a_row drops, naming the reason,
+    the counts and max_len, within seconds."""
+    engine = dict(max_len=4)
+    if kind == "sync":
+        with within(SLACK_S), pytest.raises(NoProgress, match="prompt_too_long") as e:
+            _sync(model, RaisingEnv, timeout=600.0, **engine).take(4)
+        message = str(e.value)
+    else:
+        src = AsyncRollouts(
+            model[0], FakeTokenizer(), RaisingEnv, _Prompts(), _engine(**engine),
+            SamplerConfig(max_dropped_in_a_row=16), take_timeout_s=600.0,
+        )  # fmt: skip
+        src.publish(model[1], 0)
+        src.start()
+        try:
+            with within(SLACK_S), pytest.raises(SamplerError, match="prompt_too_long") as e:
+                src.take(4)
+            message = str(e.value)
+            assert src.stats()["dropped"]["prompt_too_long"] >= 16  # counted, not silent
+        finally:
+            assert src.stop()
+    assert "episodes dropped in a row" in message and "max_len=4" in message, message
+    assert "sampling.max_dropped_in_a_row" in message and "\n" not in message
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
@@ -343,12 +383,30 @@ def test_judge_trickle_is_cut_at_the_total_deadline(trickle_server):
 
 
 def test_judge_trickle_in_rollouts_ends_with_the_judge_named(model, trickle_server):
-    port, _ = trickle_server
+    """A judge that trickles: each call is cut at its deadline (1 s), and max_env_errors (3)
+    in a row end sync rollouts, async rollouts and an evaluation (which used to run every
+    prompt to its deadline first): bound ~ ceil(3 / 4 slots) deadlines each."""
+    port, hits = trickle_server
     judge = J.LLMJudge(
         f"http://127.0.0.1:{port}/v1", "judge", timeout_s=0.5, max_retries=0, deadline_s=1.0
     )
     with within(SLACK_S), pytest.raises(EnvErrorLimit, match="no complete answer within"):
         _sync(model, _style_env(judge)).take(4)
+    src = _async(model, _style_env(judge))
+    try:
+        with within(SLACK_S), pytest.raises(SamplerError, match="no complete answer within"):
+            src.take(4)
+    finally:
+        assert src.stop()
+    prompts = [Prompt(f"e{i}", "bcd", None, {"topics": ("moon",)}) for i in range(32)]
+    ev = Evaluator(
+        model[0], FakeTokenizer(), _style_env(judge), prompts, _engine(), sampled=False,
+        max_env_errors=3,
+    )  # fmt: skip
+    before = len(hits)
+    with within(SLACK_S), pytest.raises(EnvErrorLimit, match="greedy evaluation: 3 environm"):
+        ev(model[1])
+    assert len(hits) - before <= 8  # the first slots' calls, not one per prompt (32)
 
 
 # ------------------------------------------------------------------ the main job
@@ -391,7 +449,7 @@ def test_main_job_with_a_refusing_judge_fails_naming_it(tmp_path, cache_env):
         finally:
             proc.kill()
     out = (tmp_path / "log.txt").read_text()
-    assert rc == 1, out[-3000:]
+    assert rc == 2, out[-3000:]
     (fatal,) = [line for line in out.splitlines() if line.startswith("FATAL")]
     assert "EnvErrorLimit" in fatal and "ConnectionRefusedError" in fatal, fatal
     assert "Traceback" not in out

@@ -2,9 +2,10 @@
 as an unprivileged host, with the kernel layers alone (no audit hook).
 
 Kernel isolation (bwrap) must contain every program. The weak "rlimits" mode, which
-`isolation="auto"` refuses unless allowed, must still contain what its seccomp filter,
-rlimits and host-side watch guarantee (WEAK_CONTAINS); what it does not contain (host
-files readable by the child's uid, the shared /tmp, the network) is documented in
+runs only when allowed, must still contain what its seccomp filter (sockets denied),
+rlimits, non-dumpable supervisor, host-owned private-directory parent and host-side
+watch guarantee (WEAK_CONTAINS); what it does not contain (host files readable by the
+child's uid, the shared /tmp, /proc of its uid's processes) is documented in
 docs/sandbox.md and checked here as a known gap, so a change either way is noticed.
 """
 
@@ -28,16 +29,26 @@ BOUND_S = 240  # the whole corpus in two modes, 4 programs at a time
 WEAK_CONTAINS = {
     "fspath_race", "write_stdlib", "kill_host", "kill_victim",
     "kill_everyone", "pidfd_kill", "setsid_orphan", "deep_tree", "disk_fill", "env_leak",
-    "denied_syscalls", "read_private_key", "write_home_rc",
+    "denied_syscalls", "read_private_key", "write_home_rc", "network", "unix_socket",
+    "ipv6_socket", "supervisor_mem", "forge_other_status", "replace_private_dir",
+    "proc_of_parent",
 }  # fmt: skip
-# Escapes of the weak mode by design (its uid reads world-readable files, writes shared
-# world-writable directories, reads /proc of the processes of its uid, and has the
-# host's network); as the host's own uid also that uid's private files.
+# Escapes of the weak mode by design (its uid, one of its own per run, reads
+# world-readable files and writes shared world-writable directories); as the host's own
+# uid also that uid's private files and /proc of its processes (the host's included),
+# and it can move its private directory out of the host's (then left behind; the host
+# file its link points to is never touched).
 WEAK_GAPS_ROOT = {
     "read_public_file", "read_checkout", "read_etc_passwd", "dir_fd", "symlink_out",
-    "write_shared_tmp", "write_tmp", "network", "proc_of_parent",
+    "write_shared_tmp", "write_tmp",
 }  # fmt: skip
-WEAK_GAPS_NONROOT = WEAK_GAPS_ROOT | {"read_private_key", "fspath_race", "write_home_rc"}
+WEAK_GAPS_NONROOT = WEAK_GAPS_ROOT | {
+    "read_private_key", "fspath_race", "write_home_rc", "replace_private_dir",
+    "proc_of_parent",
+}  # fmt: skip
+# As the host's own uid, another run's supervisor is reachable while its interpreter
+# starts (before it makes itself non-dumpable): a gap only when timing lets it happen.
+WEAK_MAYBE_NONROOT = {"forge_other_status"}
 
 
 def _drive(user: dict, python: str) -> dict:
@@ -51,16 +62,17 @@ def _drive(user: dict, python: str) -> dict:
     return json.loads(line.removeprefix("CORPUS "))
 
 
-def _check(results: dict, gaps: set[str]) -> None:
+def _check(results: dict, gaps: set[str], maybe: frozenset = frozenset()) -> None:
     kernel = results[S.BWRAP]
     if "_unavailable" in kernel:
         pytest.skip(f"kernel isolation unavailable for this uid: {kernel['_unavailable']}")
     escaped = {k: d for k, (ok, d) in kernel.items() if not ok}
     assert not escaped, f"escapes from the bwrap sandbox: {escaped}"
     weak = results[S.RLIMITS]
-    broken = {k: weak[k][1] for k in WEAK_CONTAINS - gaps if not weak[k][0]}
+    broken = {k: weak[k][1] for k in WEAK_CONTAINS - gaps - maybe if not weak[k][0]}
     assert not broken, f"the weak mode lost a guarantee: {broken}"
-    assert {k for k, (ok, _) in weak.items() if not ok} == gaps, "weak-mode gaps changed"
+    escaped = {k for k, (ok, _) in weak.items() if not ok} - maybe
+    assert escaped == gaps, "weak-mode gaps changed"
     assert set(kernel) == set(weak) == WEAK_CONTAINS | WEAK_GAPS_ROOT
 
 
@@ -91,10 +103,10 @@ def test_corpus_contained_as_unprivileged_host():
     """The non-root host case: the driver runs as an unprivileged uid (when this test
     runs as root), or is this process's own uid."""
     if os.geteuid() != 0:
-        _check(_drive({}, sys.executable), WEAK_GAPS_NONROOT)
+        _check(_drive({}, sys.executable), WEAK_GAPS_NONROOT, WEAK_MAYBE_NONROOT)
         return
     python = _unprivileged_python()
     if python is None:
         pytest.skip(f"uid {UNPRIVILEGED_UID} can run no interpreter on the checkout")
     user = dict(user=UNPRIVILEGED_UID, group=UNPRIVILEGED_UID, extra_groups=[])
-    _check(_drive(user, python), WEAK_GAPS_NONROOT)
+    _check(_drive(user, python), WEAK_GAPS_NONROOT, WEAK_MAYBE_NONROOT)

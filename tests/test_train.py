@@ -334,10 +334,14 @@ def test_corrupt_latest_checkpoint_falls_back(async_run, target, tmp_path, caplo
     for f in (workdir / "checkpoints" / "4" / "state").rglob("*"):
         if f.is_file() and f.parent.name == "d":  # the array data
             f.write_bytes(b"\0" * 16)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         summary = train.run(config, workdir)
     (line,) = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
     assert line.startswith("checkpoint step 4 is damaged (state/") and "restored step 2" in line
+    (resumed,) = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
+    assert (
+        resumed == "resumed from step 2 (checkpoint 2, the newest readable; checkpoint 4 was not)"
+    )
     assert (workdir / "checkpoints" / checkpointing.CORRUPT_DIR / "4").is_dir()
     assert summary["steps"] == TOTAL and ts.saved_steps(workdir) == [0, 2, 4]
     # What was in flight at step 2 is discarded; the totals still balance.

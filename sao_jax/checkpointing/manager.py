@@ -44,6 +44,19 @@ REPLACED_DIR = "replaced"  # a step being re-saved with force=True waits here un
 # Errors that mean "this step directory is incomplete or unreadable" (tensorstore raises
 # ValueError, a missing file OSError / KeyError, a truncated JSON item ValueError).
 _READ_ERRORS = (OSError, ValueError, KeyError, TypeError)
+_ORBAX_DIR = os.path.dirname(ocp.__file__)
+
+
+class _QuietOrbaxErrors(logging.Filter):
+    """Drops orbax's own ERROR records (each with a background thread's traceback: a full
+    disk printed ~200 lines): every failed save or restore is raised by the Checkpointer
+    as one CheckpointError naming the step directory, the cause chained."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.pathname.startswith(_ORBAX_DIR))
+
+
+logging.getLogger("absl").addFilter(_QuietOrbaxErrors())
 
 
 class CheckpointError(RuntimeError):

@@ -34,7 +34,8 @@ CONFIG_FILE = "config.json"
 PREVIOUS_PREFIX = "previous-"  # folders of moved-aside runs (never moved again)
 
 # Config fields that may differ between a run and its resume: loop length, logging,
-# evaluation and checkpoint cadence, and the mesh (restore re-shards onto any mesh).
+# evaluation and checkpoint cadence, the bounds of waits, and the mesh (restore re-shards
+# onto any mesh).
 RESUMABLE_FIELDS = (
     "train.total_steps",
     "train.log_every",
@@ -44,6 +45,7 @@ RESUMABLE_FIELDS = (
     "train.keep_checkpoints",
     "train.async_checkpoints",
     "train.take_timeout_s",
+    "sampling.max_dropped_in_a_row",
     "train.report",
     "train.progress",
     "mesh.*",

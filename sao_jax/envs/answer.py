@@ -14,6 +14,11 @@ tool call is a fenced ```python block answered by a ```output block.
 
 Never raises for model output: a malformed tool call or a failed run is an error
 observation, and the episode goes on until an answer or `max_turns`.
+
+Model code (tool calls, and a reward that runs code, e.g. `code_tests`, which gets
+`isolation` / `allow_weak_isolation` from here unless `reward_params` sets them) runs in
+the sandbox's kernel isolation; the weak mode only with `allow_weak_isolation=True`
+(a missing bubblewrap otherwise fails at construction, and a run at start-up).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 from sao_jax.envs import sandbox, tool_calls
 from sao_jax.envs.base import Prompt, StepResult
 from sao_jax.envs.python_tool import render_output
-from sao_jax.envs.registry import make_reward, register_task
+from sao_jax.envs.registry import make_reward, register_task, reward_runs_code
 from sao_jax.envs.rewards import last_code_block
 
 TOOLS = ("python",)
@@ -57,6 +62,7 @@ class AnswerEnv:
         max_obs_chars: int = 1024,
         limits: Mapping[str, Any] | None = None,
         isolation: str = "auto",
+        allow_weak_isolation: bool = False,
         chat=None,
     ) -> None:
         unknown = sorted(set(tools) - set(TOOLS))
@@ -67,11 +73,18 @@ class AnswerEnv:
         if self.max_turns < 1:
             raise ValueError(f"answer env max_turns={max_turns}: must be >= 1")
         self.reward_name = reward
-        self.reward = make_reward(reward, **dict(reward_params or {}))
+        reward_params = dict(reward_params or {})
+        if reward_runs_code(reward):
+            reward_params.setdefault("isolation", isolation)
+            reward_params.setdefault("allow_weak_isolation", allow_weak_isolation)
+        if self.tools:  # one line now (SandboxUnavailable), not at the first tool call
+            sandbox.resolve_isolation(isolation, allow_weak_isolation)
+        self.reward = make_reward(reward, **reward_params)
         self.max_turn_chars = max_turn_chars
         self.max_obs_chars = max_obs_chars
         self.limits = sandbox.SandboxLimits(**dict(limits or {}))
         self.isolation = isolation
+        self.allow_weak_isolation = allow_weak_isolation
         self.chat = chat
         # Raw text with tools: a turn that closes a fence may be a call; chat: eos only.
         self.stop_strings = (RAW_FENCE_CLOSE,) if (self.tools and chat is None) else ()
@@ -104,7 +117,10 @@ class AnswerEnv:
                 return self._tool_result(f"error: {error}", info)
             if code is not None:
                 self._calls += 1
-                result = sandbox.run_python(code, self.limits, isolation=self.isolation)
+                result = sandbox.run_python(
+                    code, self.limits, isolation=self.isolation,
+                    allow_weak=self.allow_weak_isolation,
+                )  # fmt: skip
                 info["sandbox"] = {"error": result.error, "isolation": result.isolation}
                 return self._tool_result(render_output(result, max_chars=self.max_obs_chars), info)
         return self._finish(text, info)

@@ -172,4 +172,10 @@ def _demonstration(prompt, rng, *, error_rate: float = 0.0):
     return demonstration(prompt)
 
 
-register_task("python_tool", env=PythonToolEnv, prompts=task_prompts, demonstrations=_demonstration)
+register_task(
+    "python_tool",
+    env=PythonToolEnv,
+    prompts=task_prompts,
+    demonstrations=_demonstration,
+    runs_code=True,
+)

@@ -18,8 +18,11 @@ lookup.
 Rewards are registered the same way (`register_reward`), by name or import path
 (`env.params.reward="my_pkg.rewards:score"`); the built-ins (`math`, `exact_match`,
 `code_tests`) live in sao_jax/envs/rewards.py. A reward is a factory: `factory(**params)`
-returns `fn(completion_text, prompt) -> Reward`. Both registries are of the one registry
-mechanism (sao_jax/registry.py, which also holds the how-to for losses and estimators).
+returns `fn(completion_text, prompt) -> Reward`. A reward or task that runs model-written
+code (`runs_code=True`: `code_tests`, `python_tool`) needs the sandbox, and the run
+checks at start-up that it can have it (sao_jax/run/settings.py `check_sandbox`). Both
+registries are of the one registry mechanism (sao_jax/registry.py, which also holds the
+how-to for losses and estimators).
 
 Interfaces of a task's callables:
   env(**env.params) -> Env            (a class or factory; `chat=` is passed when the task
@@ -66,6 +69,7 @@ class Task:
     setup: Callable[[dict[str, Any]], tuple[dict[str, Any], Callable | None]] | None = None
     chat: bool = False  # the env accepts `chat=` (a sao_jax.chat.ChatFormat) and uses it
     rewards: bool = False  # the env accepts `reward=` (a name or import path) and params
+    runs_code: bool = False  # the env runs model-written code (in the sandbox)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,17 +108,26 @@ def register_task(
     setup: Callable[[dict[str, Any]], tuple[dict[str, Any], Callable | None]] | None = None,
     chat: bool = False,
     rewards: bool = False,
+    runs_code: bool = False,
 ) -> Task:
     """Registers (or re-registers, e.g. on a module reload) a task; returns it."""
     if not callable(env):
         raise RegistryError(f"task {name!r}: env must be an Env class or factory, got {env!r}")
-    return TASKS.register(name, Task(name, env, prompts, demonstrations, setup, chat, rewards))
+    return TASKS.register(
+        name, Task(name, env, prompts, demonstrations, setup, chat, rewards, runs_code)
+    )
 
 
-def register_reward(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
-    """Decorator: `@register_reward("math")` on a factory `(**params) -> fn(text, prompt)`."""
+def register_reward(
+    name: str, *, runs_code: bool = False
+) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+    """Decorator: `@register_reward("math")` on a factory `(**params) -> fn(text, prompt)`;
+    `runs_code=True` marks a reward that runs model-written code (the factory's
+    `runs_code` attribute, which a reward given by import path may set itself)."""
 
     def wrap(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+        if runs_code:
+            factory.runs_code = True
         return REWARDS.register(name, factory)
 
     return wrap
@@ -136,6 +149,11 @@ def get_task(name: str) -> Task:
       RegistryError: an unknown name (the message lists the known ones) or a bad path.
     """
     return TASKS.get(name)
+
+
+def reward_runs_code(name: str) -> bool:
+    """Whether reward `name` runs model-written code (registered with runs_code=True)."""
+    return bool(getattr(REWARDS.get(name), "runs_code", False))
 
 
 def make_reward(name: str, **params: Any) -> RewardFn:

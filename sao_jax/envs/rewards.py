@@ -9,9 +9,13 @@ Each registers itself here by name (sao_jax/envs/registry.py) and is built from
               expressions through sympy): 1/2 == 0.5 == \frac{1}{2}, x+1 == 1+x.
   exact_match the same extraction, then string equality after stripping (and, by
               default, collapsing whitespace; `ignore_case` optional).
-  code_tests  the last ```python block of the completion, followed by the reference
-              (test code: asserts), runs in the sandbox (sao_jax/envs/sandbox/runner.py); 1.0
-              when it exits cleanly within the limits.
+  code_tests  the last ```python block of the completion is imported as a module in the
+              sandbox and the reference (test code: asserts, calls) runs against it from
+              another process there (sao_jax/envs/sandbox/harness.py); 1.0 when every
+              test statement passed (or, with `partial_credit`, the fraction that did).
+              The verdict comes back with a per-run secret on a channel the solution does
+              not hold, only once the tests ran to their end: exiting, crashing, lying
+              objects or reading the tests score 0 (docs/sandbox.md, "Reward hacking").
 
 math-verify's own timeouts use SIGALRM, which only works in the main thread; rewards
 run in sampler threads, so they are off here and the engine's `sampling.env_timeout_s`
@@ -123,18 +127,37 @@ def last_code_block(text: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-@register_reward("code_tests")
-def code_tests_reward(*, limits: dict | None = None, isolation: str = "auto"):
-    """Runs the completion's code followed by the reference tests in the sandbox."""
+@register_reward("code_tests", runs_code=True)
+def code_tests_reward(
+    *,
+    limits: dict | None = None,
+    isolation: str = "auto",
+    allow_weak_isolation: bool = False,
+    partial_credit: bool = False,
+):
+    """The reference tests against the completion's code, in the sandbox (run_tests).
+    Refuses (SandboxUnavailable, one line) when the run would be in the weak mode and
+    `allow_weak_isolation` is off."""
     sandbox_limits = sandbox.SandboxLimits(**(limits or {}))
+    sandbox.resolve_isolation(isolation, allow_weak_isolation)
 
     def score(completion: str, prompt: Prompt) -> Reward:
         tests = _reference(prompt, "code_tests")
         code = last_code_block(completion)
         if code is None:
             return Reward(0.0, False, {"error": "no code block"})
-        result = sandbox.run_python(f"{code}\n\n{tests}\n", sandbox_limits, isolation=isolation)
+        result = sandbox.run_tests(
+            code, tests, sandbox_limits, isolation=isolation, allow_weak=allow_weak_isolation
+        )
         info = {"error": result.error, "isolation": result.isolation}
-        return Reward(float(result.ok), result.ok, info)
+        verdict = result.verdict
+        if verdict is None:
+            return Reward(0.0, False, info)
+        info.update(tests_passed=verdict.passed, tests_total=verdict.total)
+        ok = verdict.all_passed
+        if not ok:  # the first failing test ("line N: AssertionError ..."), or no tests
+            info["error"] = verdict.failures[0] if verdict.failures else "no test statements"
+        value = verdict.passed / verdict.total if partial_credit and verdict.total else float(ok)
+        return Reward(value, ok, info)
 
     return score

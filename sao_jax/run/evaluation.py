@@ -5,7 +5,10 @@ sampler's ENV_FAILURES) count as failures of the policy and are reported as
 `eval/<mode>_env_failures`. When at least `max_env_errors` of them make up the majority of
 an evaluation, its success rate would measure the environment, not the policy: the
 evaluation raises EnvErrorLimit naming the last cause, as training does
-(sao_jax/sampling/sampler.py).
+(sao_jax/sampling/sampler.py); `max_env_errors` of them in a row end it at once (a judge
+that trickles or refuses must not hold a 128-prompt evaluation for 128 of its deadlines).
+With `stall_timeout_s`, an evaluation in which no episode ends for that long (an env call
+that hangs without `sampling.env_timeout_s`) raises NoProgress.
 """
 
 from __future__ import annotations
@@ -13,15 +16,23 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
+from sao_jax import stop
 from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.sampling.engine import Drop, Engine, EngineConfig
-from sao_jax.sampling.sampler import ENV_FAILURES, EnvErrorLimit, describe_drop
+from sao_jax.sampling.sampler import (
+    ENV_FAILURES,
+    DropStreak,
+    EnvErrorLimit,
+    NoProgress,
+    describe_drop,
+)
 from sao_jax.sampling.trajectory import Trajectory
 
 LEVEL_KEY = "level"  # prompt meta: the difficulty level, scored separately when present
@@ -75,6 +86,7 @@ class Evaluator:
         greedy: bool = True,
         seed: int = 0,
         max_env_errors: int = 8,
+        stall_timeout_s: float | None = None,
     ):
         if not prompts:
             raise ValueError("evaluation prompts: need at least one")
@@ -83,6 +95,7 @@ class Evaluator:
         self.prompts, self.seed = list(prompts), seed
         self._levels = _levels(self.prompts)
         self.max_env_errors = max_env_errors
+        self.stall_timeout_s = stall_timeout_s
         self._tok, self._env_factory = tokenizer, env_factory
         greedy_cfg = dataclasses.replace(engine_cfg, temperature=0.0)
         self.greedy = (
@@ -112,12 +125,36 @@ class Evaluator:
             engines["sampled"] = Engine(s.fns, self._tok, self._env_factory, s.cfg, seed=key)
         out = {}
         for name, engine in engines.items():
-            trajs, drops = engine.run(params, self.prompts, version)
+            trajs, drops = self._run(name, engine, params, version)
             out.update(summarize(trajs, len(drops), f"eval/{name}_"))
             if self._levels:
                 out.update(success_by_level(trajs, drops, self._levels, f"eval/{name}_"))
             out[f"eval/{name}_env_failures"] = float(self.check_env_failures(name, drops))
         return out
+
+    def _run(self, name: str, engine: Engine, params: Params, version: int):
+        """engine.run on the prompts, ended early by the env-failure streak and by a
+        silence of stall_timeout_s (NoProgress), both naming the evaluation."""
+        streak = DropStreak(self.max_env_errors, None, where=f"{name} evaluation: ")
+        last = [time.monotonic()]  # when an episode last ended
+
+        def check() -> None:
+            stop.raise_if_requested(f"running the {name} evaluation")
+            timeout = self.stall_timeout_s
+            if timeout is not None and time.monotonic() - last[0] > timeout:
+                raise NoProgress(
+                    f"{name} evaluation: no episode ended within {timeout:g}s "
+                    f"(train.take_timeout_s); last drop: {streak.last or 'none'}"
+                )
+
+        def on_step(step) -> None:
+            streak.update(step)
+            if step.finished or step.dropped:
+                last[0] = time.monotonic()
+            check()
+
+        engine.env_calls.check = check
+        return engine.run(params, self.prompts, version, on_step=on_step)
 
     def check_env_failures(self, name: str, drops: Sequence[Drop]) -> int:
         """The number of episodes the environment failed; EnvErrorLimit when they are at

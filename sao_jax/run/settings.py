@@ -45,6 +45,7 @@ PRETRAIN_IGNORES = (
     "sampling.queue_size",
     "sampling.env_timeout_s",
     "sampling.max_env_errors",
+    "sampling.max_dropped_in_a_row",
     "env.eval_size",
     "env.group_size",  # value pretraining samples one rollout per prompt
 )
@@ -256,3 +257,57 @@ def check_run(config: ConfigDict, sharder) -> None:
         )
     if init.kind == "sft" and config.sft.steps > 0:
         check_divisible(config.sft.batch_size, "config field sft.batch_size", shards=shards)
+    check_sandbox(config)
+
+
+def sandbox_uses(config: ConfigDict) -> list[tuple[str, str, bool]]:
+    """(config field, isolation, allow_weak) of each part of the run that executes
+    model-written code: a task that does (`runs_code`, e.g. python_tool: env.name), the
+    answer env's python tool (env.params.tools), a reward that does (code_tests:
+    env.params.reward; its reward_params may override the env's sandbox settings)."""
+    from sao_jax.envs.registry import RegistryError, get_task, reward_runs_code
+
+    params = config.env.params.to_dict() if "params" in config.env else {}
+    isolation = params.get("isolation", "auto")
+    allow = bool(params.get("allow_weak_isolation", False))
+    uses = []
+    if get_task(config.env.name).runs_code:
+        uses.append(("env.name", isolation, allow))
+    if "python" in tuple(params.get("tools", ())):
+        uses.append(("env.params.tools", isolation, allow))
+    reward = params.get("reward")
+    try:
+        runs = isinstance(reward, str) and reward_runs_code(reward)
+    except RegistryError:
+        runs = False  # an unknown reward is named by the env check (read_inputs)
+    if runs:
+        rp = dict(params.get("reward_params") or {})
+        rp_allow = bool(rp.get("allow_weak_isolation", allow))
+        uses.append(("env.params.reward", rp.get("isolation", isolation), rp_allow))
+    return uses
+
+
+def check_sandbox(config: ConfigDict) -> None:
+    """A run that executes model-written code needs the sandbox's kernel isolation
+    (bubblewrap) unless the weak mode is allowed for it (env.params.allow_weak_isolation):
+    checked at start-up, before the workdir is touched, as one ConfigError line naming
+    the field and what to install; an allowed weak mode is said in one warning line."""
+    from sao_jax.envs import sandbox
+
+    for field, isolation, allow in sandbox_uses(config):
+        try:  # an allowed weak mode: one warning line (once per process)
+            sandbox.resolve_isolation(isolation, allow)
+        except (ValueError, sandbox.SandboxUnavailable) as e:
+            bad_name = not isinstance(e, sandbox.SandboxUnavailable)
+            why = " ".join(str(e).split()).removeprefix("sandbox: ")
+            raise ConfigError(
+                f"config field {'env.params.isolation' if bad_name else field}: "
+                f"{field}={_value_of(config, field)!r} runs model code in the sandbox, and {why}"
+            ) from None
+
+
+def _value_of(config: ConfigDict, field: str) -> Any:
+    node = config
+    for part in field.split("."):
+        node = node[part]
+    return node.to_dict() if isinstance(node, ConfigDict) else node

@@ -175,8 +175,14 @@ class Engine:
         return slot
 
     def _fill(self, next_prompt: Callable[[], Prompt | None], version: int, dropped: list):
+        """Fills the free slots; returns early once num_slots prompts were dropped in this
+        call, so that a prompt stream the engine drops entirely (every prompt longer than
+        max_len) still returns from `step` and reports its drops."""
+        budget = len(dropped) + self.cfg.num_slots
         for s in range(self.cfg.num_slots):
             while self._slots[s] is None and s not in self._parked:
+                if len(dropped) >= budget:
+                    return
                 prompt = next_prompt()
                 if prompt is None:
                     return
@@ -371,14 +377,21 @@ class Engine:
         dropped += [drop for _, _, drop in entries if drop is not None]
 
     def run(
-        self, params: Params, prompts: Iterable[Prompt], version: int = 0
+        self,
+        params: Params,
+        prompts: Iterable[Prompt],
+        version: int = 0,
+        on_step: Callable[[StepOutput], None] | None = None,
     ) -> tuple[list[Trajectory], list[Drop]]:
-        """Generates every prompt to completion with fixed params (evaluation, tests)."""
+        """Generates every prompt to completion with fixed params (evaluation, tests);
+        `on_step(step_output)` sees each step (and may raise to end the run)."""
         it = iter(prompts)
         finished, dropped = [], []
         while True:
             out = self.step(params, version, lambda: next(it, None))
             finished += out.finished
             dropped += out.dropped
+            if on_step is not None:
+                on_step(out)
             if out.active == 0 and not out.finished and not out.dropped:
                 return finished, dropped

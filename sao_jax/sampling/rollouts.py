@@ -15,11 +15,14 @@ With `group_size` G > 1 (GRPO-style estimators) every prompt is rolled out G tim
 the learner waits for complete groups: the synchronous group barrier that SAO removes.
 
 Every `take` is bounded, whoever calls it (the RL loop, value pretraining):
-* in time: `take(n, timeout)`, else the constructor's `take_timeout_s`
-  (`train.take_timeout_s`), then TimeoutError naming what was dropped and why;
+* in time: no trajectory for `timeout` s (`take(n, timeout)`, else the constructor's
+  `take_timeout_s`: `train.take_timeout_s`) raises NoProgress (a TimeoutError) naming
+  what was generated and dropped, by reason, and the last drop's cause;
 * in failures: `max_env_errors` (`sampling.max_env_errors`) environment failures in a
   row (errors, timeouts, episodes the env dropped, e.g. a failed judge call) raise
-  EnvErrorLimit naming the last cause;
+  EnvErrorLimit naming the last cause, and `max_dropped_in_a_row` dropped episodes in a
+  row of any reason (e.g. every prompt longer than `sampling.max_len`) NoProgress
+  naming the drops by reason (`sampler.DropStreak`);
 * by a stop request: SIGTERM (`sao_jax.stop`) raises StopRequested within a poll
   interval, also while an environment call hangs.
 """
@@ -38,11 +41,11 @@ from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.sampling.engine import Engine, EngineConfig, StepOutput
 from sao_jax.sampling.sampler import (
-    ENV_FAILURES,
     AsyncSampler,
-    EnvErrorLimit,
+    DropStreak,
+    NoProgress,
     SamplerConfig,
-    describe_drop,
+    no_trajectory_message,
 )
 from sao_jax.sampling.trajectory import Trajectory
 
@@ -135,20 +138,14 @@ class AsyncRollouts:
         self.sampler.publish(params, version)
 
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:
-        """n trajectories (complete groups); bounded by `timeout` (default take_timeout_s)."""
+        """n trajectories (complete groups); NoProgress when none arrives for `timeout`
+        s (default take_timeout_s)."""
         timeout = self.take_timeout_s if timeout is None else timeout
         if self.group_size == 1:
             out = self.sampler.take(n, timeout)
         else:
-            deadline = time.monotonic() + timeout
             while (out := self.groups.pop(n // self.group_size)) is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"take({n}): no {n // self.group_size} complete groups of "
-                        f"{self.group_size} within {timeout}s; {self.stats()}"
-                    )
-                for traj in self.sampler.take(1, left):
+                for traj in self.sampler.take(1, timeout):
                     self.groups.add(traj)
         self.handed += len(out)
         return out
@@ -180,10 +177,12 @@ class SyncRollouts:
         seed: int = 0,
         take_timeout_s: float = TAKE_TIMEOUT_S,
         max_env_errors: int = 8,
+        max_dropped_in_a_row: int = 64,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
         self.take_timeout_s = take_timeout_s
         self.max_env_errors = max_env_errors
+        self.max_dropped_in_a_row = max_dropped_in_a_row
         self.engine = Engine.create(policy_def, tokenizer, env_factory, engine_cfg, seed=seed)
         self._engine_args = (tokenizer, env_factory, engine_cfg)
         self._key = jax.random.key(seed)
@@ -216,14 +215,14 @@ class SyncRollouts:
         """n trajectories from the next prompts; dropped episodes are replaced (whole
         groups are regenerated so that every group stays complete).
 
-        Raises TimeoutError after `timeout` s (default take_timeout_s), EnvErrorLimit after
+        Raises NoProgress after `timeout` s without a trajectory (default
+        take_timeout_s) or max_dropped_in_a_row drops in a row, EnvErrorLimit after
         max_env_errors environment failures in a row, StopRequested on SIGTERM.
         """
         timeout = self.take_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
         mark = self._mark()
         try:
-            return self._take(n, timeout, deadline)
+            return self._take(n, timeout)
         except stop.StopRequested:
             self._rewind(mark)  # a checkpoint saved now resumes with exactly this take
             raise
@@ -236,9 +235,10 @@ class SyncRollouts:
         state, self._draws, self.counts, self.dropped = mark
         self.prompts.set_state(state)
 
-    def _take(self, n: int, timeout: float, deadline: float) -> list[Trajectory]:
+    def _take(self, n: int, timeout: float) -> list[Trajectory]:
         engine = self._fresh_engine()
-        guard = _TakeGuard(n, timeout, deadline, self.max_env_errors, self.stats)
+        streak = DropStreak(self.max_env_errors, self.max_dropped_in_a_row)
+        guard = _TakeGuard(n, timeout, streak, self.stats)
         engine.env_calls.check = guard.check
         out: list[Trajectory] = []
         while len(out) < n:
@@ -249,8 +249,8 @@ class SyncRollouts:
             while True:  # Engine.run, with the bounds checked between steps
                 guard.check()
                 step = engine.step(self._params, self._version, next_prompt)
-                guard.count(step)
                 self.dropped.update(d.reason for d in step.dropped)
+                guard.count(step, len(out) + len(trajs))
                 trajs += step.finished
                 drops += step.dropped
                 if step.active == 0 and not step.finished and not step.dropped:
@@ -279,31 +279,24 @@ class SyncRollouts:
 
 
 class _TakeGuard:
-    """The bounds of one SyncRollouts.take: deadline, env failures in a row, SIGTERM."""
+    """The bounds of one SyncRollouts.take: a silence of `timeout` s (no trajectory),
+    the drop streak, SIGTERM."""
 
-    def __init__(self, n: int, timeout: float, deadline: float, max_errors: int, stats):
-        self.n, self.timeout, self.deadline = n, timeout, deadline
-        self.max_errors, self.stats = max_errors, stats
-        self.errors = 0  # environment failures since the last finished trajectory
-        self.last = ""  # the latest drop's cause
+    def __init__(self, n: int, timeout: float, streak: DropStreak, stats):
+        self.n, self.timeout, self.streak, self.stats = n, timeout, streak, stats
+        self.deadline = time.monotonic() + timeout
+        self.got = 0
 
     def check(self) -> None:
         stop.raise_if_requested(f"generating {self.n} trajectories")
         if time.monotonic() > self.deadline:
-            raise TimeoutError(
-                f"take({self.n}): timed out after {self.timeout}s; {self.stats()}"
-                + (f"; last drop: {self.last}" if self.last else "")
+            stats = self.stats()
+            raise NoProgress(
+                no_trajectory_message(self.n, self.got, self.timeout, stats, self.streak.last)
             )
 
-    def count(self, step: StepOutput) -> None:
-        for d in step.dropped:
-            self.last = describe_drop(d)
-            if d.reason in ENV_FAILURES:
-                self.errors += 1
-                if self.errors >= self.max_errors:
-                    raise EnvErrorLimit(
-                        f"{self.errors} environment failures in a row "
-                        f"(sampling.max_env_errors); last: {self.last}"
-                    ) from d.error
+    def count(self, step: StepOutput, got: int) -> None:
+        self.streak.update(step)
+        self.got = got
         if step.finished:
-            self.errors = 0
+            self.deadline = time.monotonic() + self.timeout

@@ -19,6 +19,11 @@ Failures:
   in a row (no trajectory finishing in between) fails with EnvErrorLimit naming the last
   cause (e.g. the judge's connection error), as the environment is then broken rather
   than unlucky;
+* a worker that sees `max_dropped_in_a_row` episodes dropped in a row for any reason
+  (every prompt longer than `sampling.max_len`, a tokenizer that fails on every prompt)
+  fails with NoProgress naming the drop counts by reason and the last cause
+  (`DropStreak`); and a `take` that gets no trajectory for `timeout` s raises NoProgress
+  with the same counts, so a sampler that produces nothing always says why;
 * any other exception in a worker (model, jit, prompt iterator, tokenizer vocab) stops
   every worker and is re-raised in the learner by its next `take`, as `SamplerError`
   chained to the original (its traceback included).
@@ -72,18 +77,24 @@ class EnvErrorLimit(RuntimeError):
     """A worker's environments failed too many times in a row."""
 
 
+class NoProgress(TimeoutError):
+    """Rollouts stopped producing trajectories: no trajectory within a take's timeout,
+    or every episode dropped, many in a row; the message names the drops by reason."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
     num_workers: int = 1  # host threads, each with its own engine and environments
     queue_size: int = 64  # finished trajectories buffered ahead of the learner
     max_staleness: int | None = None  # drop if current - oldest version > this; None = off
     max_env_errors: int = 8  # env failures in a row (per worker) before the sampler fails
+    max_dropped_in_a_row: int = 64  # dropped episodes (any reason) in a row: NoProgress
     lockstep: int | None = None  # deterministic mode: trajectories per version (1 worker)
     seed: int = 0  # worker i samples with fold_in(key(seed), i)
     poll_s: float = 0.05  # wait granularity of blocking calls (stop/failure latency)
 
     def __post_init__(self):
-        for name in ("num_workers", "queue_size", "max_env_errors"):
+        for name in ("num_workers", "queue_size", "max_env_errors", "max_dropped_in_a_row"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v > 0):
                 raise ValueError(f"SamplerConfig.{name}: must be a positive int, got {v!r}")
@@ -214,10 +225,11 @@ class AsyncSampler:
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:
         """Blocks until n trajectories pass the staleness cap; returns them in order.
 
-        Raises SamplerError if a worker failed, TimeoutError after `timeout` s (naming
-        the latest drop's cause), StopRequested within `poll_s` of a stop request
-        (SIGTERM), and PromptsExhausted when the prompts ran out first (what was
-        collected is kept for the next call in each case).
+        Raises SamplerError if a worker failed, NoProgress (a TimeoutError) when no
+        trajectory arrived for `timeout` s (naming the drops by reason and the latest
+        one's cause), StopRequested within `poll_s` of a stop request (SIGTERM), and
+        PromptsExhausted when the prompts ran out first (what was collected is kept for
+        the next call in each case).
         """
         if n <= 0:
             raise ValueError(f"n: must be > 0, got {n}")
@@ -241,13 +253,14 @@ class AsyncSampler:
                     )
                 if deadline is not None and time.monotonic() > deadline:
                     self._held.extendleft(reversed(out))
-                    raise TimeoutError(
-                        f"take({n}): timed out after {timeout}s; {self.stats()}"
-                        + (f"; last drop: {self._last_drop}" if self._last_drop else "")
+                    raise NoProgress(
+                        no_trajectory_message(n, len(out), timeout, self.stats(), self._last_drop)
                     )
                 continue
             if self._accept(traj):
                 out.append(traj)
+                if timeout is not None:  # the bound is on a silence, not on the batch
+                    deadline = time.monotonic() + timeout
         return out
 
     def take_batch(
@@ -352,7 +365,8 @@ class AsyncSampler:
             engine = Engine(self._fns, self._tok, self._env_factory, self.engine_cfg, seed=key)
             engine.overlap_env = self.cfg.lockstep is None  # lockstep: deterministic steps
             engine.env_calls.check = self._check_stop
-            env_errors = emitted = 0
+            streak = DropStreak(self.cfg.max_env_errors, self.cfg.max_dropped_in_a_row)
+            emitted = 0
             base = None
             while not self._stop.is_set():
                 need = None
@@ -364,19 +378,11 @@ class AsyncSampler:
                 base = version if base is None else base
                 out = engine.step(params, version, self._next_prompt)
                 for d in out.dropped:
-                    cause = describe_drop(d)
                     with self._lock:
                         self._dropped[d.reason] += 1
-                        self._last_drop = cause
-                    if d.reason in ENV_FAILURES:
-                        env_errors += 1
-                        if env_errors >= self.cfg.max_env_errors:
-                            raise EnvErrorLimit(
-                                f"{env_errors} environment failures in a row "
-                                f"(sampling.max_env_errors); last: {cause}"
-                            ) from d.error
+                        self._last_drop = describe_drop(d)
+                streak.update(out)  # EnvErrorLimit / NoProgress: the worker fails
                 for traj in out.finished:
-                    env_errors = 0
                     if not self._put(traj):
                         return
                     emitted += 1
@@ -388,6 +394,54 @@ class AsyncSampler:
             with self._lock:
                 self._failures.append((idx, e))
             self._stop.set()
+
+
+class DropStreak:
+    """Dropped episodes since the last finished trajectory: EnvErrorLimit after
+    `max_env_errors` environment failures, NoProgress after `max_dropped` drops of any
+    reason (None: no such limit), each naming the last cause (and the drops by reason).
+    One per engine loop: the async worker, a synchronous take, an evaluation."""
+
+    def __init__(self, max_env_errors: int, max_dropped: int | None, where: str = ""):
+        self.max_env_errors, self.max_dropped = max_env_errors, max_dropped
+        self.where = where  # prefix of the messages, e.g. "greedy evaluation: "
+        self.env_errors = 0
+        self.reasons: collections.Counter[str] = collections.Counter()
+        self.last = ""  # the latest drop's cause
+
+    def update(self, step) -> None:
+        """Counts one engine step's drops, then forgets them if a trajectory finished."""
+        for d in step.dropped:
+            self.last = describe_drop(d)
+            self.reasons[d.reason] += 1
+            if d.reason in ENV_FAILURES:
+                self.env_errors += 1
+                if self.env_errors >= self.max_env_errors:
+                    raise EnvErrorLimit(
+                        f"{self.where}{self.env_errors} environment failures in a row "
+                        f"(sampling.max_env_errors); last: {self.last}"
+                    ) from d.error
+            dropped = sum(self.reasons.values())
+            if self.max_dropped is not None and dropped >= self.max_dropped:
+                raise NoProgress(
+                    f"{self.where}{dropped} episodes dropped in a row, none finished "
+                    f"(sampling.max_dropped_in_a_row={self.max_dropped}): dropped "
+                    f"{dict(self.reasons)}; last: {self.last}"
+                ) from d.error
+        if step.finished:
+            self.env_errors = 0
+            self.reasons.clear()
+
+
+def no_trajectory_message(n: int, got: int, timeout: float, stats: dict, last: str) -> str:
+    """Why a take of n timed out (one line): what came, what was dropped, the last cause."""
+    dropped = stats.get("dropped") or {}
+    text = (
+        f"take({n}): timed out after {timeout:g}s without a trajectory "
+        f"(train.take_timeout_s; {got} of {n} taken): generated {stats.get('generated', 0)}, "
+        f"dropped {dropped or 'none'}"
+    )
+    return text + (f"; last drop: {last}" if last else "; the environment or the model hangs")
 
 
 def describe_drop(d) -> str:

@@ -2,7 +2,8 @@
 
 The package's face; the implementation is in runner.py (the API, the probe, one run),
 bwrap.py (the bubblewrap command line), seccomp.py (the filter), child.py (the program
-inside the sandbox) and host.py (reading, killing, cleaning up).
+inside the sandbox), harness.py (code_tests: the tests against the solution, across a
+process boundary) and host.py (reading, killing, cleaning up).
 """
 
 from sao_jax.envs.sandbox.runner import (
@@ -13,9 +14,11 @@ from sao_jax.envs.sandbox.runner import (
     SandboxResult,
     SandboxSetup,
     SandboxUnavailable,
+    TestsVerdict,
     probe_setup,
     resolve_isolation,
     run_python,
+    run_tests,
 )
 
 __all__ = [
@@ -26,7 +29,9 @@ __all__ = [
     "SandboxResult",
     "SandboxSetup",
     "SandboxUnavailable",
+    "TestsVerdict",
     "probe_setup",
     "resolve_isolation",
     "run_python",
+    "run_tests",
 ]

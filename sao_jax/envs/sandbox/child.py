@@ -3,25 +3,42 @@
 Standard library only, self-contained (it is passed as source text, never imported by
 the host). Layout inside the sandbox:
 
-    supervisor (this program)  -- reads the code, forks, reaps, reports the status
-      └─ worker                -- writes main.py, installs the seccomp filter bound to
-                                  its own pid, sets its rlimits, installs the audit-hook
-                                  tripwire, runs main.py
+    supervisor (this program)  -- non-dumpable, seccomp-filtered; reads the code, forks,
+      │                           reaps, watches the private file systems' file count,
+      │                           reports the status
+      ├─ worker                -- writes the code to a file, installs the seccomp filter
+      │                           bound to its own pid, closes every other descriptor,
+      │                           sets its rlimits, installs the audit-hook tripwire, runs
+      │                           the code (a script: main.py; a `code_tests` solution:
+      │                           solution.py, imported and served by harness.py)
+      └─ tests (code_tests)    -- forked after the worker: reads the test source and the
+                                  run's secret (never in the worker's memory, files, argv
+                                  or environment), runs the tests against the worker,
+                                  writes the verdict on a pipe only it holds
 
-The supervisor never runs user code. It reports the worker's wait status on the status
-pipe ("exit N" / "signal N" / "setup: ..."), so the host knows how the code ended even
-when the code closed or flooded stdout. The config (argv[1]) holds: root (the private
-directory, the worker's cwd), status_fd, code_fd (a memfd with the source), seccomp
-(the filter as [code, jt, jf, k] rows, the worker's pid still a placeholder), the
-rlimits table, and audit (install the tripwire hook).
+The supervisor never runs user code. It is non-dumpable (PR_SET_DUMPABLE 0: a process
+of the same uid cannot open its /proc/<pid>/mem or fds, nor ptrace it) and, in the weak
+mode, runs the same seccomp filter the worker stacks its own on. It reports the worker's
+wait status on the status pipe ("exit N" / "signal N CPU" / "files N" / "setup: ..."),
+so the host knows how the code ended even when the code closed or flooded stdout. The
+config (argv[1]) holds: root (the private directory, the worker's cwd), status_fd,
+code_fd (a memfd with the source), seccomp (the worker's filter as [code, jt, jf, k]
+rows, its pid still a placeholder), supervisor_seccomp (rows or null), the rlimits
+table, audit (install the tripwire hook), fs_paths + max_files (file systems whose
+inode count is capped), and harness (null, or the harness_fd / tests_fd / verdict_fd).
 """
 
 import json
 import os
+import signal
 import sys
+import time
 
 cfg = json.loads(sys.argv[1])
 root, status_fd = cfg["root"], cfg["status_fd"]
+harness = cfg["harness"]
+FS_POLL_S = 0.05  # how often the file count of the private file systems is checked
+GRACE_S = 1.0  # code_tests: how long the worker may take to exit after the tests end
 
 
 def report(msg):
@@ -29,26 +46,27 @@ def report(msg):
     os._exit(0)
 
 
-def read_code():
+def read_fd(fd):
     chunks = []
     while True:
-        chunk = os.read(cfg["code_fd"], 1 << 16)
+        chunk = os.read(fd, 1 << 16)
         if not chunk:
             break
         chunks.append(chunk)
-    os.close(cfg["code_fd"])
+    os.close(fd)
     return b"".join(chunks)
 
 
-def install_seccomp(rows):
-    """prctl(NO_NEW_PRIVS), then prctl(SET_SECCOMP, FILTER, &prog) on this process."""
+def install_seccomp(rows, pid=None):
+    """prctl(NO_NEW_PRIVS), then prctl(SET_SECCOMP, FILTER, &prog) on this process (the
+    pid placeholder patched to `pid`)."""
     import ctypes
     import struct
 
-    pid = os.getpid()
     placeholder = cfg["pid_placeholder"]
     data = b"".join(
-        struct.pack("=HBBI", c, jt, jf, pid if k == placeholder else k) for c, jt, jf, k in rows
+        struct.pack("=HBBI", c, jt, jf, pid if k == placeholder and pid else k)
+        for c, jt, jf, k in rows
     )
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -64,6 +82,29 @@ def install_seccomp(rows):
     for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
         del sys.modules[name]  # user code must import it afresh (the tripwire sees that)
     return None
+
+
+def harden_supervisor():
+    """Non-dumpable (its /proc files belong to root, no ptrace by its uid), and the
+    general seccomp filter when the sandbox has none yet (the weak mode)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
+        return f"dumpable: errno {ctypes.get_errno()}"
+    if cfg["supervisor_seccomp"] is not None:
+        return install_seccomp(cfg["supervisor_seccomp"])
+    return None
+
+
+def close_fds(keep):
+    """Closes every descriptor >= 3 but those in `keep`."""
+    lo = 3
+    for fd in sorted(k for k in keep if k >= 3):
+        if fd > lo:
+            os.closerange(lo, fd)
+        lo = max(lo, fd + 1)
+    os.closerange(lo, 1 << 20)
 
 
 def set_limits():
@@ -166,54 +207,141 @@ def install_guard():
     sys.addaudithook(hook)
 
 
-def worker(code):
+def worker(code, harness_source, pipes):
+    """Runs the code; `pipes` = (requests_r, replies_w) in code_tests mode, else None."""
     import runpy
     import traceback
 
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
     os.chdir(root)
-    with open("main.py", "wb") as f:
+    name = "main.py" if pipes is None else "solution.py"
+    with open(name, "wb") as f:
         f.write(code)
-    problem = install_seccomp(cfg["seccomp"])
+    problem = install_seccomp(cfg["seccomp"], os.getpid())
     if problem is not None:  # the host reads the first status line
         os.write(status_fd, f"setup: {problem}\n".encode())
         os._exit(125)
-    os.close(status_fd)
+    close_fds(pipes or ())  # status, tests and verdict descriptors among them
     set_limits()
     if cfg["audit"]:
         install_guard()
-    sys.argv = ["main.py"]
+    if pipes is not None:
+        namespace = {"__name__": "sao_harness"}
+        exec(compile(harness_source, "harness.py", "exec"), namespace)
+        namespace["serve"](pipes[0], pipes[1], name)  # never returns
+    sys.argv = [name]
     try:
-        runpy.run_path("main.py", run_name="__main__")
+        runpy.run_path(name, run_name="__main__")
     except SystemExit:
         raise
     except BaseException as e:  # print the traceback from the first frame of main.py on
         tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != "main.py":
+        while tb is not None and tb.tb_frame.f_code.co_filename != name:
             tb = tb.tb_next
         traceback.print_exception(type(e), e, tb)
         sys.exit(1)
 
 
-def supervise(pid):
+def tests(harness_source, pipes):
+    """code_tests: runs the tests against the worker; writes `verdict <secret> <json>`."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    while True:
-        try:
-            child, status, usage = os.wait4(-1, 0)
-        except ChildProcessError:
-            report("lost")
-        if child == pid:
-            break
+    spec = json.loads(read_fd(harness["tests_fd"]))
+    verdict_fd = harness["verdict_fd"]
+    close_fds((*pipes, verdict_fd))
+    namespace = {"__name__": "sao_harness"}
+    exec(compile(harness_source, "harness.py", "exec"), namespace)
+    conn = namespace["Connection"](pipes[0], pipes[1])
+    try:
+        out = namespace["run_tests"](spec["tests"], conn)
+    except BaseException as e:  # the tests themselves do not parse, or the harness broke
+        out = {"complete": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    os.close(pipes[0])  # end of file for the worker: it exits
+    data = f"verdict {spec['secret']} {json.dumps(out)}\n".encode()
+    while data:
+        data = data[os.write(verdict_fd, data) :]
+    os._exit(0)
+
+
+def file_count(paths):
+    """Inodes in use on the file systems at `paths` (each a tmpfs of its own)."""
+    total = 0
+    for p in paths:
+        st = os.statvfs(p)
+        total += st.f_files - st.f_ffree
+    return total
+
+
+def supervise(pid, tests_pid):
+    """Reaps the worker (and the tests process); reports the worker's end. Polls the file
+    count every FS_POLL_S while a cap applies, and ends the worker past it."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    paths, cap = cfg["fs_paths"], cfg["max_files"]
+    baseline = file_count(paths)
+    poll = bool(paths) or tests_pid is not None
+    status = usage = None
+    over = tests_done_at = None
+    live = {pid} | ({tests_pid} if tests_pid is not None else set())
+    while live:
+        if poll:
+            signal.sigtimedwait([signal.SIGCHLD], FS_POLL_S)
+            flags = os.WNOHANG
+        else:
+            flags = 0
+        while live:
+            try:
+                child, st, ru = os.wait4(-1, flags)
+            except ChildProcessError:
+                report("lost")
+            if child == 0:
+                break
+            live.discard(child)
+            if child == pid:
+                status, usage = st, ru
+            elif child == tests_pid:
+                tests_done_at = time.monotonic()
+        late = tests_done_at is not None and time.monotonic() - tests_done_at > GRACE_S
+        if pid in live and late:
+            os.kill(pid, signal.SIGKILL)  # the tests are over: the solution may not linger
+        if paths and over is None and pid in live:
+            used = file_count(paths) - baseline
+            if used > cap:
+                over = used
+                os.kill(pid, signal.SIGKILL)
+    if over is not None:
+        report(f"files {over}")
     if os.WIFSIGNALED(status):  # with the CPU seconds: a SIGKILL at the hard CPU limit
         report(f"signal {os.WTERMSIG(status)} {usage.ru_utime + usage.ru_stime:.3f}")
     report(f"exit {os.waitstatus_to_exitcode(status)}")
 
 
 if __name__ == "__main__":
-    source = read_code()
+    problem = harden_supervisor()
+    if problem is not None:
+        report(f"setup: {problem}")
+    source = read_fd(cfg["code_fd"])
+    harness_source = read_fd(harness["harness_fd"]) if harness is not None else None
+    pipes = None
+    if harness is not None:
+        requests_r, requests_w = os.pipe()
+        replies_r, replies_w = os.pipe()
+        pipes = ((requests_r, replies_w), (requests_w, replies_r))
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # none lost before the wait
     child_pid = os.fork()
     if child_pid == 0:
-        worker(source)
-    else:
-        supervise(child_pid)
+        if harness is not None:
+            os.close(harness["tests_fd"])  # before anything else: the tests stay unread
+        worker(source, harness_source, pipes and pipes[0])
+        sys.exit(0)  # the script ran to its end (interpreter exit: atexit, flushing)
+    tests_pid = None
+    if harness is not None:
+        tests_pid = os.fork()
+        if tests_pid == 0:
+            tests(harness_source, pipes[1])
+        for fd in (*pipes[0], *pipes[1], harness["tests_fd"], harness["verdict_fd"]):
+            os.close(fd)
+    supervise(child_pid, tests_pid)

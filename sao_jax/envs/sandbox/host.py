@@ -7,7 +7,8 @@ sandboxed process outlives it: in bwrap mode it SIGKILLs the sandbox's pid-1 thr
 pidfd (the kernel then kills every process of the pid namespace before that pid-1's
 exit completes) and waits for bwrap; in the weak mode it SIGKILLs the process group
 (setsid/setpgid are denied by seccomp, so nothing left it) until none of it is alive.
-`remove_tree` deletes a private directory of any depth without following symlinks.
+`remove_tree` deletes a private directory of any depth without following symlinks and
+never raises.
 """
 
 from __future__ import annotations
@@ -36,20 +37,23 @@ class Collected:
         self.stderr = bytearray()
         self.status = bytearray()
         self.info = bytearray()
+        self.verdict = bytearray()
         self.timed_out = False
         self.truncated = False
         self.disk_full = False
+        self.files_full = False
 
 
-def disk_usage(root: str, cap: int) -> int:
-    """Bytes the tree under `root` uses (each entry at least BLOCK), counted until `cap`
-    is passed; iterative and fd-relative, so any depth works and no symlink is followed."""
-    total = 0
+def tree_usage(root: str, byte_cap: int, file_cap: int) -> tuple[int, int]:
+    """(bytes, entries) of the tree under `root` (each entry at least BLOCK bytes),
+    counted until a cap is passed; iterative and fd-relative, so any depth works and no
+    symlink is followed."""
+    total = files = 0
     try:
         stack = [os.open(root, _DIR_FLAGS)]
     except OSError:
-        return 0
-    while stack and total <= cap:
+        return 0, 0
+    while stack and total <= byte_cap and files <= file_cap:
         fd = stack.pop()
         try:
             with os.scandir(fd) as it:
@@ -59,6 +63,7 @@ def disk_usage(root: str, cap: int) -> int:
                     except OSError:
                         continue
                     total += max(BLOCK, st.st_blocks * 512)
+                    files += 1
                     if stat.S_ISDIR(st.st_mode):
                         with contextlib.suppress(OSError):
                             stack.append(os.open(entry.name, _DIR_FLAGS, dir_fd=fd))
@@ -68,7 +73,7 @@ def disk_usage(root: str, cap: int) -> int:
             os.close(fd)
     for fd in stack:
         os.close(fd)
-    return total
+    return total, files
 
 
 def collect(
@@ -78,12 +83,13 @@ def collect(
     output_bytes: int,
     *,
     on_info=None,
-    disk: tuple[str, int] | None = None,
+    disk: tuple[str, int, int] | None = None,
 ) -> Collected:
-    """Reads proc's stdout/stderr and the pipes in `extra` ({"status": fd, "info": fd}).
+    """Reads proc's stdout/stderr and the pipes in `extra` ({"status": fd, "info": fd,
+    "verdict": fd}).
 
-    `on_info(bytes_so_far)` is called whenever the info pipe grows; `disk=(root, cap)`
-    turns on the weak mode's disk watch.
+    `on_info(bytes_so_far)` is called whenever the info pipe grows; `disk=(root,
+    byte_cap, file_cap)` turns on the weak mode's disk watch.
     """
     got = Collected()
     buffers = {proc.stdout.fileno(): got.stdout, proc.stderr.fileno(): got.stderr}
@@ -101,8 +107,9 @@ def collect(
                 got.timed_out = True
                 break
             if disk is not None and now >= next_disk:
-                if disk_usage(disk[0], disk[1]) > disk[1]:
-                    got.disk_full = True
+                used, files = tree_usage(*disk)
+                got.disk_full, got.files_full = used > disk[1], files > disk[2]
+                if got.disk_full or got.files_full:
                     break
                 next_disk = now + DISK_POLL_S
             wait = deadline - now
@@ -186,49 +193,93 @@ def _await_group_exit(pgid: int, timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def remove_tree(root: str) -> None:
-    """Deletes `root` and everything under it: iterative (any depth), relative to open
-    directory descriptors (no path length limit), never following a symlink, making
-    directories the code chmod-ed unreadable accessible first."""
-    with contextlib.suppress(OSError):
-        os.chmod(root, 0o700)
+def remove_tree(path: str) -> bool:
+    """Deletes the directory `path` and everything under it; True when nothing is left.
+    Never raises and never follows a symlink: every step is relative to an open directory
+    descriptor (any depth, no path length limit), a directory is entered with O_NOFOLLOW
+    (a symlink planted at its name, `path` included, is unlinked, not followed), and a
+    directory the code made inaccessible is chmod-ed through the descriptor of the exact
+    inode (never by name). The parent of `path` is the host's own (trusted) directory."""
+    head, name = os.path.split(os.path.abspath(path))
     try:
-        fd = os.open(root, _DIR_FLAGS)
+        top = os.open(head, _DIR_FLAGS & ~os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        _remove_under(top, name)
+        os.stat(name, dir_fd=top, follow_symlinks=False)
     except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(top)
+    return False
+
+
+def _enter(name: str, dir_fd: int) -> int | None:
+    """A descriptor of the real directory `name` in `dir_fd`, made accessible first when
+    it is not; None when `name` is not a directory (a symlink or file) or cannot be."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except PermissionError:  # chmod-ed inaccessible (a host that is not root)
+        pass
+    except OSError:  # ELOOP: a symlink; ENOTDIR, ENOENT
+        return None
+    try:
+        path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISDIR(os.fstat(path_fd).st_mode):
+            return None
+        os.chmod(f"/proc/self/fd/{path_fd}", 0o700)  # that inode, whatever its name now
+        return os.open(".", _DIR_FLAGS, dir_fd=path_fd)
+    except OSError:
+        return None
+    finally:
+        os.close(path_fd)
+
+
+def _remove_under(top: int, name: str) -> None:
+    """Removes entry `name` of directory `top` (see remove_tree); OSError for the rest."""
+    fd = _enter(name, top)
+    if fd is None:  # a file or symlink in the place of the directory: the entry only
+        with contextlib.suppress(IsADirectoryError):
+            os.unlink(name, dir_fd=top)
         return
-    names: list[str] = []
+    names: list[str] = []  # path from `name` down to fd's directory
     stuck: set[tuple[int, int]] = set()  # directories that could not be entered
-    while True:
-        sub = None
-        with contextlib.suppress(OSError), os.scandir(fd) as it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False):
-                    if (entry.stat(follow_symlinks=False).st_dev, entry.inode()) not in stuck:
-                        sub = entry
-                        break
+    try:
+        while True:
+            sub = None
+            with contextlib.suppress(OSError), os.scandir(fd) as it:
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        key = (entry.stat(follow_symlinks=False).st_dev, entry.inode())
+                        if key not in stuck:
+                            sub = entry, key
+                            break
+                        continue
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.name, dir_fd=fd)
+            if sub is not None:
+                child = _enter(sub[0].name, fd)
+                if child is None:
+                    stuck.add(sub[1])
                     continue
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.name, dir_fd=fd)
-        if sub is not None:
-            with contextlib.suppress(OSError):
-                os.chmod(sub.name, 0o700, dir_fd=fd)  # a real directory (checked above)
-            try:
-                child = os.open(sub.name, _DIR_FLAGS, dir_fd=fd)
-            except OSError:
-                stuck.add((sub.stat(follow_symlinks=False).st_dev, sub.inode()))
+                os.close(fd)
+                fd = child
+                names.append(sub[0].name)
                 continue
-            sub = sub.name
+            if not names:
+                break
+            parent = os.open("..", _DIR_FLAGS & ~os.O_NOFOLLOW, dir_fd=fd)
             os.close(fd)
-            fd = child
-            names.append(sub)
-            continue
-        if not names:
-            os.close(fd)
-            break
-        parent = os.open("..", _DIR_FLAGS & ~os.O_NOFOLLOW, dir_fd=fd)
+            fd = parent
+            with contextlib.suppress(OSError):
+                os.rmdir(names.pop(), dir_fd=fd)
+    finally:
         os.close(fd)
-        fd = parent
-        with contextlib.suppress(OSError):
-            os.rmdir(names.pop(), dir_fd=fd)
     with contextlib.suppress(OSError):
-        os.rmdir(root)
+        os.rmdir(name, dir_fd=top)

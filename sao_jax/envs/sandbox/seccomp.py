@@ -16,7 +16,9 @@ seccomp_data`), and answers ALLOW, ERRNO(e) or KILL_PROCESS. The program:
    `rt_tgsigqueueinfo`): with `own_pid` given only to that pid (and `kill(0, sig)`, the
    caller's own process group), else EPERM; without it, all allowed (bubblewrap's pid
    namespace leaves nothing outside the sandbox to address);
-5. ALLOW otherwise.
+5. with `deny_network` (the weak mode, which has the host's network): ERRNO(EPERM) for
+   `socket` (no socket of any family: inet, inet6, unix, netlink; nothing is inherited);
+6. ALLOW otherwise.
 
 `own_pid` may be `PID_PLACEHOLDER`: the worker process, which knows its pid, patches it
 (see `patch_pid`) and installs the program on itself.
@@ -74,6 +76,7 @@ DENIED = (
     "setsid", "setpgid",
 )  # fmt: skip
 SIGNALS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
+NETWORK = ("socket",)  # denied with deny_network
 
 # Numbers from arch/x86/entry/syscalls/syscall_64.tbl and include/uapi/asm-generic/unistd.h.
 _X86_64 = dict(
@@ -88,7 +91,7 @@ _X86_64 = dict(
     swapoff=168, settimeofday=164, clock_settime=227, clock_adjtime=305, adjtimex=159,
     sethostname=170, setdomainname=171, vhangup=153, lookup_dcookie=212, personality=135,
     memfd_secret=447, iopl=172, ioperm=173, setsid=112, setpgid=109, kill=62, tkill=200,
-    tgkill=234, rt_sigqueueinfo=129, rt_tgsigqueueinfo=297, clone=56, clone3=435,
+    tgkill=234, rt_sigqueueinfo=129, rt_tgsigqueueinfo=297, clone=56, clone3=435, socket=41,
 )  # fmt: skip
 _GENERIC = dict(  # aarch64 (and riscv64) use the generic table
     ptrace=117, process_vm_readv=270, process_vm_writev=271, kcmp=272, perf_event_open=241,
@@ -102,7 +105,7 @@ _GENERIC = dict(  # aarch64 (and riscv64) use the generic table
     swapoff=225, settimeofday=170, clock_settime=112, clock_adjtime=266, adjtimex=171,
     sethostname=161, setdomainname=162, vhangup=58, lookup_dcookie=18, personality=92,
     memfd_secret=447, setsid=157, setpgid=154, kill=129, tkill=130, tgkill=131,
-    rt_sigqueueinfo=138, rt_tgsigqueueinfo=240, clone=220, clone3=435,
+    rt_sigqueueinfo=138, rt_tgsigqueueinfo=240, clone=220, clone3=435, socket=198,
 )  # fmt: skip
 # machine -> (AUDIT_ARCH_*, syscall table, first number of the x32 ABI or None)
 ARCHES = {
@@ -119,7 +122,9 @@ def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> tuple[int, int, int, int
     return (code, jt, jf, k & 0xFFFFFFFF)
 
 
-def instructions(machine: str | None = None, own_pid: int | None = None) -> list[tuple]:
+def instructions(
+    machine: str | None = None, own_pid: int | None = None, *, deny_network: bool = False
+) -> list[tuple]:
     """The filter as (code, jt, jf, k) tuples; see the module docstring for its rules."""
     machine = machine or platform.machine()
     if machine not in ARCHES:
@@ -130,7 +135,7 @@ def instructions(machine: str | None = None, own_pid: int | None = None) -> list
     prog.append(_op(_LD_W_ABS, _NR))
     if x32 is not None:  # the x32 ABI: numbers with bit 30 set
         prog += [_op(_JGE_K, x32, 0, 1), _op(_RET_K, eperm)]
-    for name in DENIED:
+    for name in DENIED + (NETWORK if deny_network else ()):
         if name in table:  # iopl/ioperm exist on x86 only
             prog += [_op(_JEQ_K, table[name], 0, 1), _op(_RET_K, eperm)]
     prog += [_op(_JEQ_K, table["clone3"], 0, 1), _op(_RET_K, enosys)]
