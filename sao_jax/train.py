@@ -41,9 +41,9 @@ from sao_jax.report import run_report
 from sao_jax.report.progress import Progress
 from sao_jax.rl.update import Learner
 from sao_jax.run import accounting as acct
-from sao_jax.run import value_pretrain
+from sao_jax.run import preflight, value_pretrain
 from sao_jax.run.evaluation import EVAL_SEED_OFFSET, Evaluator
-from sao_jax.run.inputs import Inputs, build_models, read_inputs
+from sao_jax.run.inputs import Inputs, build_models, read_inputs, resolved_config
 from sao_jax.run.settings import check_run
 from sao_jax.run.sft import SFTTrainer, demo_batches
 from sao_jax.sampling.rollouts import AsyncRollouts, SyncRollouts
@@ -328,7 +328,9 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     config = config_lib.validate(config)
     sharder = sharder_from_config(config)
     check_run(config, sharder)
+    config = resolved_config(config)  # init.kind='hf': the checkpoint's model and tokenizer
     inputs = read_inputs(config)  # a bad input file stops here, before the workdir exists
+    preflight.check_inputs(config, inputs)  # prompt lengths, vocab, tools vs the real data
     workdir = pathlib.Path(workdir)
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"flag --workdir: {workdir} exists and is not a directory")

@@ -40,6 +40,8 @@ class Env(Protocol):
     # gets the turn's text, stop string included.
     stop_strings: tuple[str, ...]
     max_turns: int  # the episode is truncated after this many model turns
+    # Optional: `tool_schemas`, the tools' JSON schemas the chat template is given (None
+    # or absent: no tools); a run refuses a template that ignores them (run/preflight.py).
 
     def reset(self, prompt: Prompt) -> str:
         """Starts an episode; returns the initial context text (the rendered prompt)."""
