@@ -336,6 +336,15 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
         raise ConfigError(f"flag --workdir: {workdir} exists and is not a directory")
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=overwrite)
+    checkpointing.keep_sources(workdir, config)  # tokenizer files, the HF config.json
+    done = acct.finished(workdir, config.train.total_steps)
+    if done is not None:  # nothing to do, nothing rewritten
+        log.info(
+            "the run in %s already finished at step %d (train.total_steps=%d): nothing to "
+            "do; a larger --config.train.total_steps continues it",
+            workdir, done["steps"], config.train.total_steps,
+        )  # fmt: skip
+        return done
     t_start = time.time()
     r = Run(config, workdir, sharder, inputs)
     t = config.train
@@ -383,7 +392,7 @@ def _close(r: Run, workdir: pathlib.Path, t, summary: dict) -> dict:
         run_report.write_report(workdir, summary=summary)
     text = json.dumps(acct.finite(summary), indent=2, sort_keys=True, allow_nan=False)
     if distributed.is_primary():
-        (workdir / "summary.json").write_text(text)
+        (workdir / acct.SUMMARY_FILE).write_text(text)
     return summary
 
 
