@@ -1,14 +1,18 @@
 """Start-up checks against the real inputs (sao_jax/run/preflight.py): prompt lengths with
 the chat template, tokenizer vs model vocabulary, an HF init's tokenizer, a template that
-drops `tools`. Each fails in `train.run` before the workdir exists, naming the field and
-the numbers; nothing compiles."""
+drops `tools`, W&B without wandb. Each fails in `train.run` before the workdir exists,
+naming the field and the numbers; nothing compiles. And the start-up summary
+(sao_jax/report/startup.py) built from the same inputs."""
 
 import json
+import sys
 
 import pytest
 
 from sao_jax import train
 from sao_jax.models.config import ModelConfig
+from sao_jax.parallel.mesh import sharder_from_config
+from sao_jax.report.startup import startup_lines
 from sao_jax.run import preflight
 from sao_jax.run.inputs import read_inputs, resolved_config
 from sao_jax.schema import ConfigError
@@ -145,3 +149,36 @@ def test_a_template_that_ignores_tools_is_refused(files, tmp_path):
     config = resolved_config(_config(root, data, env__params=tools, sampling__max_len=512))
     lengths = preflight.check_inputs(config, read_inputs(config))  # Qwen3-like: renders them
     assert lengths.rendering == "chat template + tool schemas"
+
+
+def test_wandb_without_the_package_is_refused(files, tmp_path, monkeypatch):
+    root, data, _ = files
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not importable, installed or not
+    _refused(
+        _config(root, data, sampling__max_len=256, train__wandb_project="sao"),
+        tmp_path,
+        r"config field train.wandb_project: 'sao' needs the wandb package, which is not "
+        r"installed: pip install wandb",
+    )
+
+
+def test_startup_summary_names_what_the_run_trains_on(files):
+    root, data, _ = files
+    config = resolved_config(
+        _config(root, data, sampling__max_len=256, data__system_prompt="Be brief.")
+    )
+    inputs = read_inputs(config)
+    lengths = preflight.check_inputs(config, inputs)
+    lines = startup_lines(config, inputs, lengths, sharder_from_config(config))
+    assert [line.split(":")[0] for line in lines] == [
+        "model", "tokenizer", "template", "prompts", "lengths", "devices",
+    ]  # fmt: skip
+    model, tok, template, prompts, length, devices = lines
+    assert "random init + 0 SFT steps: 2 layers, hidden 32, 4 experts top-2, vocab 512" in model
+    assert f"tokenizer: {root / 'tok'}: " in tok and "eos '<|im_end|>'" in tok
+    assert "tokenizer_config.json (chat_template): system prompt 9 chars" in template
+    assert "{'enable_thinking': False}, tools none" in template
+    assert f"prompts: 11 training rows of {data}, 1 held-out prompts from a 0.1 split" in prompts
+    assert f"lengths: longest prompt {lengths.longest} tokens ('rows:5'; chat template + " in length
+    assert "vs sampling.max_len=256, sampling.max_turn_tokens=" in length
+    assert "devices: 8 x cpu (cpu), 1 process(es); mesh {'data': 8" in devices

@@ -46,6 +46,8 @@ RESUMABLE_FIELDS = (
     "train.take_timeout_s",
     "train.report",
     "train.progress",
+    "train.samples_per_log",
+    "train.wandb_*",
     "mesh.*",
 )
 

@@ -50,3 +50,13 @@ class Env(Protocol):
     def step(self, action_text: str) -> StepResult:
         """Consumes one model turn; returns the observation, reward and done flag."""
         ...
+
+
+def tool_schemas(env) -> list[dict[str, Any]]:
+    """The tools' JSON schemas an env gives the chat template ([] without tools)."""
+    return list(getattr(env, "tool_schemas", None) or [])
+
+
+def tool_names(env) -> list[str]:
+    """The names of an env's tools (OpenAI-style schemas: {"function": {"name": ...}})."""
+    return [str(s.get("function", s).get("name", "?")) for s in tool_schemas(env)]

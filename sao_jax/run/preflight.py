@@ -18,6 +18,7 @@ ConfigError naming the field and the numbers (one line, exit 2: sao_jax/cli.py):
 * tools: when the env describes tools to the chat template (its `tool_schemas`), the
   template renders them: the first held-out prompt with and without them differs (a
   template without tool support drops the schemas silently).
+* Weights & Biases: train.wandb_project needs the optional `wandb` package.
 
 `PromptLengths` is what the start-up summary shows (sao_jax/report/startup.py).
 """
@@ -25,9 +26,11 @@ ConfigError naming the field and the numbers (one line, exit 2: sao_jax/cli.py):
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import time
 
 from sao_jax.data.pipeline import epoch_length
+from sao_jax.envs.base import tool_names, tool_schemas
 from sao_jax.run.inputs import Inputs, render_prompt
 from sao_jax.schema import ConfigDict, ConfigError
 
@@ -51,11 +54,22 @@ class PromptLengths:
 
 def check_inputs(config: ConfigDict, inputs: Inputs) -> PromptLengths:
     """Every start-up check above; the prompt lengths measured."""
+    check_wandb(config)
     check_vocab(config, inputs.tokenizer)
     check_tools_rendered(config, inputs)
     lengths = measure_prompts(config, inputs)
     check_prompt_lengths(lengths, config.sampling)
     return lengths
+
+
+def check_wandb(config: ConfigDict) -> None:
+    """Logging to W&B needs the wandb package (optional: not in requirements.txt)."""
+    project = config.train.wandb_project
+    if project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"config field train.wandb_project: {project!r} needs the wandb package, which "
+            "is not installed: pip install wandb, or leave train.wandb_project empty"
+        )
 
 
 def check_vocab(config: ConfigDict, tokenizer) -> None:
@@ -77,17 +91,10 @@ def check_vocab(config: ConfigDict, tokenizer) -> None:
     )
 
 
-def _tool_schemas(env) -> list:
-    return list(getattr(env, "tool_schemas", None) or [])
-
-
-def _tool_names(schemas) -> list[str]:
-    return [str(s.get("function", s).get("name", "?")) for s in schemas]
-
-
 def check_tools_rendered(config: ConfigDict, inputs: Inputs) -> None:
     """With tools and a chat template, the template shows the tools to the policy."""
-    schemas = _tool_schemas(inputs.env_factory())
+    env = inputs.env_factory()
+    schemas = tool_schemas(env)
     if not schemas or inputs.chat is None:
         return
     prompt = inputs.eval_prompts[0]
@@ -96,7 +103,7 @@ def check_tools_rendered(config: ConfigDict, inputs: Inputs) -> None:
         raise ConfigError(
             f"config field init.chat_template: {inputs.chat.template.origin} ignores "
             f"`tools`: prompt {prompt.uid!r} renders the same with and without the schemas "
-            f"of {_tool_names(schemas)} (env.params.tools), so the policy would never see "
+            f"of {tool_names(env)} (env.params.tools), so the policy would never see "
             "them; use a template that renders tools (Qwen3's does), set "
             "init.chat_template to a .jinja file that does, or drop env.params.tools"
         )
@@ -106,7 +113,7 @@ def _rendering(config: ConfigDict, inputs: Inputs, env, bos: bool) -> str:
     parts = ["chat template" if inputs.chat is not None else "raw text"]
     if inputs.chat is not None and config.data.system_prompt:
         parts.append("system prompt")
-    if inputs.chat is not None and _tool_schemas(env):
+    if inputs.chat is not None and tool_schemas(env):
         parts.append("tool schemas")
     if bos:
         parts.append("BOS")

@@ -20,6 +20,7 @@ ENV_NAMES = ("arithmetic", "arithmetic_levels", "python_tool", "style")
 DATA_FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
 INIT_KINDS = ("sft", "hf", "params", "random")
 ROLLOUT_MODES = ("async", "sync")
+WANDB_MODES = ("online", "offline", "disabled")  # wandb.init(mode=...)
 WARM_START_CRITIC_SUBDIR = "warm_start_critic"  # <workdir>/...: a run's pretrained critic
 # Config fields value pretraining reads besides the warm-start policy (prefixes end in
 # '.'), minus those it does not; two runs that agree on them pretrain the same critic
@@ -157,6 +158,14 @@ def train_section() -> ConfigDict:
     c.take_timeout_s = 600.0  # learner waits at most this long for a batch
     c.report = True  # write report.md + plots at the end
     c.progress = True  # terminal progress bar
+    c.samples_per_log = 4  # decoded rollouts per log step in <workdir>/samples.jsonl and
+    # TensorBoard's TEXT tab (sao_jax/report/samples.py); 0 = none
+    c.wandb_project = ""  # Weights & Biases project to log metrics to ("" = off; needs
+    # `pip install wandb`)
+    c.wandb_entity = ""  # W&B entity (team or user; "" = your default)
+    c.wandb_name = ""  # W&B run name ("" = the workdir's name)
+    c.wandb_mode = "online"  # 'online' | 'offline' (files in <workdir>/wandb, `wandb sync`
+    # later) | 'disabled'
     return c
 
 
@@ -312,6 +321,14 @@ def _check_train(config: ConfigDict) -> None:
     for name in ("eval_every", "checkpoint_every"):
         require(t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
     require(t.take_timeout_s > 0, "train.take_timeout_s", "must be > 0")
+    require(
+        t.samples_per_log >= 0, "train.samples_per_log", f"must be >= 0, got {t.samples_per_log}"
+    )
+    require(
+        t.wandb_mode in WANDB_MODES,
+        "train.wandb_mode",
+        f"must be one of {WANDB_MODES}, got {t.wandb_mode!r}",
+    )
 
 
 def check_run(config: ConfigDict, sharder) -> None:
