@@ -17,13 +17,7 @@ from sao_jax.run import preflight
 from sao_jax.run.inputs import read_inputs, resolved_config
 from sao_jax.schema import ConfigError
 from tests import train_support as ts
-from tests.chat_support import write_jsonl, write_tokenizer
-
-# A chat template that never looks at `tools` (eos ends assistant turns, so it loads).
-NO_TOOLS_TEMPLATE = (
-    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+from tests.chat_support import NO_TOOLS_TEMPLATE, write_jsonl, write_tokenizer
 
 
 @pytest.fixture(scope="module")
