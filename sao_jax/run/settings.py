@@ -92,7 +92,8 @@ def init_section() -> ConfigDict:
     c.params_path = ""  # a run's <workdir>/warm_start when kind == 'params' (shared SFT)
     c.critic_path = ""  # a run's <workdir>/warm_start_critic: start from that value-
     # pretrained critic and skip value pretraining ('' = pretrain here; sweeps share one)
-    c.tokenizer = "char"  # 'char' (built-in) or a directory with tokenizer.json
+    c.tokenizer = "char"  # 'char' (built-in; with kind 'hf': the checkpoint's own, from
+    # hf_path's tokenizer.json) or a directory with tokenizer.json
     # 'auto': the tokenizer's chat template when it has one (else raw text) | 'tokenizer':
     # required from the tokenizer | 'none': raw text | a path to a .jinja file
     c.chat_template = "auto"
