@@ -8,7 +8,10 @@ leaves no checkpoint: the rerun starts the run again.
 `run(config, workdir)` is everything `python -m experiments.train` does. Before anything
 compiles or touches the workdir, the config is checked once: field names, types and ranges
 (`sao_jax.config.validate`), then paths and batch sizes against the mesh
-(`sao_jax.run.settings.check_run`). Resume order
+(`sao_jax.run.settings.check_run`), then, with the config as run (`resolved_config`: an
+HF init's model and tokenizer are the checkpoint's), against the real inputs: prompt
+lengths, vocabulary, tools (`sao_jax.run.preflight`). A finished run is not run again
+(one line; a larger train.total_steps continues it). Resume order
 (docs/checkpointing.md): config check against the workdir -> models and learner ->
 restore the TrainState -> restore the prompt iterator and counters -> republish the
 policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0; every
@@ -363,14 +366,8 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=overwrite)
     checkpointing.keep_sources(workdir, config)  # tokenizer files, the HF config.json
-    done = acct.finished(workdir, config.train.total_steps)
-    if done is not None:  # nothing to do, nothing rewritten
-        log.info(
-            "the run in %s already finished at step %d (train.total_steps=%d): nothing to "
-            "do; a larger --config.train.total_steps continues it",
-            workdir, done["steps"], config.train.total_steps,
-        )  # fmt: skip
-        return done
+    if (done := acct.finished(workdir, config.train.total_steps)) is not None:
+        return done  # nothing to do, nothing rewritten (one line says so)
     for line in startup_lines(config, inputs, lengths, sharder):
         log.info("%s", line)
     log.info("building the policy, the critic and the learner")

@@ -353,6 +353,8 @@ def test_corrupt_latest_checkpoint_falls_back(async_run, target, tmp_path, caplo
     config, finished, _ = async_run
     workdir = tmp_path / "w"
     shutil.copytree(finished, workdir)
+    (workdir / accounting.SUMMARY_FILE).unlink()  # died after its last save (a finished
+    # run, with its summary, is not run again)
     _, meta2 = ts.restore(target, workdir, 2)
     for f in (workdir / "checkpoints" / "4" / "state").rglob("*"):
         if f.is_file() and f.parent.name == "d":  # the array data
