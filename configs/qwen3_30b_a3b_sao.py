@@ -19,8 +19,9 @@ per trajectory, from `experiments.memory_plan`'s analytic update-step model):
   python -m experiments.launch --target=tpu --tpu_name=<slice> --zone=<zone> \
       --config=configs/qwen3_30b_a3b_sao.py:hf_path=/mnt/models/Qwen3-30B-A3B \
       --workdir=/mnt/runs/sao30b
-  python -m experiments.train --config=configs/qwen3_30b_a3b_sao.py:gpus=8,replay \
-      --workdir=/mnt/runs/sao30b_gpu
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python -m experiments.train \
+      --config=configs/qwen3_30b_a3b_sao.py:gpus=16,replay --workdir=/mnt/runs/sao30b_gpu \
+      --coordinator_address=h1:8476 --num_processes=2 --process_id=0   # 1 on host h2
   python -m experiments.memory_plan --config=configs/qwen3_30b_a3b_sao.py \
       --mesh=data=1,fsdp=8,expert=8,tensor=1 --devices=64
 

@@ -223,7 +223,8 @@ def init_section() -> ConfigDict:
     c.params_path = ""  # a run's <workdir>/warm_start when kind == 'params' (shared SFT)
     c.critic_path = ""  # a run's <workdir>/warm_start_critic: start from that value-
     # pretrained critic and skip value pretraining ('' = pretrain here; sweeps share one)
-    c.tokenizer = "char"  # 'char' (built-in) or a directory with tokenizer.json
+    c.tokenizer = "char"  # 'char' (built-in; with kind 'hf': the checkpoint's own, from
+    # hf_path's tokenizer.json) or a directory with tokenizer.json
     # 'auto': the tokenizer's chat template when it has one (else raw text) | 'tokenizer':
     # required from the tokenizer | 'none': raw text | a path to a .jinja file
     c.chat_template = "auto"
@@ -281,6 +282,14 @@ def train_section() -> ConfigDict:
     # (NoProgress, exit 2); bounds every rollouts wait and an evaluation's silence too
     c.report = True  # write report.md + plots at the end
     c.progress = True  # terminal progress bar
+    c.samples_per_log = 4  # decoded rollouts per log step in <workdir>/samples.jsonl and
+    # TensorBoard's TEXT tab (sao_jax/report/samples.py); 0 = none
+    c.wandb_project = ""  # Weights & Biases project to log metrics to ("" = off; needs
+    # `pip install wandb`)
+    c.wandb_entity = ""  # W&B entity (team or user; "" = your default)
+    c.wandb_name = ""  # W&B run name ("" = the workdir's name)
+    c.wandb_mode = "online"  # 'online' | 'offline' (files in <workdir>/wandb, `wandb sync`
+    # later) | 'disabled'
     return c
 
 

@@ -7,11 +7,14 @@ The run's own config (`<workdir>/config.json`) rebuilds the model and the learne
 layout; the TrainState of checkpoint `step` is restored (onto the run's mesh when this
 host has its devices, else onto one device) and its policy is written with
 `sao_jax.models.hf.save_hf_checkpoint` (config.json + safetensors, per-expert layout).
-The tokenizer files of `init.tokenizer` (tokenizer.json, tokenizer_config.json, chat
-template, vocab/merges, special_tokens_map.json) and the base checkpoint's
-generation_config.json are copied beside it, so `transformers.AutoModelForCausalLM` and
-`AutoTokenizer.from_pretrained(out)` load it. `sao_export.json` records the workdir and
-the step.
+The run's tokenizer files (tokenizer.json, tokenizer_config.json, chat template,
+vocab/merges, special_tokens_map.json) and the base checkpoint's generation_config.json
+are copied beside it, so `transformers.AutoModelForCausalLM` and
+`AutoTokenizer.from_pretrained(out)` load it. With init.kind='hf' the config.json keeps
+every field of the base checkpoint's that the model does not define (eos/pad/bos token
+ids, max_position_embeddings, ...). All of these come from the workdir's own copies
+(sao_jax/checkpointing/sources.py), so a run exports after its source folders moved.
+`sao_export.json` records the workdir and the step.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax
 
 from sao_jax import checkpointing
 from sao_jax import config as config_lib
+from sao_jax.checkpointing import sources
 from sao_jax.models import hf
 from sao_jax.models.config import ModelConfig, run_overrides
 from sao_jax.models.factory import critic_def, policy_def
@@ -35,15 +39,6 @@ from sao_jax.rl.update import Learner
 from sao_jax.schema import ConfigDict, ConfigError
 
 log = logging.getLogger("sao_jax")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-)
 EXPORT_FILE = "sao_export.json"
 
 
@@ -76,16 +71,31 @@ def run_config(workdir: pathlib.Path) -> ConfigDict:
     return config_lib.validate(ConfigDict(_tuples(data)))
 
 
-def model_config(config: ConfigDict) -> ModelConfig:
-    """The policy's ModelConfig: the base checkpoint's config.json for init.kind='hf'."""
-    if config.init.kind != "hf":
-        return ModelConfig.from_config(config.model)
-    if not (pathlib.Path(config.init.hf_path) / "config.json").is_file():
+def base_config(workdir: pathlib.Path, config: ConfigDict) -> dict[str, Any] | None:
+    """The config.json of the checkpoint an init.kind='hf' run started from (the workdir's
+    copy; the original for older workdirs); None for other runs."""
+    base = sources.kept_dir(workdir, config, sources.BASE_DIR)
+    if base is None:
+        return None
+    path = base / "config.json"
+    if not path.is_file():
         raise ConfigError(
             f"config field init.hf_path: the run started from {config.init.hf_path!r}, whose "
-            "config.json gives the model's shapes; it is not there now"
+            f"config.json gives the model's shapes; neither {workdir / sources.BASE_DIR} nor "
+            "that folder holds it now"
         )
-    return hf.read_hf_config(config.init.hf_path, **run_overrides(config.model))
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable: {e}") from None
+
+
+def model_config(config: ConfigDict, workdir: pathlib.Path) -> ModelConfig:
+    """The policy's ModelConfig: the base checkpoint's config.json for init.kind='hf'."""
+    base = base_config(workdir, config)
+    if base is None:
+        return ModelConfig.from_config(config.model)
+    return ModelConfig.from_hf(base, **run_overrides(config.model))
 
 
 def _sharder(config: ConfigDict) -> Sharder:
@@ -98,7 +108,7 @@ def _sharder(config: ConfigDict) -> Sharder:
 
 def restore_policy(workdir: pathlib.Path, config: ConfigDict, step: int | None):
     """(policy params, step, ModelConfig) of checkpoint `step` (None: the newest)."""
-    cfg = model_config(config)
+    cfg = model_config(config, workdir)
     sharder = _sharder(config)
     learner = Learner(config, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
     shardings = learner.state_shardings if sharder.mesh is not None else None
@@ -111,15 +121,17 @@ def restore_policy(workdir: pathlib.Path, config: ConfigDict, step: int | None):
     return state.policy, int(restored), cfg
 
 
-def copy_tokenizer(config: ConfigDict, out: pathlib.Path) -> list[str]:
+def copy_tokenizer(workdir: pathlib.Path, config: ConfigDict, out: pathlib.Path) -> list[str]:
     """Copies the run's tokenizer files (and the base checkpoint's generation config)."""
     copied = []
-    sources = []
-    if config.init.tokenizer != "char":
-        sources += [pathlib.Path(config.init.tokenizer) / f for f in TOKENIZER_FILES]
-    if config.init.kind == "hf":
-        sources.append(pathlib.Path(config.init.hf_path) / "generation_config.json")
-    for src in sources:
+    files = []
+    tok = sources.kept_dir(workdir, config, sources.TOKENIZER_DIR)
+    if tok is not None:
+        files += [tok / f for f in sources.TOKENIZER_FILES]
+    base = sources.kept_dir(workdir, config, sources.BASE_DIR)
+    if base is not None:
+        files.append(base / "generation_config.json")
+    for src in files:
         if src.is_file():
             shutil.copyfile(src, out / src.name)
             copied.append(str(out / src.name))
@@ -142,13 +154,15 @@ def export_run(
     config = run_config(workdir)
     policy, restored, cfg = restore_policy(workdir, config, step)
     try:
-        files = hf.save_hf_checkpoint(str(out), cfg, policy, dtype=dtype)
+        files = hf.save_hf_checkpoint(
+            str(out), cfg, policy, dtype=dtype, base_config=base_config(workdir, config)
+        )
     except FileExistsError as e:
         raise ConfigError(f"--out: {e}; choose an empty directory") from None
     files = [str(out / "config.json"), *files]
     tok_files = []
     if jax.process_index() == 0:
-        tok_files = copy_tokenizer(config, out)
+        tok_files = copy_tokenizer(workdir, config, out)
         record = {"workdir": str(workdir.resolve()), "step": restored, "dtype": dtype}
         (out / EXPORT_FILE).write_text(json.dumps(record, indent=2) + "\n")
         files += [*tok_files, str(out / EXPORT_FILE)]

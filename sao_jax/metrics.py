@@ -6,7 +6,9 @@ pulls them all to the host in one `jax.device_get` inside `result()`, which sums
 over the steps (float64) and reduces them with `reduce_sum_count` (mean = sum / count, plus
 the derived standard deviations and explained variances). The means then go to a CLU
 `MetricWriter` built by `create_writers`: `workdir/metrics.jsonl` (what `sao_jax.report.run_report`
-reads) and TensorBoard event files under `workdir/tensorboard`.
+reads) and TensorBoard event files under `workdir/tensorboard`, and, when asked for
+(config train.wandb_project), a Weights & Biases run (`WandbWriter`; the optional `wandb`
+package is imported only then).
 
 Non-finite values: JSONL writes them as null (strict JSON, no NaN tokens); TensorBoard
 skips them (a gap in the curve) as some readers reject NaN. Resuming at step s drops the
@@ -278,6 +280,62 @@ class TensorboardWriter(_ScalarWriter):
         self._w.close()
 
 
+WANDB_DIR = "wandb"  # <workdir>/wandb: the W&B run's files (offline runs: `wandb sync`)
+WANDB_ID_FILE = "sao_run_id"  # <workdir>/wandb/<this>: the run id a resume continues
+
+
+def import_wandb():
+    """The `wandb` module (an optional dependency: `pip install wandb`)."""
+    return importlib.import_module("wandb")
+
+
+class WandbWriter(_ScalarWriter):
+    """Scalars to a Weights & Biases run (`wandb.init` / `run.log(..., step=)`).
+
+    One W&B run per workdir: its id is kept in <workdir>/wandb/sao_run_id, so a resumed
+    run continues it (`resume="allow"`; W&B ignores a step already logged). Non-finite
+    values are left out, as in TensorBoard. `config`: the run config, shown by W&B.
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        project: str,
+        entity: str = "",
+        name: str = "",
+        mode: str = "online",
+        config: Mapping[str, Any] | None = None,
+    ):
+        wandb = import_wandb()
+        root = Path(workdir) / WANDB_DIR
+        root.mkdir(parents=True, exist_ok=True)
+        id_file = root / WANDB_ID_FILE
+        if not id_file.is_file():
+            id_file.write_text(os.urandom(6).hex() + "\n")
+        self.run_id = id_file.read_text().strip()
+        self._run = wandb.init(
+            project=project,
+            entity=entity or None,
+            name=name or Path(workdir).resolve().name,
+            mode=mode,
+            dir=str(Path(workdir)),
+            id=self.run_id,
+            resume="allow",
+            config=dict(config or {}),
+        )
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+        row = {k: as_scalar(k, v) for k, v in scalars.items()}
+        self._run.log({k: v for k, v in row.items() if v is not None}, step=int(step))
+
+    def flush(self):
+        pass  # wandb sends (or, offline, writes) in the background
+
+    def close(self):
+        self._run.finish()
+
+
 def create_writers(
     workdir: str | os.PathLike,
     *,
@@ -285,6 +343,7 @@ def create_writers(
     jsonl: bool = True,
     resume_step: int | None = None,
     primary: bool | None = None,
+    wandb: Mapping[str, Any] | None = None,
 ) -> MetricWriter:
     """A clu MultiWriter over workdir/metrics.jsonl and workdir/tensorboard.
 
@@ -292,6 +351,8 @@ def create_writers(
       with a larger step are dropped (-1 drops all). None keeps everything and appends.
     primary: whether this process writes (default: jax.process_index() == 0); the other
       processes get a MultiWriter over no writers.
+    wandb: WandbWriter keyword arguments (project, entity, name, mode, config) to log to
+      Weights & Biases as well; None: not.
     """
     if primary is None:
         primary = jax.process_index() == 0
@@ -304,6 +365,8 @@ def create_writers(
     if primary and tensorboard:
         purge = None if resume_step is None else resume_step + 1
         writers.append(TensorboardWriter(Path(workdir) / TENSORBOARD_DIR, purge_step=purge))
+    if primary and wandb:
+        writers.append(WandbWriter(workdir, **wandb))
     return MultiWriter(writers)
 
 

@@ -8,7 +8,10 @@ leaves no checkpoint: the rerun starts the run again.
 `run(config, workdir)` is everything `python -m experiments.train` does. Before anything
 compiles or touches the workdir, the config is checked once: field names, types and ranges
 (`sao_jax.config.validate`), then paths and batch sizes against the mesh
-(`sao_jax.run.settings.check_run`). Resume order
+(`sao_jax.run.settings.check_run`), then, with the config as run (`resolved_config`: an
+HF init's model and tokenizer are the checkpoint's), against the real inputs: prompt
+lengths, vocabulary, tools (`sao_jax.run.preflight`). A finished run is not run again
+(one line; a larger train.total_steps continues it). Resume order
 (docs/checkpointing.md): config check against the workdir -> models and learner ->
 restore the TrainState -> restore the prompt iterator and counters -> republish the
 policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0; every
@@ -39,11 +42,13 @@ from sao_jax.parallel.mesh import Sharder, sharder_from_config
 from sao_jax.parallel.partition import ModelDef
 from sao_jax.report import run_report
 from sao_jax.report.progress import Progress
+from sao_jax.report.samples import SampleWriter
+from sao_jax.report.startup import startup_lines
 from sao_jax.rl.update import Learner
 from sao_jax.run import accounting as acct
-from sao_jax.run import value_pretrain
+from sao_jax.run import preflight, value_pretrain
 from sao_jax.run.evaluation import Evaluator
-from sao_jax.run.inputs import Inputs, build_models, read_inputs
+from sao_jax.run.inputs import Inputs, build_models, read_inputs, resolved_config
 from sao_jax.run.settings import check_run
 from sao_jax.run.sft import SFTTrainer, demo_batches
 from sao_jax.run.streams import stream_seed
@@ -112,9 +117,22 @@ class Run:
         self.ckpt = checkpointing.Checkpointer(
             workdir / "checkpoints", keep=t.keep_checkpoints, async_save=t.async_checkpoints
         )
-        self.writer = None  # created once the resume step is known
+        self.writer = None  # created once the resume step is known (open_writers)
+        self.samples = None
         self.key = jax.random.key(stream_seed(config.seed, "update"))
         self.loaded_critic: dict | None = None  # meta of a critic from init.critic_path
+
+    def open_writers(self, resume_step: int) -> None:
+        """metrics.jsonl and TensorBoard (and W&B with train.wandb_project) and the
+        rollout samples, continuing after `resume_step` (-1: a fresh start)."""
+        t, wandb = self.config.train, None
+        if t.wandb_project:
+            names = ("project", "entity", "name", "mode")
+            wandb = {k: t[f"wandb_{k}"] for k in names} | {"config": self.config.to_dict()}
+        self.writer = metrics.create_writers(self.workdir, resume_step=resume_step, wandb=wandb)
+        self.samples = SampleWriter(
+            self.workdir, self.tokenizer, t.samples_per_log, resume_step=resume_step
+        )
 
     # ------------------------------------------------------------------------ stages
 
@@ -122,6 +140,10 @@ class Run:
         """Stage (a): SFT on demonstrations, a HF checkpoint, or the random init."""
         cfg, models = self.config, self.models
         policy = models.policy
+        if cfg.init.kind in ("hf", "random"):
+            log.info(
+                "warm start: the %s weights", "checkpoint's" if cfg.init.kind == "hf" else "random"
+            )
         if cfg.init.kind == "params":
             policy = self.load_policy(cfg.init.params_path)
         if cfg.init.kind == "sft" and cfg.sft.steps > 0:
@@ -196,6 +218,11 @@ class Run:
                 return state, {**meta["value_pretrain"], "source": cfg.init.critic_path}
             if vp.steps == 0:
                 return state, {}
+            log.info(
+                "value pretraining: up to %d critic steps, %d rollouts each",
+                vp.steps,
+                vp.batch_size,
+            )
             trainer = value_pretrain.ValuePretrainer(cfg, self.models.critic_def, self.sharder)
             source = self.pretrain_rollouts(state.policy)
             try:
@@ -298,6 +325,7 @@ class Run:
         return AsyncRollouts(*args, self.engine_cfg, self.sampler_cfg, take_timeout_s=timeout, **kw)
 
     def evaluate(self, state, step: int) -> dict[str, float]:
+        log.info("eval at step %d: %d held-out prompts", step, len(self.evaluator.prompts))
         t0 = time.time()
         out = self.evaluator(self.sampler_params(state.policy), int(state.step), step=step)
         out["eval/seconds"] = time.time() - t0
@@ -330,22 +358,31 @@ def _fmt(m: dict[str, float], prefix: str = "") -> str:
 
 def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = False) -> dict:
     """Runs (or resumes) one training run in `workdir`; returns the summary dict."""
+    log.info("checking the config and the inputs (workdir %s)", workdir)
     config = config_lib.validate(config)
     sharder = sharder_from_config(config)
     check_run(config, sharder)
+    config = resolved_config(config)  # init.kind='hf': the checkpoint's model and tokenizer
     inputs = read_inputs(config)  # a bad input file stops here, before the workdir exists
+    lengths = preflight.check_inputs(config, inputs)  # prompt lengths, vocab, tools
     workdir = pathlib.Path(workdir)
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"flag --workdir: {workdir} exists and is not a directory")
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=overwrite)
+    checkpointing.keep_sources(workdir, config)  # tokenizer files, the HF config.json
+    if (done := acct.finished(workdir, config.train.total_steps)) is not None:
+        return done  # nothing to do, nothing rewritten (one line says so)
+    for line in startup_lines(config, inputs, lengths, sharder):
+        log.info("%s", line)
+    log.info("building the policy, the critic and the learner")
     t_start = time.time()
     r = Run(config, workdir, sharder, inputs)
     t = config.train
     with checkpointing.GracefulExit() as stopper:
         latest = r.ckpt.latest_step()
         if latest is None:
-            r.writer = metrics.create_writers(workdir, resume_step=-1)
+            r.open_writers(resume_step=-1)
             try:
                 state = r.warm_start()
                 before = r.evaluate(state, 0)
@@ -365,7 +402,7 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
             )
             state, meta = r.ckpt.restore(abstract)
             r.prompts.set_state(meta["prompts"])
-            r.writer = metrics.create_writers(workdir, resume_step=int(state.step))
+            r.open_writers(resume_step=int(state.step))
             extra = dict(
                 before=meta["before"],
                 value_pretrain=meta.get("value_pretrain", {}),
@@ -390,7 +427,7 @@ def _close(r: Run, workdir: pathlib.Path, t, summary: dict) -> dict:
         run_report.write_report(workdir, summary=summary)
     text = json.dumps(acct.finite(summary), indent=2, sort_keys=True, allow_nan=False)
     if distributed.is_primary():
-        (workdir / "summary.json").write_text(text)
+        (workdir / acct.SUMMARY_FILE).write_text(text)
     return summary
 
 
@@ -409,6 +446,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
         r.set_env_step(int(state.step))
     source.publish(r.sampler_params(state.policy), int(state.step))
     source.start()
+    log.info("RL: at step %d of %d, %d trajectories a step", int(state.step), t.total_steps, b)
     acc = metrics.MetricAccumulator()
     host: list[dict[str, float]] = []
     start = min(int(state.step), t.total_steps)
@@ -444,6 +482,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
                 scalars["train/skipped_steps"] = float(state.skipped_steps)
                 scalars.update(acct.sampler_scalars(source.stats(), counters))
                 r.writer.write_scalars(step, scalars)
+                r.samples.write(step, version, trajs, r.writer)
                 progress.update(step, scalars)
                 last = scalars
                 acc, host, tokens, t_log = metrics.MetricAccumulator(), [], 0, now

@@ -78,6 +78,12 @@ QWEN3_LIKE_TEMPLATE = """\
     {%- endif %}
 {%- endif %}
 """
+# A chat template without tool support: it never looks at `tools` (assistant turns end at
+# eos, so it loads; the run refuses it when tools are configured).
+NO_TOOLS_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>"]
 ADDED += ["</think>"]

@@ -212,6 +212,24 @@ def test_export_roundtrip_through_transformers(ckpt_a, loaded_a, tmp_path):
         hf.save_hf_checkpoint(tmp_path / "fused", cfg, params)
 
 
+def test_export_keeps_the_source_config_fields(tmp_path):
+    """Round trip of config.json: every field of the source checkpoint's is kept (token
+    ids, max_position_embeddings, rope, tying), the dtype fields set by the export."""
+    ids = dict(eos_token_id=5, pad_token_id=0, bos_token_id=1, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG_B, **ids)).save_pretrained(tmp_path / "src")
+    source = json.loads((tmp_path / "src" / "config.json").read_text())
+    cfg, _, params = hf.load_hf_policy(tmp_path / "src")
+    hf.save_hf_checkpoint(tmp_path / "out", cfg, params, base_config=source)
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    kept = {k: v for k, v in source.items() if k not in ("dtype", "torch_dtype")}
+    assert {k: out[k] for k in kept} == kept
+    assert out["dtype"] == out["torch_dtype"] == "float32"
+    assert Qwen3MoeConfig.from_pretrained(tmp_path / "out").eos_token_id == 5
+    bare = cfg.to_hf()  # no source: the defaults
+    assert bare["max_position_embeddings"] == 32768 and "eos_token_id" not in bare
+
+
 def test_bf16_checkpoint(ckpt_a, tmp_path):
     model = _hf_model(CONFIG_A).to(torch.bfloat16)
     model.save_pretrained(tmp_path)

@@ -1,9 +1,12 @@
-"""Metric writers (JSONL, TensorBoard), (sum, count) reduction, accumulation and progress."""
+"""Metric writers (JSONL, TensorBoard, W&B through a fake `wandb`), rollout samples,
+(sum, count) reduction, accumulation and progress."""
 
 import io
 import json
 import math
 import struct
+import sys
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +14,10 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from sao_jax import metrics as M
+from sao_jax.report import samples as S
 from sao_jax.report.progress import Progress
+from sao_jax.sampling.trajectory import Trajectory
+from sao_jax.text.tokenizer import CharTokenizer
 
 
 def _clock():
@@ -19,19 +25,35 @@ def _clock():
     return lambda: float(next(t))
 
 
-def _tb_scalars(logdir):
-    """tag -> [(step, value)] read from the TFRecord event files (length, crc, data, crc)."""
-    out = {}
+def _tb_events(logdir):
+    """The events of the TFRecord event files (length, crc, data, crc), in order."""
     for path in sorted(logdir.glob("events.out.tfevents.*")):
         data = path.read_bytes()
         pos = 0
         while pos < len(data):
             (n,) = struct.unpack("<Q", data[pos : pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
+            yield event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
             pos += 12 + n + 4
-            for v in event.summary.value:
-                if v.HasField("simple_value"):
-                    out.setdefault(v.tag, []).append((event.step, v.simple_value))
+
+
+def _tb_scalars(logdir):
+    """tag -> [(step, value)] of the scalar summaries."""
+    out = {}
+    for event in _tb_events(logdir):
+        for v in event.summary.value:
+            if v.HasField("simple_value"):
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def _tb_texts(logdir):
+    """tag -> [(step, text)] of the text summaries (tensorboardX: '<tag>/text_summary')."""
+    out = {}
+    for event in _tb_events(logdir):
+        for v in event.summary.value:
+            if v.tensor.string_val:
+                text = v.tensor.string_val[0].decode()
+                out.setdefault(v.tag.removesuffix("/text_summary"), []).append((event.step, text))
     return out
 
 
@@ -157,6 +179,119 @@ def test_create_writers_switches(tmp_path):
     w.write_scalars(0, {"x": 1.0})
     w.close()
     assert not (tmp_path / "b").exists()
+
+
+# ----------------------------------------------------------------- Weights & Biases
+
+
+def _fake_wandb(monkeypatch):
+    """A `wandb` module recording init / log / finish calls (the package is optional and
+    not installed by requirements-dev.txt)."""
+    calls = []
+
+    class Run:
+        def log(self, row, step):
+            calls.append(("log", step, row))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return Run()
+
+    module = types.ModuleType("wandb")
+    module.init = init
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return calls
+
+
+def test_wandb_writer_offline_run_and_resume(tmp_path, monkeypatch):
+    calls = _fake_wandb(monkeypatch)
+    args = dict(project="sao", mode="offline", config={"seed": 0})
+    w = M.create_writers(tmp_path / "run", primary=True, wandb=args)
+    w.write_scalars(2, {"train/reward": 0.5, "bad": float("nan"), "n": np.int32(3)})
+    w.write_texts(2, {"samples": "not sent"})
+    w.close()
+    (_, init), log, finish = calls
+    run_id = (tmp_path / "run" / M.WANDB_DIR / M.WANDB_ID_FILE).read_text().strip()
+    assert init == dict(
+        project="sao", entity=None, name="run", mode="offline", dir=str(tmp_path / "run"),
+        id=run_id, resume="allow", config={"seed": 0},
+    )  # fmt: skip
+    assert log == ("log", 2, {"train/reward": 0.5, "n": 3}) and finish == ("finish",)
+    assert M.read_jsonl(tmp_path / "run" / M.METRICS_FILE)[0]["train/reward"] == 0.5
+    M.create_writers(tmp_path / "run", resume_step=2, primary=True, wandb=args).close()
+    assert calls[3][1]["id"] == run_id  # a resumed run continues the same W&B run
+    calls.clear()
+    M.create_writers(tmp_path / "other", primary=False, wandb=args).close()
+    assert calls == []  # only the primary process logs
+
+
+# ------------------------------------------------------------------- rollout samples
+
+
+def _trajectory(tok, prompt, turns, *, outcome=1.0, version=3, uid="p"):
+    """A terminated trajectory of `prompt` then (action text, observation text) turns."""
+    ids, action, turn_ids = tok.encode(prompt), [False] * len(tok.encode(prompt)), []
+    turn_ids = [-1] * len(ids)
+    for i, (a, o) in enumerate(turns):
+        ids += tok.encode(a)
+        action += [True] * len(a)
+        turn_ids += [i] * len(a)
+        ids += tok.encode(o)
+        action += [False] * len(o)
+        turn_ids += [-1] * len(o)
+    n = len(ids)
+    return Trajectory(
+        tokens=np.array(ids, np.int32),
+        action_mask=np.array(action),
+        rollout_logp=np.zeros(n, np.float32),
+        sampled_logp=np.zeros(n, np.float32),
+        versions=np.full(n, version, np.int32),
+        turn_ids=np.array(turn_ids, np.int32),
+        turn_rewards=np.array([0.0] * (len(turns) - 1) + [outcome], np.float32),
+        outcome=outcome,
+        terminated=True,
+        truncated=False,
+        prompt_uid=uid,
+        info={"success": outcome > 0, "truncation": None},
+    )
+
+
+def test_samples_jsonl_and_tensorboard_text(tmp_path):
+    tok = CharTokenizer()
+    trajs = [
+        _trajectory(tok, "q:2+3\n", [("c:2+3\n", "r:5\n"), ("a:5", "")], uid="a"),
+        _trajectory(tok, "q:1+1\n", [("a:3", "")], outcome=0.0, uid="b"),
+        _trajectory(tok, "q:4+4\n", [("a:8", "")], uid="c"),
+    ]
+    w = M.create_writers(tmp_path, primary=True)
+    samples = S.SampleWriter(tmp_path, tok, 2, resume_step=-1, primary=True)
+    samples.write(5, 4, trajs, w)
+    samples.write(10, 9, trajs[1:], w)
+    w.close()
+    records = M.read_jsonl(tmp_path / S.SAMPLES_FILE)
+    assert [(r["step"], r["prompt_uid"]) for r in records] == [
+        (5, "a"),
+        (5, "b"),
+        (10, "b"),
+        (10, "c"),
+    ]
+    assert records[0] == {
+        "step": 5, "prompt_uid": "a", "prompt": "q:2+3\n",
+        "turns": [{"policy": "c:2+3\n", "env": "r:5\n"}, {"policy": "a:5", "env": ""}],
+        "reward": 1.0, "turn_rewards": [0.0, 1.0], "success": True, "truncated": False,
+        "truncation": None, "action_tokens": 9, "staleness": 1,
+    }  # fmt: skip
+    texts = _tb_texts(tmp_path / M.TENSORBOARD_DIR)[S.TEXT_TAG]
+    assert [step for step, _ in texts] == [5, 10]
+    assert "**a**: reward 1, success True, terminated" in texts[0][1]
+    assert "q:2+3\nc:2+3\nr:5\na:5" in texts[0][1]
+    S.SampleWriter(tmp_path, tok, 2, resume_step=5, primary=True)  # a resume at step 5
+    assert [r["step"] for r in M.read_jsonl(tmp_path / S.SAMPLES_FILE)] == [5, 5]
+    S.SampleWriter(tmp_path, tok, 0, resume_step=-1, primary=True).write(1, 0, trajs)
+    assert len(M.read_jsonl(tmp_path / S.SAMPLES_FILE)) == 2  # 0 samples: nothing written
 
 
 # ------------------------------------------------------------------------ reductions

@@ -1,12 +1,27 @@
-r"""Train on your own data, end to end on CPU: a checkpoint, a tokenizer, a JSONL, the export.
+r"""Train on your own data, end to end on CPU, as a new user does: a checkpoint, a tokenizer,
+a JSONL, the README's fields, the export.
 
-A tiny random Qwen3-MoE checkpoint saved by transformers, a `tokenizers`-built byte-level
-BPE tokenizer with a Qwen3-like chat template in the same folder, and 64 problems with
-\boxed{} answers in a JSONL file. A few SAO steps run through `--config` overrides only,
-the run is exported, and transformers loads the export (model and tokenizer) with logits
-matching the JAX policy of the exported step. The same again through the installed
-console scripts (sao-train, sao-export) of a wheel built from this checkout, run outside
-it with only the installed copy on the path.
+A tiny random Qwen3-MoE checkpoint saved by transformers (hidden 48, its own eos / pad ids
+and max_position_embeddings), a `tokenizers`-built byte-level BPE tokenizer with a
+Qwen3-like chat template in the same folder, and 64 problems with \boxed{} answers in a
+JSONL file. Through `sao-train`'s module (`sao_jax.experiments.train`, in a subprocess)
+with only the README's "Train on your own data" fields:
+
+* the start-up checks refuse, each in one line with exit 2 and no workdir: a prompt
+  longer than sampling.max_len, one leaving less than sampling.max_turn_tokens, an HF
+  init whose folder has no tokenizer, a tokenizer larger than the checkpoint's vocab, a
+  chat template that ignores the configured tools;
+* a few SAO steps run (init.tokenizer left at its default: the checkpoint's), logging the
+  start-up summary, writing samples.jsonl and W&B rows (a fake `wandb` package, offline),
+  a workdir whose config.json holds the checkpoint's shapes and which keeps copies of the
+  tokenizer and the checkpoint's config.json;
+* running it again does nothing (one line, exit 0, not a byte changed);
+* the export works with the source folder moved away, keeps the source config.json's
+  fields, and transformers loads it (model and tokenizer) with logits matching the JAX
+  policy of the exported step.
+
+The same again through the installed console scripts (sao-train, sao-export) of a wheel
+built from this checkout, run outside it with only the installed copy on the path.
 """
 
 import json
@@ -19,25 +34,43 @@ import sys
 import jax
 import numpy as np
 import pytest
+import tokenizers
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from sao_jax import export
+from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import policy_def
 from sao_jax.parallel.mesh import Sharder
 from tests import train_support as ts
-from tests.chat_support import write_jsonl, write_tokenizer
+from tests.chat_support import NO_TOOLS_TEMPLATE, write_jsonl, write_tokenizer
 
 pytestmark = pytest.mark.slow
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = ("sao_jax", "configs", "experiments", "pyproject.toml", "README.md", "LICENSE")
+TRAIN = "sao_jax.experiments.train"  # the module of the sao-train console script
+# A stand-in `wandb` package (the real one is optional and not a test dependency): it
+# records init / log / finish calls as JSON lines in $FAKE_WANDB_LOG.
+FAKE_WANDB = """import json, os
+def _record(*entry):
+    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+        f.write(json.dumps(entry, default=str) + "\\n")
+class _Run:
+    def log(self, row, step):
+        _record("log", step, row)
+    def finish(self):
+        _record("finish")
+def init(**kwargs):
+    _record("init", kwargs)
+    return _Run()
+"""
 
 
-def _checkpoint(path: pathlib.Path, vocab: int) -> None:
+def _checkpoint(path: pathlib.Path, vocab: int, eos: int, pad: int) -> None:
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
         vocab_size=vocab,
-        hidden_size=32,
+        hidden_size=48,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
@@ -47,7 +80,9 @@ def _checkpoint(path: pathlib.Path, vocab: int) -> None:
         num_experts=4,
         num_experts_per_tok=2,
         max_position_embeddings=512,
-        eos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
     )
     Qwen3MoeForCausalLM(config).save_pretrained(str(path))
 
@@ -66,18 +101,20 @@ def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("own_data")
     ckpt = root / "Qwen3-tiny"
     vocab = write_tokenizer(ckpt)  # tokenizer files beside the weights, as on the Hub
-    _checkpoint(ckpt, vocab + (-vocab % 16))
+    tok = tokenizers.Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    _checkpoint(ckpt, vocab + (-vocab % 16), eos, pad)
     data = write_jsonl(root / "problems.jsonl", _rows())
     return root, ckpt, data
 
 
-def _flags(ckpt, data):
-    """A dataset run of a Hugging Face checkpoint, from the shipped smoke config."""
+def _flags(ckpt, data, *more):
+    """A dataset run of a Hugging Face checkpoint with the README's own-data fields, on
+    the shipped smoke config (init.tokenizer left at its default: the checkpoint's)."""
     return [
         "--config=configs/sao.py:smoke",
         "--config.init.kind=hf",
         f"--config.init.hf_path={ckpt}",
-        f"--config.init.tokenizer={ckpt}",
         "--config.sft.steps=0",
         "--config.env.name=answer",
         "--config.env.params={'reward': 'math'}",
@@ -94,6 +131,7 @@ def _flags(ckpt, data):
         "--config.train.report=False",
         "--config.sampling.max_len=96",
         "--config.sampling.max_turn_tokens=16",
+        *more,
     ]
 
 
@@ -126,27 +164,144 @@ def _check_export(out_dir: pathlib.Path, workdir: pathlib.Path, step: int) -> No
     assert np.abs(want).max() > 1e-3  # not trivially zero
 
 
+def _start_up_failures(root, ckpt, data) -> dict[str, tuple[list[str], str]]:
+    """name -> (flags, the start of the one line on stderr) of runs refused at start-up."""
+    bare = root / "no_tokenizer"  # the checkpoint's config.json without tokenizer files
+    small = root / "small_vocab"  # a tokenizer larger than the checkpoint's vocabulary
+    no_tools = root / "no_tools"  # a tokenizer whose chat template ignores `tools`
+    source = json.loads((ckpt / "config.json").read_text())
+    for folder, vocab in ((bare, source["vocab_size"]), (small, 64)):
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps({**source, "vocab_size": vocab}))
+    write_tokenizer(small)
+    write_tokenizer(no_tools, template=NO_TOOLS_TEMPLATE)
+    tools = "--config.env.params={'reward': 'math', 'tools': ('python',)}"
+    return {
+        "prompt longer than max_len": (
+            _flags(ckpt, data, "--config.sampling.max_len=24"),
+            "error: config field sampling.max_len: 24 tokens cannot hold the longest prompt (",
+        ),
+        "prompt leaving less than a turn": (
+            _flags(ckpt, data, "--config.sampling.max_turn_tokens=90"),
+            "error: config field sampling.max_len: the longest prompt (",
+        ),
+        "hf init without a tokenizer": (
+            _flags(bare, data),
+            "error: config field init.tokenizer: 'char' (the built-in character tokenizer) "
+            f"cannot drive the checkpoint '{bare}', which holds no tokenizer.json",
+        ),
+        "tokenizer larger than the model": (
+            _flags(small, data),
+            f"error: config field init.tokenizer: '{small}' has ",
+        ),
+        "template that ignores tools": (
+            _flags(ckpt, data, f"--config.init.tokenizer={no_tools}", tools),
+            f"error: config field init.chat_template: {no_tools / 'tokenizer_config.json'} "
+            "(chat_template) ignores `tools`",
+        ),
+    }
+
+
+def _check_refused(cases, tmp_path, env) -> None:
+    """Each case exits 2 with one line on stderr and leaves no workdir (2 at a time)."""
+    items = list(cases.items())
+    for start in range(0, len(items), 2):
+        procs = {
+            name: subprocess.Popen(
+                [sys.executable, "-m", TRAIN, *flags, f"--workdir={tmp_path / name}"],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name, (flags, _) in items[start : start + 2]
+        }
+        for name, proc in procs.items():
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 2, (name, err[-3000:])
+            assert err.strip().count("\n") == 0, (name, err[-3000:])
+            assert err.startswith(cases[name][1]), (name, err)
+            assert not (tmp_path / name).exists(), name
+
+
+def _tree(root: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
 def test_train_and_export_from_the_checkout(inputs, tmp_path):
     root, ckpt, data = inputs
     workdir, out_dir = tmp_path / "run", tmp_path / "export"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    fake = tmp_path / "fake_site"
+    (fake / "wandb").mkdir(parents=True)
+    (fake / "wandb" / "__init__.py").write_text(FAKE_WANDB)
+    wandb_log = tmp_path / "wandb_calls.jsonl"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{fake}"}
+    env["FAKE_WANDB_LOG"] = str(wandb_log)
+    _check_refused(_start_up_failures(root, ckpt, data), tmp_path / "refused", env)
+
+    wandb = ["--config.train.wandb_project=sao-e2e", "--config.train.wandb_mode=offline"]
+    cmd = [sys.executable, "-m", TRAIN, *_flags(ckpt, data, *wandb), f"--workdir={workdir}"]
     with ts.persistent_compilation_cache(root / "jax_cache") as cache_env:
         env.update(cache_env)
-        log = _run([sys.executable, "-m", "experiments.train", *_flags(ckpt, data),
-                    f"--workdir={workdir}"], REPO, env)  # fmt: skip
-    summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["steps"] == 2 and "eval/greedy_success" in summary["after"], log
-    printed = _run(
-        [sys.executable, "-m", "experiments.export", f"--workdir={workdir}", f"--out={out_dir}"],
-        REPO,
-        env,
-    )
+        log = _run(cmd, REPO, env)
+        summary = json.loads((workdir / "summary.json").read_text())
+        assert summary["steps"] == 2 and "eval/greedy_success" in summary["after"], log
+        # The start-up summary, before anything compiles.
+        lines = [line.split(" ", 1)[1] for line in log.splitlines() if line[:1].isdigit()]
+        assert lines[0].startswith(f"checking the config and the inputs (workdir {workdir})")
+        assert lines[1] == f"init.tokenizer: the checkpoint's ({ckpt})"
+        lines = lines[2:]
+        heads = [line.split(":")[0] for line in lines[:7]]
+        assert heads == ["model", "tokenizer", "template", "prompts", "lengths", "devices",
+                         "building the policy, the critic and the learner"], lines  # fmt: skip
+        assert f"model: checkpoint {ckpt}: 2 layers, hidden 48, 4 experts top-2" in lines[0]
+        assert f"tokenizer: {ckpt}: " in lines[1] and "(chat_template)" in lines[2]
+        assert "prompts: 58 training rows of" in lines[3], lines[3]
+        # The workdir: the model it trained, copies of its sources, rollout samples.
+        stored = json.loads((workdir / "config.json").read_text())
+        source = json.loads((ckpt / "config.json").read_text())
+        want = ModelConfig.from_hf(source)
+        assert {k: stored["model"][k] for k in ("vocab_size", "hidden_size", "num_experts")} == {
+            "vocab_size": want.vocab_size, "hidden_size": 48, "num_experts": 4,
+        }  # fmt: skip
+        assert stored["init"]["tokenizer"] == str(ckpt)  # the checkpoint's, by default
+        assert (workdir / "tokenizer" / "tokenizer.json").is_file()
+        assert json.loads((workdir / "hf_base" / "config.json").read_text()) == source
+        samples = [json.loads(x) for x in (workdir / "samples.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in samples] == [2] * 4  # train.samples_per_log per log step
+        assert "<|im_start|>user" in samples[0]["prompt"] and samples[0]["turns"]
+        calls = [json.loads(x) for x in wandb_log.read_text().splitlines()]
+        assert calls[0][0] == "init" and calls[0][1]["mode"] == "offline"
+        assert [c[1] for c in calls if c[0] == "log"] == [0, 2, 2]  # eval, train, eval
+        assert calls[-1] == ["finish"]
+        # Again: nothing to do, nothing written.
+        before = _tree(workdir)
+        again = _run(cmd, REPO, env)
+        assert "already finished at step 2 (train.total_steps=2): nothing to do" in again
+        assert _tree(workdir) == before
+
+    moved = ckpt.with_name(ckpt.name + "_moved")  # export from the workdir alone
+    ckpt.rename(moved)
+    try:
+        printed = _run(
+            [sys.executable, "-m", "sao_jax.experiments.export", f"--workdir={workdir}",
+             f"--out={out_dir}"], REPO, env,
+        )  # fmt: skip
+    finally:
+        moved.rename(ckpt)
     assert f"exported step 2 of {workdir} to {out_dir}" in printed
     assert (out_dir / "tokenizer.json").is_file() and (out_dir / "tokenizer_config.json").is_file()
+    exported = json.loads((out_dir / "config.json").read_text())
+    kept = {k: v for k, v in source.items() if k not in ("dtype", "torch_dtype")}
+    assert {k: exported.get(k) for k in kept} == kept  # eos/pad ids, max_position_embeddings
+    assert (exported["eos_token_id"], exported["max_position_embeddings"]) == (
+        source["eos_token_id"], 512,
+    )  # fmt: skip
     _check_export(out_dir, workdir, 2)
     again = subprocess.run(
-        [sys.executable, "-m", "experiments.export", f"--workdir={workdir}", f"--out={out_dir}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "sao_jax.experiments.export", f"--workdir={workdir}",
+         f"--out={out_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert again.returncode == 2 and again.stderr.strip().count("\n") == 0, again.stderr
     assert "already holds safetensors files" in again.stderr

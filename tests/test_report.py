@@ -2,6 +2,7 @@
 
 import re
 
+import matplotlib.image
 import numpy as np
 import pytest
 
@@ -92,8 +93,34 @@ def test_absent_series_are_skipped(tmp_path):
     history = [{"step": s, "train/reward": 0.1 * s, "policy/loss": None} for s in range(4)]
     md = R.write_report(tmp_path, history=history).read_text()
     assert _images(md) == ["plots/reward.png"]
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["reward.png"]  # old removed
+    assert (tmp_path / "plots" / "success.png").exists()  # an old plot is kept, unlinked
     assert "## Summary" not in md and "policy/loss" not in md
+
+
+def test_success_plot_has_a_panel_per_concern(tmp_path):
+    """Overall and per-level success in two panels; every line its own colour (per level:
+    the level's colour, one line style per decoding mode); legends outside the axes."""
+    modes, levels = ("greedy", "sampled"), (1, 2, 3, 4)
+    history = [
+        {
+            "step": s,
+            "train/success": 0.1 * s,
+            **{f"eval/{m}_success": 0.2 * s for m in modes},
+            **{f"eval/{m}_success_level{k}": s / (k + 1) for m in modes for k in levels},
+        }
+        for s in range(3)
+    ]
+    names = sorted(n for n in history[0] if n != "step")
+    panels = R.split_levels(R.collect_series(history, names))
+    assert [(title, len(group)) for title, group in panels] == [("overall", 3), ("per level", 8)]
+    overall, per_level = (R._styles(list(group)) for _, group in panels)
+    assert len({s["color"] for s in overall}) == 3
+    assert len({(s["color"], s["linestyle"]) for s in per_level}) == 8
+    assert len({s["color"] for s in per_level}) == 4  # one colour per level
+    R.write_report(tmp_path, history=history)
+    height, width, _ = matplotlib.image.imread(tmp_path / "plots" / "success.png").shape
+    assert height > 600 and width > 700  # two panels, legends right of the data
+    assert R.split_levels({"train/reward": ([0], [1.0])}) == [("", {"train/reward": ([0], [1.0])})]
 
 
 def test_report_reads_metrics_jsonl(tmp_path):

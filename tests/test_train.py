@@ -21,6 +21,7 @@ import ml_collections
 import pytest
 
 from sao_jax import checkpointing, train
+from sao_jax import config as config_lib
 from sao_jax.data.prompts import prompt_iterator
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import critic_def
@@ -156,6 +157,28 @@ def test_hf_directory_without_config_is_named(tmp_path):
     with pytest.raises(ConfigError, match="no config.json") as e:
         train.run(config, tmp_path / "w")
     assert str(empty) in str(e.value)
+
+
+def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch, caplog):
+    """Re-running a finished run: one line, its summary back, not a byte written; a larger
+    train.total_steps (or an interrupted run) goes on to build the run."""
+    workdir = tmp_path / "w"
+    config = train.resolved_config(config_lib.validate(ts.small_config()))
+    workdir.mkdir()
+    checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=False)
+    done = {"steps": TOTAL, "interrupted": False, "after": {"eval/greedy_success": 0.5}}
+    (workdir / accounting.SUMMARY_FILE).write_text(json.dumps(done))
+    before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    _forbid_start(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="sao_jax"):
+        assert train.run(ts.small_config(train__total_steps=TOTAL), workdir) == done
+    assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+    assert f"already finished at step {TOTAL} (train.total_steps={TOTAL}): nothing" in caplog.text
+    with pytest.raises(AssertionError, match="got past its config checks"):
+        train.run(ts.small_config(train__total_steps=TOTAL + 2), workdir)
+    (workdir / accounting.SUMMARY_FILE).write_text(json.dumps({**done, "interrupted": True}))
+    with pytest.raises(AssertionError, match="got past its config checks"):
+        train.run(ts.small_config(train__total_steps=TOTAL), workdir)
 
 
 # ------------------------------------------------------------------- a finished run
@@ -330,6 +353,8 @@ def test_corrupt_latest_checkpoint_falls_back(async_run, target, tmp_path, caplo
     config, finished, _ = async_run
     workdir = tmp_path / "w"
     shutil.copytree(finished, workdir)
+    (workdir / accounting.SUMMARY_FILE).unlink()  # died after its last save (a finished
+    # run, with its summary, is not run again)
     _, meta2 = ts.restore(target, workdir, 2)
     for f in (workdir / "checkpoints" / "4" / "state").rglob("*"):
         if f.is_file() and f.parent.name == "d":  # the array data

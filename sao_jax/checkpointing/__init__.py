@@ -5,6 +5,7 @@
   fingerprints and file digests), falling back past damaged steps.
 - `check_workdir_config`: a resumed run must use the config it started with.
 - `GracefulExit`: SIGTERM / SIGINT -> `requested`, so the loop saves and exits 0.
+- `keep_sources`: the tokenizer files and base checkpoint config copied into the workdir.
 """
 
 from sao_jax.checkpointing import integrity
@@ -17,6 +18,7 @@ from sao_jax.checkpointing.manager import (
 )
 from sao_jax.checkpointing.meta import decode_meta, encode_meta
 from sao_jax.checkpointing.signals import GracefulExit
+from sao_jax.checkpointing.sources import keep_sources
 from sao_jax.checkpointing.workdir import (
     CONFIG_FILE,
     RESUMABLE_FIELDS,
@@ -38,4 +40,5 @@ __all__ = [
     "decode_meta",
     "encode_meta",
     "integrity",
+    "keep_sources",
 ]

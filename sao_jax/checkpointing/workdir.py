@@ -48,6 +48,8 @@ RESUMABLE_FIELDS = (
     "sampling.max_dropped_in_a_row",
     "train.report",
     "train.progress",
+    "train.samples_per_log",
+    "train.wandb_*",
     "mesh.*",
 )
 

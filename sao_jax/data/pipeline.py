@@ -111,3 +111,10 @@ def run_prompts(
     except ValueError as e:
         raise ConfigError(f"config field env.name: {e}") from None
     return train, held
+
+
+def epoch_length(train: grain.MapDataset) -> int:
+    """Distinct prompts of one epoch of `run_prompts`' endless training stream (one
+    epoch, shuffled, repeated): `train[i]` for i below it is each of them once."""
+    (epoch,) = train.parents
+    return len(epoch)

@@ -88,7 +88,7 @@ class AnswerEnv:
         self.chat = chat
         # Raw text with tools: a turn that closes a fence may be a call; chat: eos only.
         self.stop_strings = (RAW_FENCE_CLOSE,) if (self.tools and chat is None) else ()
-        self._schemas = [PYTHON_TOOL] if self.tools else None
+        self.tool_schemas = [PYTHON_TOOL] if self.tools else None  # what the chat template shows
         self._prompt: Prompt | None = None
         self._turn = 0
         self._calls = 0
@@ -100,7 +100,7 @@ class AnswerEnv:
         if self.chat is None:
             return prompt.text
         messages = self.chat.messages(prompt.text, prompt.meta.get("messages"))
-        return self.chat.prompt(messages, tools=self._schemas)
+        return self.chat.prompt(messages, tools=self.tool_schemas)
 
     def step(self, action_text: str) -> StepResult:
         if self._prompt is None:
@@ -149,7 +149,7 @@ class AnswerEnv:
             return self._end(0.0, False, {**info, "truncated": True, "answer": None})
         if self.chat is None:
             return StepResult(f"{RAW_OUTPUT_OPEN}{body}{RAW_FENCE_CLOSE}", 0.0, False, info)
-        obs = self.chat.observation([{"role": "tool", "content": body}], tools=self._schemas)
+        obs = self.chat.observation([{"role": "tool", "content": body}], tools=self.tool_schemas)
         return StepResult(obs, 0.0, False, info)
 
     def _finish(self, text: str, info: dict[str, Any]) -> StepResult:

@@ -40,6 +40,8 @@ class Env(Protocol):
     # gets the turn's text, stop string included.
     stop_strings: tuple[str, ...]
     max_turns: int  # the episode is truncated after this many model turns
+    # Optional: `tool_schemas`, the tools' JSON schemas the chat template is given (None
+    # or absent: no tools); a run refuses a template that ignores them (run/preflight.py).
 
     def reset(self, prompt: Prompt) -> str:
         """Starts an episode; returns the initial context text (the rendered prompt)."""
@@ -48,3 +50,13 @@ class Env(Protocol):
     def step(self, action_text: str) -> StepResult:
         """Consumes one model turn; returns the observation, reward and done flag."""
         ...
+
+
+def tool_schemas(env) -> list[dict[str, Any]]:
+    """The tools' JSON schemas an env gives the chat template ([] without tools)."""
+    return list(getattr(env, "tool_schemas", None) or [])
+
+
+def tool_names(env) -> list[str]:
+    """The names of an env's tools (OpenAI-style schemas: {"function": {"name": ...}})."""
+    return [str(s.get("function", s).get("name", "?")) for s in tool_schemas(env)]

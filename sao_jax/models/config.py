@@ -144,9 +144,15 @@ class ModelConfig:
         kwargs.update(overrides)
         return cls(**kwargs)
 
-    def to_hf(self) -> dict[str, Any]:
-        """The `config.json` dict a Hugging Face Qwen3-MoE model of these dims expects."""
-        return dict(
+    def to_hf(self, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The `config.json` dict a Hugging Face Qwen3-MoE model of these dims expects.
+
+        `base`: the config.json of the checkpoint the model came from; every field this
+        config does not define (eos/pad/bos token ids, max_position_embeddings, ...) is
+        kept from it (max_position_embeddings is 32768 without one)."""
+        out = dict(base or {})
+        out.setdefault("max_position_embeddings", 32768)
+        out |= dict(
             architectures=list(SUPPORTED_ARCHITECTURES),
             model_type="qwen3_moe",
             vocab_size=self.vocab_size,
@@ -171,9 +177,9 @@ class ModelConfig:
             hidden_act="silu",
             attention_bias=False,
             use_sliding_window=False,
-            max_position_embeddings=32768,
             torch_dtype="float32",
         )
+        return out
 
 
 def run_overrides(section: ConfigDict | Mapping[str, Any]) -> dict[str, Any]:

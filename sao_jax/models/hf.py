@@ -424,11 +424,14 @@ def save_hf_checkpoint(
     layout: str = "per_expert",
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    base_config: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Writes policy params as a Hugging Face Qwen3-MoE checkpoint; returns the files.
 
-    config.json comes from `cfg.to_hf()`; tensors go to model.safetensors, or to
-    model-0000i-of-0000n.safetensors plus model.safetensors.index.json when they exceed
+    config.json comes from `cfg.to_hf(base_config)` (`base_config`: the config.json of
+    the checkpoint the params came from, whose other fields are kept); tensors go to
+    model.safetensors, or to model-0000i-of-0000n.safetensors plus
+    model.safetensors.index.json when they exceed
     `max_shard_bytes`. Tensors are gathered to the host one at a time (per expert in the
     per-expert layout). `dtype` ('float32' | 'bfloat16' | 'float16') defaults to the
     params' dtype. In a multi-process run every process must call this (gathers are
@@ -457,7 +460,7 @@ def save_hf_checkpoint(
     writer = jax.process_index() == 0
     if writer:
         os.makedirs(path, exist_ok=True)
-        hf = cfg.to_hf()
+        hf = cfg.to_hf(base_config)
         hf["torch_dtype"] = hf["dtype"] = dtype_name
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf, f, indent=2)

@@ -21,9 +21,13 @@ step 0 with their own counter `value_pretrain/step`) get plots of their own agai
 counter (held-out and fresh-batch explained variance; value loss) and a table of every
 held-out evaluation; they stay out of the other plots.
 
-A plot whose series are all absent (or all null) is not drawn, and a PNG of that name
-left by an earlier report is removed. Figures are drawn on matplotlib's Agg canvas
-directly (no pyplot, never a window). The markdown depends only on the inputs.
+A plot whose series are all absent (or all null) is not drawn (a PNG of that name left by
+an earlier report stays, unlinked: a report never deletes files). Series of one concern
+share a panel: per-level series (`..._level<k>`, sao_jax/run/evaluation.py) get a panel
+of their own below the overall ones, coloured by level and dashed per decoding mode;
+other series get distinct colours; legends sit outside the data, right of each panel.
+Figures are drawn on matplotlib's Agg canvas directly (no pyplot, never a window). The
+markdown depends only on the inputs.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -115,7 +120,8 @@ PRETRAIN_PLOTS = (
         (PRETRAIN_PREFIX + "heldout/value_loss", PRETRAIN_PREFIX + "batch/value_loss"),
     ),
 )
-OTHER_PLOTS = ("staleness_hist", "skipped", *(p[0] for p in PRETRAIN_PLOTS))
+LEVEL_SUFFIX = re.compile(r"_level(\d+)$")  # per-level series: evaluation.success_by_level
+LINE_STYLES = ("-", "--", ":", "-.")
 
 
 def _check_history(history: Sequence[Mapping[str, Any]]) -> None:
@@ -179,32 +185,65 @@ def skipped_series(history: Sequence[Mapping[str, Any]]) -> Series:
     return {"skipped (approx. cumulative)": (steps, cum)}
 
 
-def _new_figure() -> tuple[Figure, Any]:
-    fig = Figure(figsize=(6.4, 3.6), dpi=100)
+def _new_figure(panels: int = 1) -> tuple[Figure, list[Any]]:
+    fig = Figure(figsize=(7.4, 3.4 * panels), dpi=100)
     FigureCanvasAgg(fig)
-    return fig, fig.subplots()
+    axes = fig.subplots(panels, 1, squeeze=False)
+    return fig, list(axes[:, 0])
 
 
 def _save(fig: Figure, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, format="png", metadata={"Software": None})
+    fig.savefig(path, format="png", metadata={"Software": None}, bbox_inches="tight")
+
+
+def split_levels(series: Series) -> list[tuple[str, Series]]:
+    """[(panel title, series)]: the overall series, then the per-level ones
+    (`<name>_level<k>`) when there are any; empty panels left out."""
+    per_level = {n: v for n, v in series.items() if LEVEL_SUFFIX.search(n)}
+    overall = {n: v for n, v in series.items() if n not in per_level}
+    if not per_level:
+        return [("", overall)]
+    return [(t, s) for t, s in (("overall", overall), ("per level", per_level)) if s]
+
+
+def _styles(names: Sequence[str]) -> list[dict[str, Any]]:
+    """Distinct colours (tab10, tab20 beyond 10 series); per-level series: the colour of
+    their level, one line style per series family (greedy, sampled, ...)."""
+    levels = [LEVEL_SUFFIX.search(n) for n in names]
+    if all(levels):
+        keys = sorted({int(m[1]) for m in levels})
+        families = list(dict.fromkeys(LEVEL_SUFFIX.sub("", n) for n in names))
+        cmap = matplotlib.colormaps["tab10" if len(keys) <= 10 else "tab20"]
+        return [
+            dict(
+                color=cmap(keys.index(int(m[1])) % cmap.N),
+                linestyle=LINE_STYLES[families.index(LEVEL_SUFFIX.sub("", n)) % 4],
+            )
+            for n, m in zip(names, levels)
+        ]
+    cmap = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"]
+    return [dict(color=cmap(i % cmap.N), linestyle="-") for i in range(len(names))]
 
 
 def plot_lines(path: Path, title: str, ylabel: str, series: Series, xlabel: str = "step") -> None:
-    """One line per series against the step; markers on sparse series."""
-    fig, ax = _new_figure()
-    for name, (steps, values) in series.items():
-        marker = "o" if len(steps) <= MARKERS_UP_TO else None
-        ax.plot(steps, values, marker=marker, markersize=3, linewidth=1.2, label=name)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    """One line per series against the step, one panel per `split_levels` group; markers
+    on sparse series; each panel's legend right of it."""
+    panels = split_levels(series)
+    fig, axes = _new_figure(len(panels))
+    for ax, (panel, group) in zip(axes, panels):
+        for (name, (steps, values)), style in zip(group.items(), _styles(list(group))):
+            marker = "o" if len(steps) <= MARKERS_UP_TO else None
+            ax.plot(steps, values, marker=marker, markersize=3, linewidth=1.2, label=name, **style)
+        ax.set(title=f"{title}: {panel}" if panel else title, xlabel=xlabel, ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     _save(fig, path)
 
 
 def plot_histogram(path: Path, hist: Mapping[int, int]) -> None:
     """Bar chart of trajectories taken per staleness (learner version - sampler version)."""
-    fig, ax = _new_figure()
+    fig, (ax,) = _new_figure()
     ks = sorted(hist)
     ax.bar(ks, [hist[k] for k in ks], color="tab:blue")
     ax.set(title="Staleness of taken trajectories", xlabel="staleness (versions)", ylabel="count")
@@ -351,10 +390,6 @@ def write_report(
     if skipped:
         title_sk = "Skipped updates (non-finite loss or gradient)"
         emit("skipped", title_sk, lambda p: plot_lines(p, title_sk, "cumulative count", skipped))
-    written = {rel for _, rel in drawn}
-    for stem in [p[0] for p in LINE_PLOTS] + list(OTHER_PLOTS):  # stale PNGs of older reports
-        if f"{PLOTS_DIR}/{stem}.png" not in written:
-            (plots_dir / f"{stem}.png").unlink(missing_ok=True)
 
     lines = [f"# {title}", ""]
     if summary:

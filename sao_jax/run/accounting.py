@@ -1,10 +1,14 @@
 """Bookkeeping of the main job (sao_jax/train.py): trajectory counters across resumed
-segments, host-side batch statistics, sampler gauges, wall time, strict-JSON values."""
+segments, host-side batch statistics, sampler gauges, wall time, strict-JSON values, and
+whether a workdir's run is finished (its summary.json)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
+import pathlib
 import platform
 import time
 from typing import Any
@@ -13,6 +17,9 @@ import jax
 import numpy as np
 
 from sao_jax.sampling.trajectory import Trajectory
+
+log = logging.getLogger("sao_jax")
+SUMMARY_FILE = "summary.json"  # <workdir>/...: written once a run (segment) ends
 
 
 def host_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
@@ -97,3 +104,24 @@ def counters(base: dict, stats: dict[str, Any]) -> dict:
         "in_flight": int(stats.get("queued", 0)) + int(stats.get("in_open_groups", 0)),
     }
     return out
+
+
+def finished(workdir: pathlib.Path, total_steps: int) -> dict | None:
+    """The summary of the run in `workdir` when it is finished for `total_steps` (it
+    reached at least that step, was not interrupted and ran its final evaluation, which
+    comes before the final checkpoint), after one log line saying so; else None (a new,
+    interrupted or shorter run)."""
+    path = pathlib.Path(workdir) / SUMMARY_FILE
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    done = isinstance(summary, dict) and not summary.get("interrupted", True)
+    if not (done and int(summary.get("steps") or 0) >= total_steps and summary.get("after")):
+        return None
+    log.info(
+        "the run in %s already finished at step %d (train.total_steps=%d): nothing to do; a "
+        "larger --config.train.total_steps continues it",
+        workdir, summary["steps"], total_steps,
+    )  # fmt: skip
+    return summary

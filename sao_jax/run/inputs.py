@@ -1,12 +1,16 @@
-"""What a run reads before its workdir is touched: tokenizer, chat template, envs,
-prompts (`read_inputs`), and the policy and critic models (`build_models`). A bad input
-raises ConfigError naming the config field."""
+"""What a run reads before its workdir is touched: the config as run (`resolved_config`:
+an init.kind='hf' run's model and tokenizer are the checkpoint's), tokenizer, chat
+template, envs, prompts (`read_inputs`), and the policy and critic models
+(`build_models`). A bad input raises ConfigError naming the config field."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import pathlib
 from typing import Any
 
+from sao_jax import config as config_lib
 from sao_jax.data.pipeline import run_prompts
 from sao_jax.envs.registry import env_factory
 from sao_jax.models import hf
@@ -16,6 +20,8 @@ from sao_jax.run.streams import stream_seed
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.text.chat_template import run_chat_format
 from sao_jax.text.tokenizer import load_tokenizer
+
+log = logging.getLogger("sao_jax")
 
 
 def build_models(config: ConfigDict, sharder, tokenizer) -> Models:
@@ -27,12 +33,33 @@ def build_models(config: ConfigDict, sharder, tokenizer) -> Models:
     else:
         seed = stream_seed(config.seed, "model_init")
         models = init_models(ModelConfig.from_config(config.model), sharder, seed)
-    if tokenizer.vocab_size > models.cfg.vocab_size:
-        raise ConfigError(
-            f"config field model.vocab_size: {models.cfg.vocab_size} < the tokenizer's "
-            f"{tokenizer.vocab_size} tokens"
-        )
     return models
+
+
+def resolved_config(config: ConfigDict) -> ConfigDict:
+    """The config as the run uses it (what <workdir>/config.json records), validated.
+
+    With init.kind='hf' the model section is the checkpoint's (its config.json's shapes
+    with the run fields of config.model: dtypes, remat, ...), and init.tokenizer left at
+    'char' means the checkpoint's own tokenizer: its folder when it holds tokenizer.json,
+    else ConfigError. Other kinds: `config` unchanged."""
+    init = config.init
+    if init.kind != "hf":
+        return config
+    cfg = hf.read_hf_config(init.hf_path, **run_overrides(config.model))
+    out = config.copy_and_resolve_references()
+    with out.unlocked():
+        out.model = ConfigDict(dataclasses.asdict(cfg))
+        if init.tokenizer == "char":
+            if not (pathlib.Path(init.hf_path) / "tokenizer.json").is_file():
+                raise ConfigError(
+                    f"config field init.tokenizer: 'char' (the built-in character tokenizer) "
+                    f"cannot drive the checkpoint {init.hf_path!r}, which holds no "
+                    "tokenizer.json; set init.tokenizer to the checkpoint's tokenizer folder"
+                )
+            out.init.tokenizer = init.hf_path
+            log.info("init.tokenizer: the checkpoint's (%s)", init.hf_path)
+    return config_lib.validate(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +93,16 @@ def read_inputs(config: ConfigDict) -> Inputs:
         raise ConfigError(f"config field env.params: {e}") from None
     # the task's generator or a dataset
     train_prompts, eval_prompts = run_prompts(config, seed=stream_seed(config.seed, "prompts"))
-    try:  # the chat template renders, the env takes the prompts
-        factory().reset(eval_prompts[0])
+    render_prompt(factory(), eval_prompts[0], env.name)  # the template renders, the env takes it
+    return Inputs(tokenizer, chat, factory, hook, train_prompts, eval_prompts)
+
+
+def render_prompt(env, prompt, task: str) -> str:
+    """The context text `env` starts an episode of `prompt` with (what the sampler
+    tokenizes); ConfigError naming env.name when the env refuses the prompt."""
+    try:
+        return env.reset(prompt)
     except ValueError as e:
         raise ConfigError(
-            f"config field env.name: task {env.name!r} refuses the first held-out prompt "
-            f"{eval_prompts[0].uid!r}: {e}"
+            f"config field env.name: task {task!r} refuses prompt {prompt.uid!r}: {e}"
         ) from None
-    return Inputs(tokenizer, chat, factory, hook, train_prompts, eval_prompts)

@@ -67,14 +67,14 @@ class Rescorer:
         self.heldout, self.greedy = heldout, greedy
         self._evaluators: dict[str, Evaluator] = {}
 
-    def _evaluator(self, config: ConfigDict) -> Evaluator:
+    def _evaluator(self, config: ConfigDict, workdir: pathlib.Path) -> Evaluator:
         cfg = heldout_config(config, self.heldout)
         inputs = read_inputs(cfg)  # the seed's held-out prompts (ConfigError names a field)
         seed = stream_seed(cfg.seed, "eval")
         key = _engine_key(cfg)
         if key in self._evaluators:
             return self._evaluators[key].for_prompts(inputs.eval_prompts, seed=seed)
-        mcfg = export.model_config(cfg)
+        mcfg = export.model_config(cfg, workdir)
         engine_cfg, sampler_cfg = configs_from_section(
             cfg.sampling, stream_seed(cfg.seed, "rollouts")
         )
@@ -99,7 +99,7 @@ class Rescorer:
         config = export.run_config(workdir)
         policy, step, mcfg = export.restore_policy(workdir, config, step)
         params = distributed.host_local(policy, dtype=mcfg.compute_dtype)
-        out = self._evaluator(config)(params, step, step=step)
+        out = self._evaluator(config, workdir)(params, step, step=step)
         out.update({"eval/step": float(step), "eval/heldout": float(self.heldout)})
         log.info("rescored %s at step %d on %d prompts", workdir, step, self.heldout)
         return out

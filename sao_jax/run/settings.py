@@ -19,6 +19,7 @@ from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 DATA_FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
 INIT_KINDS = ("sft", "hf", "params", "random")
 ROLLOUT_MODES = ("async", "sync")
+WANDB_MODES = ("online", "offline", "disabled")  # wandb.init(mode=...)
 WARM_START_CRITIC_SUBDIR = "warm_start_critic"  # <workdir>/...: a run's pretrained critic
 # Config fields value pretraining reads besides the warm-start policy (prefixes end in
 # '.'), minus those it does not; two runs that agree on them pretrain the same critic
@@ -214,6 +215,14 @@ def _check_train(config: ConfigDict) -> None:
     for name in ("eval_every", "checkpoint_every"):
         require(t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
     require(t.take_timeout_s > 0, "train.take_timeout_s", "must be > 0")
+    require(
+        t.samples_per_log >= 0, "train.samples_per_log", f"must be >= 0, got {t.samples_per_log}"
+    )
+    require(
+        t.wandb_mode in WANDB_MODES,
+        "train.wandb_mode",
+        f"must be one of {WANDB_MODES}, got {t.wandb_mode!r}",
+    )
 
 
 def check_run(config: ConfigDict, sharder) -> None:
