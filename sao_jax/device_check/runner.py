@@ -18,12 +18,10 @@ import jax
 
 from sao_jax.device_check import paths, throughput
 from sao_jax.device_check.record import Record
-from sao_jax.device_check.shapes import MODES
+from sao_jax.device_check.shapes import MODES, PHASES
 from sao_jax.parallel import platform
 from sao_jax.plan.hardware import peak_for
 from sao_jax.schema import ConfigDict, ConfigError
-
-PHASES = ("moe_paths", "attention_paths", "update_dtype", "weight_sync", "decode", "update_mfu")
 
 
 def run(
