@@ -13,9 +13,9 @@ mesh of its own). `cast_and_reshard(params, target_shardings, dtype)` does both:
     cast runs where the params are (half the bytes to move for float32 -> bf16), then
     `jax.device_put` copies the shards device to device.
 
-Floating leaves are cast, integer leaves are moved unchanged (`cast_floating`). Across
-processes, `jax.device_put` cannot reach another process's devices: that needs JAX's
-multi-process transfer machinery (docs/scaling.md).
+Floating leaves are cast, integer leaves are moved unchanged (`cast_floating`). In one
+process only: `jax.device_put` cannot reach another process's devices, and that
+transfer is not handled here.
 """
 
 from __future__ import annotations
