@@ -75,3 +75,7 @@ def test_to_another_mesh_over_the_same_devices_is_one_program():
     _assert_delivered(got, params, targets)
     replicated = jax.tree.map(lambda _: NamedSharding(pool, P()), params)
     _assert_delivered(cast_and_reshard(params, replicated, jnp.bfloat16), params, replicated)
+    # The same devices in another order: one program cannot span two orders (device_put).
+    reversed_pool = Mesh(np.array(devices[::-1]).reshape(2, 4), ("hosts", "local"))
+    targets = host_split_shardings(params, reversed_pool, "local")
+    _assert_delivered(cast_and_reshard(params, targets, jnp.bfloat16), params, targets)

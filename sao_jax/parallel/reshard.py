@@ -5,13 +5,13 @@ recipe: every weight is cast to it at use anyway, so rollouts do not change) lai
 the sampler wants it, which is not the trainer's layout (a host-local split, or a pool
 mesh of its own). `cast_and_reshard(params, target_shardings, dtype)` does both:
 
-  * target on the same devices as the params (colocated; any mesh shape or axis names
-    over those devices): ONE jitted program, cast then reshard, whose collectives XLA
-    derives from the two shardings (`reshard_program`; it lowers for TPU and GPU on
-    abstract meshes, tests/test_lowering.py);
-  * target on other devices (a sampler pool beside the trainer, in this process): the
-    cast runs where the params are (half the bytes to move for float32 -> bf16), then
-    `jax.device_put` copies the shards device to device.
+  * target on the same devices as the params, in the same mesh order (colocated; any
+    mesh shape or axis names over them): ONE jitted program, cast then reshard, whose
+    collectives XLA derives from the two shardings (`reshard_program`; it lowers for TPU
+    and GPU on abstract meshes, tests/test_lowering.py);
+  * target on other devices (a sampler pool beside the trainer, in this process), or on
+    the same ones in another order: the cast runs where the params are (half the bytes
+    to move for float32 -> bf16), then `jax.device_put` copies the shards.
 
 Floating leaves are cast, integer leaves are moved unchanged (`cast_floating`). In one
 process only: `jax.device_put` cannot reach another process's devices, and that
@@ -66,11 +66,16 @@ def reshard_program(target_shardings: Any, dtype: Any = None):
     return _program(treedef, tuple(leaves), None if dtype is None else jnp.dtype(dtype).name)
 
 
-def _device_set(tree: Any) -> set:
-    """Devices of a tree of arrays or of shardings."""
+def _device_orders(tree: Any) -> set[tuple[int, ...]]:
+    """The device ids of each leaf's sharding (a tree of arrays or of shardings), in
+    mesh order: one jitted program can take inputs and give outputs only on one order."""
     out = set()
     for x in jax.tree.leaves(tree, is_leaf=_is_sharding):
-        out |= set(x.device_set if _is_sharding(x) else x.sharding.device_set)
+        s = x if _is_sharding(x) else x.sharding
+        if isinstance(s, NamedSharding):
+            out.add(tuple(d.id for d in s.mesh.devices.flat))
+        else:
+            out.add(tuple(sorted(d.id for d in s.device_set)))
     return out
 
 
@@ -84,7 +89,8 @@ def cast_and_reshard(params: Any, target_shardings: Any, dtype: Any = None) -> A
     """`params` (arrays) cast to `dtype` (floating leaves) and placed on `target_shardings`
     (a tree of NamedShardings of the same structure). Asynchronous, as any JAX dispatch:
     block on the result to time the transfer."""
-    if _device_set(params) == _device_set(target_shardings):
+    orders = _device_orders(params) | _device_orders(target_shardings)
+    if len(orders) == 1:
         return reshard_program(target_shardings, dtype)(params)
     cast = _cast_program(None if dtype is None else jnp.dtype(dtype).name)
     return jax.device_put(cast(params), target_shardings)
