@@ -1,9 +1,9 @@
 """Training attention kernels against the naive reference: values and gradients.
 
 The naive form (`grouped_attention` + `attention_mask`) materialises the scores; the
-blockwise kernel, the cuDNN call (through XLA here) and Pallas splash (interpret mode on
-CPU) must give the same outputs on every query that sees a key, and the same gradients,
-with packed segments, padding and GQA. Accelerator kernels are also lowered for TPU.
+blockwise kernel and the cuDNN call (through XLA here) must give the same outputs on every
+query that sees a key, and the same gradients, with packed segments, padding and GQA.
+Pallas splash (interpret mode, its TPU lowering): tests/test_pallas_interpret.py.
 """
 
 import jax
@@ -15,61 +15,19 @@ from flax import nnx
 from sao_jax.models import attention_backends as backends
 from sao_jax.models.attention import (
     Attention,
-    attention_mask,
-    grouped_attention,
     training_attention,
 )
 from sao_jax.models.attention_kernels import blockwise_attention, visible_blocks
 from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.schema import ConfigError
-
-B, T, N, K, H = 2, 40, 4, 2, 8
-
-
-def _layout(kind: str):
-    """positions, segment ids [B, T] of a padded, a packed or an unordered layout."""
-    if kind == "padded":  # one trajectory per row, then padding
-        lengths = (T - 5, T)
-        seg = np.array([[1] * n + [0] * (T - n) for n in lengths])
-        pos = np.broadcast_to(np.arange(T), (B, T))
-    elif kind == "packed":  # three / two trajectories per row, positions restart
-        runs = [(1, 11), (2, 17), (3, 7)], [(5, 30), (6, 10)]
-        seg, pos = np.zeros((B, T), int), np.zeros((B, T), int)
-        for b, row in enumerate(runs):
-            t = 0
-            for sid, n in row:
-                seg[b, t : t + n], pos[b, t : t + n] = sid, np.arange(n)
-                t += n
-    else:  # segment ids that decrease along the row (still a valid layout)
-        seg = np.array([[2] * 20 + [1] * 20, [1] * 10 + [3] * 25 + [0] * 5])
-        pos = np.concatenate([np.arange(20), np.arange(20)])[None].repeat(B, 0)
-    return jnp.asarray(pos, jnp.int32), jnp.asarray(seg, jnp.int32)
-
-
-def _qkv(seed=0, t=T, dtype=jnp.float32):
-    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (B, t, N, H), dtype)
-    k = jax.random.normal(kk, (B, t, K, H), dtype)
-    v = jax.random.normal(kv, (B, t, K, H), dtype)
-    return q, k, v, jax.random.normal(kc, (B, t, N, H), jnp.float32)
-
-
-def _naive(q, k, v, pos, seg):
-    return grouped_attention(q, k, v, attention_mask(pos, pos, seg, seg))
-
-
-def _value_and_grads(fn, q, k, v, pos, seg, ct):
-    """Output and d(sum(out * ct))/d(q, k, v), with ct zero on padding queries."""
-    ct = ct * (seg != 0)[:, :, None, None]
-    loss = lambda q, k, v: jnp.sum(fn(q, k, v, pos, seg).astype(jnp.float32) * ct)
-    return fn(q, k, v, pos, seg), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+from tests.attention_support import B, H, K, N, T, layout_of, naive, qkv, value_and_grads
 
 
 def _assert_same(fn, layout, atol=2e-5, **kw):
-    pos, seg = _layout(layout)
-    q, k, v, ct = _qkv(**kw)
-    want, want_g = _value_and_grads(_naive, q, k, v, pos, seg, ct)
-    got, got_g = _value_and_grads(fn, q, k, v, pos, seg, ct)
+    pos, seg = layout_of(layout)
+    q, k, v, ct = qkv(**kw)
+    want, want_g = value_and_grads(naive, q, k, v, pos, seg, ct)
+    got, got_g = value_and_grads(fn, q, k, v, pos, seg, ct)
     real = (seg != 0)[:, :, None, None]
     np.testing.assert_allclose(jnp.where(real, got, 0), jnp.where(real, want, 0), atol=atol)
     for name, g, w in zip("qkv", got_g, want_g):
@@ -84,8 +42,8 @@ def test_blockwise_equals_naive(layout, block):
 
 
 def test_blockwise_padding_query_gets_zero():
-    pos, seg = _layout("padded")
-    q, k, v, _ = _qkv()
+    pos, seg = layout_of("padded")
+    q, k, v, _ = qkv()
     out = blockwise_attention(q, k, v, pos, pos, seg, seg, block=8)
     np.testing.assert_array_equal(out[0, T - 5 :], 0.0)
 
@@ -106,9 +64,11 @@ def test_masked_blocks_are_skipped():
     np.testing.assert_array_equal(vis, want)  # 20 of 64 blocks computed
 
 
-def test_attention_layer_blockwise_equals_naive_with_qk_norm():
-    """The whole layer (projections, q/k RMSNorm, RoPE, GQA): values and parameter grads."""
-    pos, seg = _layout("packed")
+@pytest.mark.parametrize("impl", ["blockwise", "splash"])
+def test_attention_layer_equals_naive_with_qk_norm(impl):
+    """The whole layer (projections, q/k RMSNorm, RoPE, GQA): values and parameter grads,
+    with the kernel a config selects (splash: Pallas interpret mode on CPU)."""
+    pos, seg = layout_of("packed")
     x = jax.random.normal(jax.random.key(5), (B, T, 32))
 
     def make(impl):
@@ -140,7 +100,7 @@ def test_attention_layer_blockwise_equals_naive_with_qk_norm():
 
         return jax.jit(jax.value_and_grad(loss))(params)
 
-    (lb, gb), (ln, gn) = run("blockwise"), run("naive")
+    (lb, gb), (ln, gn) = run(impl), run("naive")
     np.testing.assert_allclose(lb, ln, rtol=1e-5)
     for (path, a), (_, b) in zip(
         jax.tree_util.tree_leaves_with_path(gb), jax.tree_util.tree_leaves_with_path(gn)
@@ -154,8 +114,8 @@ def test_attention_layer_blockwise_equals_naive_with_qk_norm():
 @pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 2, 2, 2), (1, 1, 1, 8)])
 def test_blockwise_sharded_equals_unsharded(shape):
     """Under shard_map on 8 fake devices (rows and heads split, or heads replicated)."""
-    pos, seg = _layout("packed")
-    q, k, v, ct = _qkv()
+    pos, seg = layout_of("packed")
+    q, k, v, ct = qkv()
     ct = ct * (seg != 0)[:, :, None, None]
 
     def run(sharder):
@@ -187,17 +147,17 @@ def test_dispatch_picks_backend_kernels():
     assert r("naive", jnp.float32, "tpu") == "naive"
     with pytest.raises(ConfigError, match="model.attention_impl"):
         r("flash3", jnp.float32, "cpu")
-    q, k, v, _ = _qkv()
-    pos, seg = _layout("padded")
+    q, k, v, _ = qkv()
+    pos, seg = layout_of("padded")
     with pytest.raises(ConfigError, match="'cudnn' needs model.dtype bfloat16"):
         backends.cudnn_attention(q, k, v, pos, seg, block=8)
 
 
 def test_layout_predicates():
-    assert bool(backends.prefix_rows(*_layout("padded")))
-    assert not bool(backends.prefix_rows(*_layout("packed")))
-    assert bool(backends.ordered_segments(*_layout("packed")))
-    assert not bool(backends.ordered_segments(*_layout("unordered")))
+    assert bool(backends.prefix_rows(*layout_of("padded")))
+    assert not bool(backends.prefix_rows(*layout_of("packed")))
+    assert bool(backends.ordered_segments(*layout_of("packed")))
+    assert not bool(backends.ordered_segments(*layout_of("unordered")))
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -208,24 +168,3 @@ def test_cudnn_call_equals_naive(layout):
         q, k, v, p, s, block=8, implementation="xla"
     )
     _assert_same(jax.jit(fn), layout)
-
-
-@pytest.mark.parametrize("layout", ["packed", "unordered"])
-def test_splash_interpret_equals_naive(layout):
-    """Pallas splash attention in interpret mode (the TPU kernel's own code on CPU)."""
-    fn = lambda q, k, v, p, s: backends.splash_attention(q, k, v, p, s, block=128)
-    _assert_same(jax.jit(fn), layout)
-
-
-def test_splash_lowers_for_tpu():
-    """The TPU kernels (forward, dq, dkv) lower to Mosaic custom calls without a TPU."""
-    q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
-    p = jax.ShapeDtypeStruct((2, 256), jnp.int32)
-
-    def loss(q, k, v, pos, seg):
-        out = backends.splash_attention(q, k, v, pos, seg, block=128, interpret=False)
-        return jnp.sum(out.astype(jnp.float32))
-
-    lowered = jax.jit(jax.grad(loss)).trace(q, k, k, p, p).lower(lowering_platforms=("tpu",))
-    assert lowered.as_text().count("tpu_custom_call") == 3

@@ -210,3 +210,20 @@ def test_token_einsum_rejects_non_token_products():
         layers.token_einsum("btd,bd->bt", x, jnp.ones((2, 4)))  # w has a token dim
     with pytest.raises(ValueError, match="not a per-token product"):
         layers.token_einsum("btd,df->tbf", x, jnp.ones((4, 5)))  # tokens reordered
+
+
+def test_next_key_is_flax_streams_key():
+    """`layers.next_key` draws flax's keys (so every seed initialises as before), eagerly
+    and while a module is built under eval_shape (where it avoids flax's slow update)."""
+    ours, flax_rngs = nnx.Rngs(3), nnx.Rngs(3)
+    for _ in range(3):
+        a, b = layers.next_key(ours.params), flax_rngs.params()
+        np.testing.assert_array_equal(jax.random.key_data(a), jax.random.key_data(b))
+    assert int(ours.params.count[...]) == int(flax_rngs.params.count[...]) == 3
+
+    def draws(next_of):
+        rngs = nnx.Rngs(7)
+        return jnp.stack([jax.random.key_data(next_of(rngs)) for _ in range(4)])
+
+    traced = jax.jit(lambda: draws(lambda r: layers.next_key(r.params)))()
+    np.testing.assert_array_equal(traced, draws(lambda r: r.params()))

@@ -84,7 +84,13 @@ def test_dev_extra_is_requirements_dev():
 
 def test_console_scripts_exist():
     scripts = PYPROJECT["project"]["scripts"]
-    assert set(scripts) == {"sao-train", "sao-sweep", "sao-export", "sao-memory-plan"}
+    assert set(scripts) == {
+        "sao-train",
+        "sao-sweep",
+        "sao-export",
+        "sao-memory-plan",
+        "sao-device-check",
+    }
     for target in scripts.values():
         module, _, function = target.partition(":")
         assert module.startswith("sao_jax.experiments.")

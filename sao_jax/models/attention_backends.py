@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from sao_jax.models.attention_kernels import blockwise_attention
 from sao_jax.models.config import ATTENTION_IMPLS
+from sao_jax.parallel import platform
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.schema import ConfigError
 
@@ -57,7 +58,7 @@ def resolve(impl: str, dtype, backend: str | None = None, *, length=None, block=
         raise ConfigError(f"config field model.attention_impl: {impl!r} is not one of {IMPLS}")
     if impl != "auto":
         return impl, block
-    backend = backend or jax.default_backend()
+    backend = backend or platform.backend()
     if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn", block
     if backend == "tpu":
@@ -139,7 +140,7 @@ def splash_attention(q, k, v, pos, seg, *, block: int, interpret: bool | None = 
     kh = k.shape[2]
     g = n // kh
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = platform.backend() != "tpu"
     bs = max(_SPLASH_MIN_BLOCK, min(block, -(-t // _SPLASH_MIN_BLOCK) * _SPLASH_MIN_BLOCK))
     bs -= bs % _SPLASH_MIN_BLOCK
     tp = -(-t // bs) * bs

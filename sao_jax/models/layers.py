@@ -50,7 +50,21 @@ def param(
 ) -> nnx.Param:
     """A parameter initialised by `init`, tagged with its logical `axes` (one per dim)."""
     assert len(axes) == len(shape), (shape, axes)
-    return nnx.Param(init(rngs.params(), tuple(shape), dtype), axes=tuple(axes))
+    return nnx.Param(init(next_key(rngs.params), tuple(shape), dtype), axes=tuple(axes))
+
+
+def next_key(stream: nnx.RngStream) -> jax.Array:
+    """`stream()`: the same key, and the same count afterwards, without its indexed update.
+
+    flax's `count[...] += 1` compares the new count's `sharding` with the old one's; on a
+    tracer (a module built under `nnx.eval_shape`, as every ModelDef is) that attribute
+    raises an error whose message scans the whole trace, so building a 48-layer model
+    cost ~10 s. A whole-value `set_value` makes no comparison: ~1 s. tests/test_model.py
+    checks that the keys and counts are flax's.
+    """
+    key = jax.random.fold_in(stream.key[...], stream.count[...])
+    stream.count.set_value(stream.count[...] + 1)
+    return key
 
 
 def normal(stddev: float) -> Initializer:

@@ -34,6 +34,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sao_jax.parallel.reshard import cast_floating, first_divisible_spec
 from sao_jax.schema import ConfigError
 
 MODES = ("auto", "detect", "off")
@@ -291,19 +292,6 @@ def host_mesh() -> Mesh:
     return Mesh(np.array(rows), ("hosts", "local"))
 
 
-def _local_spec(shape: Sequence[int], n_local: int) -> PartitionSpec:
-    """Split the first dimension divisible by the local device count; else replicate."""
-    for d, size in enumerate(shape):
-        if size >= n_local and size % n_local == 0:
-            return PartitionSpec(*([None] * d), "local")
-    return PartitionSpec()
-
-
-def _cast(x, dtype):
-    floating = jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
-    return x.astype(dtype) if dtype is not None and floating and x.dtype != dtype else x
-
-
 def host_local(tree: Any, dtype: Any = None) -> Any:
     """This host's copy of a tree of global arrays, on its own devices only, with
     floating leaves cast to `dtype` when given (a no-op where they already have it).
@@ -314,7 +302,7 @@ def host_local(tree: Any, dtype: Any = None) -> Any:
     a one-host mesh, which per-host samplers use in their own jitted programs. One
     process: the (cast) tree, shardings unchanged.
     """
-    tree = jax.tree.map(lambda x: _cast(x, dtype), tree)
+    tree = cast_floating(tree, dtype)
     if jax.process_count() == 1:
         return tree
     mesh = host_mesh()
@@ -322,7 +310,7 @@ def host_local(tree: Any, dtype: Any = None) -> Any:
     local_mesh = Mesh(mesh.devices[jax.process_index()], ("local",))
 
     def one(x):
-        spec = _local_spec(x.shape, n_local)
+        spec = first_divisible_spec(x.shape, "local", n_local)
         y = jax.device_put(x, NamedSharding(mesh, spec))
         local = NamedSharding(local_mesh, spec)
         by_device = {s.device: s.data for s in y.addressable_shards}

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sao_jax.parallel import platform
 from sao_jax.rl import checks as ck
 from sao_jax.rl.gae_chunked import MIN_DISCOUNT, gae_chunked
 
@@ -56,8 +57,8 @@ _DEFAULT_IMPL = {
 
 
 def default_gae_impl(backend: str | None = None) -> str:
-    """The GAE implementation to use on `backend` (default: jax.default_backend())."""
-    return _DEFAULT_IMPL.get(backend or jax.default_backend(), "associative")
+    """The GAE implementation to use on `backend` (default: `platform.backend()`)."""
+    return _DEFAULT_IMPL.get(backend or platform.backend(), "associative")
 
 
 # ------------------------------------------------------------------------ the recursion

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from sao_jax.models.moe.experts import grouped_swiglu
 from sao_jax.models.moe.grouped import grouped_local_moe
+from sao_jax.parallel import platform
 from sao_jax.parallel.mesh import Sharder
 
 IMPLS = ("ragged", "grouped", "dense")
@@ -40,7 +41,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     measured here: docs/benchmarks.md says how to check). All three are exact and dropless.
     """
     if impl == "auto":
-        return "grouped" if (backend or jax.default_backend()) == "cpu" else "ragged"
+        return "grouped" if (backend or platform.backend()) == "cpu" else "ragged"
     if impl not in IMPLS:
         raise ValueError(f"moe impl: {impl!r} is not one of {('auto', *IMPLS)}")
     return impl
