@@ -25,9 +25,16 @@ from sao_jax.parallel.partition import ModelDef, init_params
 from sao_jax.sampling.engine import EngineConfig
 from sao_jax.sampling.generate import GenerateFns
 from sao_jax.sampling.page_pool import KVLayout, PagePool
-from sao_jax.sampling.sampler import configs_from_section, sampling_section
+from sao_jax.sampling.sampler import AsyncSampler, configs_from_section, sampling_section
 from sao_jax.schema import ConfigError
-from tests.sampling_support import MODEL, assert_same_rollouts, engine_rollouts
+from tests.sampling_support import (
+    MODEL,
+    FakeTokenizer,
+    TurnEnv,
+    assert_same_rollouts,
+    engine_rollouts,
+    prompts,
+)
 
 L_MAX = 64
 
@@ -131,15 +138,15 @@ def test_gathered_pages_equal_the_dense_cache(layers):
     np.testing.assert_array_equal(np.asarray(after.k_klpzh), before)  # no page: dropped
 
 
-# Largest |kernel - dense| seen on these inputs (interpret mode, CPU), with the bound used.
-# The TPU kernel reads K and V as bfloat16 whatever their dtype, so its float32 error is
-# bfloat16 rounding; the GPU kernel keeps the cache's dtype. bfloat16 outputs round to
-# 2^-8 relative (values here are |x| < 2).
+# |kernel - dense| bounds, with the largest seen on these inputs (interpret mode, CPU,
+# outputs up to 1.78). The TPU kernel reads K and V as bfloat16 whatever their dtype, so
+# its float32 error is bfloat16 rounding of the inputs; the GPU kernel keeps the cache's
+# dtype. A bfloat16 output near 1.78 is rounded to 2^-7 = 7.8e-3 (one ulp): 4 ulps allowed.
 KERNEL_TOL = {
-    ("pallas_tpu", "float32"): 2e-2,  # measured 3.0e-3 (K/V rounded to bfloat16)
-    ("pallas_tpu", "bfloat16"): 2e-2,  # measured 7.8e-3 (one bf16 ulp near 1-2)
-    ("pallas_gpu", "float32"): 1e-5,  # measured 4.8e-7
-    ("pallas_gpu", "bfloat16"): 2e-2,  # measured 7.8e-3
+    ("pallas_tpu", "float32"): 2e-2,  # seen 5.1e-3 (K/V rounded to bfloat16)
+    ("pallas_tpu", "bfloat16"): 3.2e-2,  # seen 7.8e-3 (1 ulp)
+    ("pallas_gpu", "float32"): 1e-5,  # seen 3.9e-7
+    ("pallas_gpu", "bfloat16"): 3.2e-2,  # seen 1.6e-2 (2 ulps)
 }
 
 
@@ -271,3 +278,19 @@ def test_full_pool_waits_and_preempts_without_changing_rollouts(
     assert stats["admission_waits"] > 0 and stats["preemptions"] > 0, stats
     assert stats["pages_peak"] == 10 and stats["pages_in_use"] == 0
     assert_one_trace_per_program(eng)
+
+
+def test_async_sampler_reports_admission_counters(model):
+    """The async sampler's workers run paged engines; its stats (hence the sampler/*
+    metrics) carry their admission counters, summed."""
+    mdef, params = model
+    engine = EngineConfig(num_slots=4, max_len=L_MAX, max_turn_tokens=8, steps_per_sync=3,
+                          kv_layout="paged", page_size=8, num_pages=10)  # fmt: skip
+    with AsyncSampler(
+        mdef, FakeTokenizer(), TurnEnv, prompts(12, seed=1, turns=3), engine=engine
+    ) as sampler:
+        sampler.publish(params, 0)
+        assert len(sampler.take(12, timeout=300)) == 12
+        stats = sampler.stats()
+    assert stats["admission_waits"] > 0 and stats["pages_peak"] == 10, stats
+    assert {"preemptions", "pages_in_use"} <= set(stats)

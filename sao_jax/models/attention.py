@@ -15,6 +15,9 @@ Decode cost proportional to context: a cache may carry a static `span`; attentio
 reads only slots [0, span) (the caller guarantees every query that matters sits below
 it), and an optional long lane (`lane_rows_r`, static `lane_span`) gives a few rows a
 longer span, so one long row does not make every row pay (docs/sampling.md section 1).
+A paged cache (models/paged_cache.py: pages shared by all slots, a block table per slot)
+shows attention the same slots: its pages are gathered into the dense layout, or read in
+place by a Pallas kernel for decode (models/paged_kernels.py); `cache_attention` picks.
 """
 
 from __future__ import annotations

@@ -27,6 +27,12 @@ slots; `step` applies their results in slot order after waiting for all (determi
 or, with `overlap_env` (the async sampler), parks a slot whose call still runs out of the
 decode batch while the others decode. Waits honour SIGTERM (env_calls.EnvCalls.check).
 The host records (settings, slots, drops) live in slots.py.
+
+With a paged KV pool (`kv_layout='paged'`, page_pool.py) each step first gives every
+active slot, oldest first, the pages its calls touch; a slot short of pages sits the step
+out, and when a shard's slots are all stuck its youngest give their pages back
+(`_admit`): admission control, counted in `stats()`. Pages return when a trajectory
+ends. The programs run on the engine's sharder (generate.py: slots over the data axes).
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ Both programs take a static read span (`choose_spans`): attention reads only cac
 optionally a long lane of a few rows with a longer span. So a step costs in proportion
 to the context the slots hold, not to L; one program is compiled per span (pair).
 
+The cache is dense ([S, L, K, H] per layer) or a paged pool shared by the slots, read
+through a block table the engine passes in (page_pool.py, models/paged_cache.py); the
+programs run on a sharder's mesh, the slot axis over its data axes (`GenerateFns`).
+
 Per generated token two log-probs are recorded:
   sampled_logp = log q(a), q = softmax(truncate(logits / temperature)) (what was sampled);
   rollout_logp = log_softmax(logits)[a], the untruncated temperature-1 distribution,
