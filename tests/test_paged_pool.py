@@ -25,6 +25,7 @@ from sao_jax.parallel.partition import ModelDef, init_params
 from sao_jax.sampling.engine import EngineConfig
 from sao_jax.sampling.generate import GenerateFns
 from sao_jax.sampling.page_pool import KVLayout, PagePool
+from sao_jax.sampling.rollouts import SyncRollouts
 from sao_jax.sampling.sampler import AsyncSampler, configs_from_section, sampling_section
 from sao_jax.schema import ConfigError
 from tests.sampling_support import (
@@ -280,17 +281,46 @@ def test_full_pool_waits_and_preempts_without_changing_rollouts(
     assert_one_trace_per_program(eng)
 
 
-def test_async_sampler_reports_admission_counters(model):
-    """The async sampler's workers run paged engines; its stats (hence the sampler/*
-    metrics) carry their admission counters, summed."""
+class Listed:
+    """A list of prompts as the checkpointable iterator the rollout sources read."""
+
+    def __init__(self, items):
+        self.items, self.i = items, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= len(self.items):
+            raise StopIteration
+        self.i += 1
+        return self.items[self.i - 1]
+
+    def get_state(self):
+        return self.i
+
+    def set_state(self, i):
+        self.i = i
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_rollout_sources_report_admission_counters(model, mode):
+    """The async sampler's workers and the sync rollouts' takes run paged engines; their
+    stats (hence the sampler/* metrics) carry the admission counters, summed."""
     mdef, params = model
     engine = EngineConfig(num_slots=4, max_len=L_MAX, max_turn_tokens=8, steps_per_sync=3,
                           kv_layout="paged", page_size=8, num_pages=10)  # fmt: skip
-    with AsyncSampler(
-        mdef, FakeTokenizer(), TurnEnv, prompts(12, seed=1, turns=3), engine=engine
-    ) as sampler:
-        sampler.publish(params, 0)
-        assert len(sampler.take(12, timeout=300)) == 12
-        stats = sampler.stats()
+    args = (mdef, FakeTokenizer(), TurnEnv, Listed(prompts(12, seed=1, turns=3)))
+    if mode == "async":
+        source = AsyncSampler(*args, engine=engine).start()
+    else:
+        source = SyncRollouts(*args, engine)
+    try:
+        source.publish(params, 0)
+        assert len(source.take(6, timeout=300)) == 6
+        assert len(source.take(6, timeout=300)) == 6
+        stats = source.stats()
+    finally:
+        source.stop()
     assert stats["admission_waits"] > 0 and stats["pages_peak"] == 10, stats
-    assert {"preemptions", "pages_in_use"} <= set(stats)
+    assert "preemptions" in stats
