@@ -154,8 +154,8 @@ KERNEL_TOL = {
 @pytest.mark.parametrize("kernel,dtype", sorted(KERNEL_TOL))
 def test_pallas_kernels_in_interpret_mode_equal_the_dense_cache(kernel, dtype):
     """JAX's paged-attention kernels (Pallas interpret mode on CPU) reading the pages in
-    place give the dense cache's decode attention; rows at different lengths, one row's
-    position past the span (its output unused) and a permuted page table."""
+    place give the dense cache's decode attention; rows at different lengths, a
+    permuted page table, layer 1 of a stack of 2 (page ids offset into the stack)."""
     rng = np.random.default_rng(1)
     dt = jnp.dtype(dtype)
     k, v = dense_rows(rng, np.float32, b=3, h=128)
@@ -163,7 +163,7 @@ def test_pallas_kernels_in_interpret_mode_equal_the_dense_cache(kernel, dtype):
     q = jnp.asarray(rng.normal(size=(3, 1, 4, 128)), dt)
     pos = jnp.asarray([[4], [17], [31]], jnp.int32)
     want = cached_attention(q, pos, KVCache(jnp.asarray(k), jnp.asarray(v)))
-    paged = paged_copy(k, v, 8, 16, rng).replace(kernel=kernel)
+    paged = paged_copy(k, v, 8, 16, rng, layers=2, layer=1).replace(kernel=kernel)
     kn, vn = (x[np.arange(3)[:, None], np.asarray(pos)] for x in (k, v))
     got, _ = jax.jit(lambda q, kn, vn, c: cache_attention(q, kn, vn, pos, c, Sharder()))(
         q, kn, vn, paged
