@@ -383,7 +383,7 @@ class GenerateFns:
 
     def _rows(self, x, dtype=jnp.int32):
         """A host array [S, ...] on the mesh, its slot axis split like the cache's."""
-        x = np.asarray(x, dtype)
+        x = np.array(x, dtype)  # a copy: the host may change its array while a call runs
         sharding = self.sharder.named(("batch",) + (None,) * (x.ndim - 1), x.shape)
         return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding)
 
