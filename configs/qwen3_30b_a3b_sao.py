@@ -24,14 +24,18 @@ per trajectory, from `experiments.memory_plan`'s analytic update-step model):
       --coordinator_address=h1:8476 --num_processes=2 --process_id=0   # 1 on host h2
   python -m experiments.memory_plan --config=configs/qwen3_30b_a3b_sao.py \
       --mesh=data=1,fsdp=8,expert=8,tensor=1 --devices=64
+  python -m experiments.memory_plan --config=configs/qwen3_30b_a3b_sao.py:paged \
+      --mesh=data=1,fsdp=8,expert=8,tensor=1 --devices=64
 
 Variants (`:a,b=1`): gpus=N (an N-GPU fsdp mesh, N in 8..128; 0 = the TPU mesh),
 replay (MoE routing replay: the sampler records each token's experts, the update
-forces them), hf_path=DIR (config.json, *.safetensors, tokenizer.json), seed=N,
-data=FILE (a GSM8K-format .jsonl / .parquet / save_to_disk folder: question, answer
-"... #### 72"; the policy answers through the chat template, may call Python, and is
-rewarded by math-verify on its last \boxed{}), eval_data=FILE (held-out; default: a
-seeded 10% split of data). Without data: the built-in multi-turn Python-tool task.
+forces them), paged (a paged KV pool per host: 32 rollouts in flight per host, 512 on
+the 64 chips, instead of 8 dense 32k-token slots; docs/scaling.md "The rollout pool"),
+hf_path=DIR (config.json, *.safetensors, tokenizer.json), seed=N, data=FILE (a
+GSM8K-format .jsonl / .parquet / save_to_disk folder: question, answer "... #### 72";
+the policy answers through the chat template, may call Python, and is rewarded by
+math-verify on its last \boxed{}), eval_data=FILE (held-out; default: a seeded 10%
+split of data). Without data: the built-in multi-turn Python-tool task.
 """
 
 from sao_jax.configs.models import qwen3_30b_a3b
@@ -44,7 +48,14 @@ DEFAULT_HF_PATH = "/mnt/models/Qwen3-30B-A3B"  # a local or mounted copy of the 
 
 def get_config(arg=None):
     arg = parse_arg(
-        arg, gpus=0, replay=False, hf_path=DEFAULT_HF_PATH, seed=0, data="", eval_data=""
+        arg,
+        gpus=0,
+        replay=False,
+        paged=False,
+        hf_path=DEFAULT_HF_PATH,
+        seed=0,
+        data="",
+        eval_data="",
     )
     c = base.get_config()
     c.seed = arg.seed
@@ -93,6 +104,20 @@ def get_config(arg=None):
     c.sampling.steps_per_sync = 8  # decode steps between host checks
     c.sampling.queue_size = 256
     c.sampling.record_routing = arg.replay
+    if arg.paged:  # 512 rollouts in flight on 64 chips: a paged KV pool per host
+        # docs/scaling.md "The rollout pool" (a plan from shapes): at log-normal episode
+        # lengths (median 4k, p99 32k tokens) a host's 32 rollouts in flight hold <= 4,696
+        # pages of 64 positions at 99.9% of moments; 4,736 pages = 27.75 GiB per host,
+        # 6.94 GiB per chip with the host engine's KV heads over its 4 chips (one shared
+        # pool; slots split 4 ways would be 4 pools of 8, short of pages 6% of the time),
+        # against 6.0 GiB per chip for the dense cache's 8 slots.
+        if arg.gpus:
+            raise ConfigError("config variant paged: planned for the 64-chip TPU mesh only")
+        c.sampling.kv_layout = "paged"
+        c.sampling.num_slots = 32  # per host: 16 hosts x 32 = 512 rollouts in flight
+        c.sampling.page_size = 64
+        c.sampling.num_pages = 4736  # per host engine (>= 512: one 32k-token slot)
+        c.sampling.per_token_keys = True  # admission waits never change a token
 
     c.env.name = "python_tool"  # multi-turn tool use: code runs in the sandbox
     c.env.params = {"max_turns": 4}

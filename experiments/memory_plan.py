@@ -12,6 +12,10 @@ fields as usual: --config.param_dtype=bfloat16.
 With a run config (or --length), the update step's temporaries are added from the analytic
 model of sao_jax/plan/step_memory.py (activations, gradients, scan copies, LM-head
 chunk) with the sampler's policy copy and KV cache: the per-device sum the run needs.
+With a run config, the rollout pool follows (sao_jax/plan/kv_pool.py): one engine per
+--pool_devices devices (default: per host), its dense cache or paged pool
+(sampling.kv_layout), and for a paged pool the rollouts in flight at an assumed
+log-normal episode-length distribution (--episode_median, --episode_p99).
 --compile also compiles the step for this mesh on fake CPU devices at reduced shapes
 (--compile_layers, --compile_length) and prints XLA's figure next to the model's.
 """
@@ -26,6 +30,7 @@ from sao_jax import cli
 from sao_jax.configs import base
 from sao_jax.models.config import ModelConfig
 from sao_jax.parallel.mesh import DEFAULT_RULES, Sharder
+from sao_jax.plan.kv_pool import EpisodeLengths, pool_plan, pool_plan_lines
 from sao_jax.plan.memory import abstract_mesh, format_plan, memory_plan, parse_mesh
 from sao_jax.plan.step_memory import (
     StepBytes,
@@ -40,6 +45,14 @@ _MESH = flags.DEFINE_string("mesh", "fsdp=-1", "axis sizes, e.g. data=1,fsdp=8,e
 _DEVICES = flags.DEFINE_integer("devices", 8, "number of devices in the mesh")
 _LENGTH = flags.DEFINE_integer("length", None, "trajectory length T (default sampling.max_len)")
 _PER_HOST = flags.DEFINE_integer("devices_per_host", 4, "devices per host (sampler, KV cache)")
+_POOL = flags.DEFINE_integer(
+    "pool_devices", None, "devices one sampler engine's slots and pages split over (per host)"
+)
+_SHARDS = flags.DEFINE_integer(
+    "pool_shards", 1, "slot shards of an engine (1: KV heads over tensor, one shared pool)"
+)
+_MEDIAN = flags.DEFINE_float("episode_median", 4096, "median episode length (tokens), paged plan")
+_P99 = flags.DEFINE_float("episode_p99", 32768, "99th percentile of episode lengths (tokens)")
 _MOE = flags.DEFINE_string("moe_impl", "ragged", "MoE path to plan for: ragged | dense")
 _COMPILE = flags.DEFINE_bool("compile", False, "also compile reduced shapes on fake devices")
 _C_LAYERS = flags.DEFINE_integer("compile_layers", 2, "layers of the compiled check")
@@ -74,6 +87,18 @@ def main(argv):
     shards = sharder.axis_size("batch")
     rows = max(rl.batch_size // (rl.microbatches * shards), 1)
     slots = config.sampling.num_slots if "sampling" in config else 32
+    pool = None
+    if "sampling" in config:
+        pool_devices = _POOL.value or _PER_HOST.value
+        if pool_devices < 1 or _DEVICES.value % pool_devices:
+            cli.input_error_exit(
+                ConfigError(f"flag --pool_devices: {pool_devices} does not divide --devices"),
+                "memory_plan",
+            )
+        try:
+            pool = pool_plan(cfg, config.sampling, pool_devices, _SHARDS.value)
+        except ValueError as e:
+            cli.input_error_exit(ConfigError(f"flag --pool_shards / sampling: {e}"), "memory_plan")
     lines = step_plan_lines(
         cfg,
         plan,
@@ -85,8 +110,18 @@ def main(argv):
         devices_per_host=_PER_HOST.value,
         frozen=optim.critic.freeze_attention,
         moe_impl=_MOE.value,
+        pool=pool,
     )
     print("\n".join(lines))
+    if pool is not None:
+        try:
+            lengths = EpisodeLengths(_MEDIAN.value, _P99.value)
+        except ValueError as e:
+            cli.input_error_exit(
+                ConfigError(f"flags --episode_median/--episode_p99: {e}"), "memory_plan"
+            )
+        engines = _DEVICES.value // pool.devices
+        print("\n".join(pool_plan_lines(pool, lengths, engines)))
     if _COMPILE.value:
         print("\n".join(compiled_check(config, cfg, mesh, rules, rows)))
 

@@ -172,6 +172,16 @@ def sampling_section() -> ConfigDict:
     c.env_timeout_s = ml_collections.FieldReference(120.0, field_type=float)  # per env
     # call (a tool run, a judge call), then the trajectory is dropped; None = no timeout
     c.env_workers = 8  # env calls running at once per worker (off the decoding thread)
+    # KV cache layout (docs/sampling.md, "Paged KV pool"): 'dense' preallocates
+    # num_slots x max_len per layer; 'paged' shares a pool of pages among the slots, sized
+    # to the live tokens, with admission control when it is full.
+    c.kv_layout = "dense"
+    c.page_size = 16  # paged: token positions per page
+    c.num_pages = 0  # paged: pages per layer in each engine's pool; 0 = num_slots x max_len
+    c.paged_kernel = "auto"  # paged decode read: auto (Pallas on TPU/GPU, else gather) |
+    # gather | pallas_tpu | pallas_gpu (off their backend: Pallas interpret mode, tests only)
+    c.per_token_keys = False  # key each draw by (trajectory, position): the same tokens
+    # whatever the schedule (slots, batching, admission waits); False: a key per decode call
     c.queue_size = 64  # finished trajectories buffered ahead of the learner
     c.max_staleness = placeholder(int)  # drop if current - oldest version > this; None = off
     c.max_env_errors = 8  # environment failures in a row before the sampler fails

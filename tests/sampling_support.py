@@ -1,13 +1,16 @@
 """Shared fakes of the sampling tests (test_generate.py, test_sampler.py, test_routing_replay.py).
 
 A tiny MoE policy config, a character tokenizer and a multi-turn env; the fakes follow the
-protocols of sao_jax/text/tokenizer.py and sao_jax/envs/base.py.
+protocols of sao_jax/text/tokenizer.py and sao_jax/envs/base.py. `engine_rollouts` and
+`assert_same_rollouts` are the run and the comparison of the tests that check a cache
+variant (spans, paged pool, mesh) against a reference engine.
 """
 
 import numpy as np
 
 from sao_jax.envs.base import Prompt, StepResult
 from sao_jax.models.config import ModelConfig
+from sao_jax.sampling.engine import Engine, EngineConfig
 
 MODEL = ModelConfig(
     vocab_size=32,
@@ -61,3 +64,31 @@ def prompts(n, seed=0, turns=2):
                {"turns": turns})
         for i in range(n)
     ]  # fmt: skip
+
+
+def engine_rollouts(mdef, params, *, num_prompts=13, sharder=None, **kw):
+    """The tiny engine's rollouts of `num_prompts` 3-turn prompts (sorted by uid), seed 3,
+    version 2, top-k 20 / top-p 0.9, routing recorded; `kw` sets the other EngineConfig
+    fields. Returns (trajectories, engine)."""
+    cfg = dict(num_slots=4, max_len=64, max_turn_tokens=10, record_routing=True, top_k=20,
+               top_p=0.9)  # fmt: skip
+    eng = Engine.create(
+        mdef, FakeTokenizer(), TurnEnv, EngineConfig(**{**cfg, **kw}), seed=3, sharder=sharder
+    )
+    trajs, drops = eng.run(params, prompts(num_prompts, seed=1, turns=3), version=2)
+    assert not drops and len(trajs) == num_prompts
+    return sorted(trajs, key=lambda t: t.prompt_uid), eng
+
+
+def assert_same_rollouts(ref, got, atol=2e-6):
+    """Same prompts, tokens, actions, routing, versions and episode ends; log-probs within
+    `atol` (float32 summation order)."""
+    for a, b in zip(ref, got, strict=True):
+        assert a.prompt_uid == b.prompt_uid
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        np.testing.assert_array_equal(b.action_mask, a.action_mask)
+        np.testing.assert_array_equal(b.experts, a.experts)
+        np.testing.assert_array_equal(b.versions, a.versions)
+        np.testing.assert_allclose(b.rollout_logp, a.rollout_logp, atol=atol, rtol=0)
+        np.testing.assert_allclose(b.sampled_logp, a.sampled_logp, atol=atol, rtol=0)
+        assert (b.terminated, b.outcome, b.num_turns) == (a.terminated, a.outcome, a.num_turns)

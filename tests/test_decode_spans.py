@@ -18,11 +18,11 @@ from sao_jax.models.attention import KVCache, cached_attention
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
-from sao_jax.sampling.engine import Engine, EngineConfig
+from sao_jax.sampling.engine import EngineConfig
 from sao_jax.sampling.generate import Spans, choose_spans, span_buckets
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.schema import ConfigError
-from tests.sampling_support import MODEL, FakeTokenizer, TurnEnv, prompts
+from tests.sampling_support import MODEL, assert_same_rollouts, engine_rollouts
 
 L_MAX = 64
 
@@ -74,32 +74,15 @@ def test_cached_attention_over_spans_equals_whole_cache():
     assert not np.allclose(short[2], full[2])
 
 
-def _run(mdef, params, steps, **kw):
-    cfg = EngineConfig(
-        num_slots=4, max_len=L_MAX, max_turn_tokens=10, record_routing=True, top_k=20,
-        top_p=0.9, steps_per_sync=steps, **kw,
-    )  # fmt: skip
-    eng = Engine.create(mdef, FakeTokenizer(), TurnEnv, cfg, seed=3)
-    trajs, drops = eng.run(params, prompts(13, seed=1, turns=3), version=2)
-    assert not drops and len(trajs) == 13
-    return sorted(trajs, key=lambda t: t.prompt_uid), eng
-
-
 @pytest.mark.parametrize("steps", [1, 3])
 def test_spans_and_lane_reproduce_whole_cache_rollouts(model, steps):
     mdef, params = model
-    ref, _ = _run(mdef, params, steps, span_buckets=(L_MAX,))
-    got, eng = _run(mdef, params, steps, span_buckets=(8, 16, 32), lane_slots=1)
-    for a, b in zip(ref, got, strict=True):
-        assert a.prompt_uid == b.prompt_uid
-        np.testing.assert_array_equal(b.tokens, a.tokens)
-        np.testing.assert_array_equal(b.action_mask, a.action_mask)
-        np.testing.assert_array_equal(b.experts, a.experts)
-        np.testing.assert_array_equal(b.versions, a.versions)
-        # Same terms, different float32 summation split: equal to rounding.
-        np.testing.assert_allclose(b.rollout_logp, a.rollout_logp, atol=2e-6, rtol=0)
-        np.testing.assert_allclose(b.sampled_logp, a.sampled_logp, atol=2e-6, rtol=0)
-        assert b.terminated == a.terminated and b.outcome == a.outcome
+    ref, _ = engine_rollouts(mdef, params, steps_per_sync=steps, span_buckets=(L_MAX,))
+    got, eng = engine_rollouts(
+        mdef, params, steps_per_sync=steps, span_buckets=(8, 16, 32), lane_slots=1
+    )
+    # Same terms, different float32 summation split: equal to rounding (2e-6).
+    assert_same_rollouts(ref, got)
     progs = eng.fns.programs
     decode = {p for p in progs if p[0] == "decode"}
     assert any(p[1] < L_MAX for p in decode), "some decode step read less than the cache"

@@ -159,7 +159,9 @@ def test_command_line_dry_run():
     ]
 
 
-@pytest.mark.parametrize("variant, devices", [("", 64), ("gpus=8,replay", 8), ("gpus=16", 16)])
+@pytest.mark.parametrize(
+    "variant, devices", [("", 64), ("gpus=8,replay", 8), ("gpus=16", 16), ("paged", 64)]
+)
 def test_30b_config_validates_and_its_batch_splits_on_its_mesh(variant, devices):
     """The config the launcher runs at scale: valid, and 128 rows split evenly over the
     microbatches x data-parallel shards of its mesh (abstract: no devices needed)."""

@@ -131,3 +131,72 @@ def test_plan_rows_match_a_live_train_state(freeze, trainable):
     assert live_ok, sizes
     if freeze and trainable == "moe":  # embedding and norms frozen too: smaller still
         assert sizes["critic AdamW, live"] < sizes["critic AdamW, attention frozen"]
+
+
+def test_kv_pool_plan_literal():
+    """Per-token KV bytes, dense and paged pool sizes, and the live-token model on a
+    near-constant length (T ~ 1000: a rollout in flight holds u T, u uniform, plus the
+    decode lookahead, rounded up to pages: 500 + 1 + 16 / 2 on average)."""
+    from sao_jax.plan.kv_pool import EpisodeLengths, in_flight, kv_bytes_per_token, pool_plan
+
+    assert kv_bytes_per_token(dataclasses.replace(CFG, dtype="bfloat16")) == 48 * 2 * 4 * 128 * 2
+    sampling = dict(num_slots=32, max_len=2048, kv_layout="dense", page_size=16, num_pages=0)
+    dense = pool_plan(CFG, sampling, devices=4)
+    assert dense.tokens == 32 * 2048 and dense.device_bytes == 32 * 2048 * dense.token_bytes / 4
+    paged = pool_plan(CFG, {**sampling, "kv_layout": "paged", "num_pages": 1100}, devices=4)
+    assert paged.tokens == 1100 * 16
+    f = in_flight(paged, EpisodeLengths(1000, 1001), trials=500)
+    assert abs(f.mean_live - 509) < 5, f
+    assert 32 * 509 / 16 < f.pages_q < 32 * 1001 / 16 and 0 < f.short < 0.5
+    with pytest.raises(ValueError, match="num_pages"):
+        pool_plan(CFG, {**sampling, "kv_layout": "paged", "num_pages": 100}, devices=4)
+
+
+def test_paged_30b_variant_plans_512_rollouts_in_flight_on_64_chips():
+    """configs/qwen3_30b_a3b_sao.py:paged: 16 hosts x 32 rollouts in flight at 32k
+    max_len, the pool short of pages < 0.5% of the time at the assumed episode lengths,
+    and the per-chip sum (update step + sampler copy + KV pool) within a v5p's 95 GiB."""
+    from sao_jax import config as config_lib
+    from sao_jax.parallel.mesh import Sharder
+    from sao_jax.plan.kv_pool import EpisodeLengths, in_flight, pool_plan
+    from sao_jax.plan.memory import abstract_mesh
+    from sao_jax.plan.step_memory import step_plan_lines
+
+    c = config_lib.validate(config_lib.load_config("configs/qwen3_30b_a3b_sao.py:paged"))
+    assert c.sampling.kv_layout == "paged" and c.sampling.max_len == 32768
+    cfg = ModelConfig.from_config(c.model)
+    pool = pool_plan(cfg, c.sampling, devices=4)  # one engine per 4-chip host
+    assert (64 // pool.devices) * pool.slots >= 512
+    f = in_flight(pool, EpisodeLengths(4096, 32768))
+    assert f.pages_q <= pool.pages and f.short < 0.005, f
+    sharder = Sharder(abstract_mesh(MESH_64))
+    plan = memory_plan(cfg, c.optim, MESH_64)
+    lines = step_plan_lines(cfg, plan, sharder, length=32768, rows_per_device=1,
+                            microbatches=c.rl.microbatches, slots_per_host=pool.slots,
+                            devices_per_host=4, pool=pool)  # fmt: skip
+    total = next(line for line in lines if line.startswith("sum:"))
+    assert float(total.split()[-1]) < 95, lines
+    kv = next(line for line in lines if line.startswith("KV cache, paged"))
+    assert abs(float(kv.split()[-1]) - 6.94) < 0.01
+
+
+def test_entry_point_plans_a_paged_pool_and_names_bad_flags():
+    base_flags = ["--config=configs/sao.py:smoke", "--mesh=fsdp=2", "--devices=2"]
+
+    def plan(*flags):
+        return subprocess.run(
+            [sys.executable, "-m", "experiments.memory_plan", *base_flags, *flags],
+            cwd=pathlib.Path(__file__).parents[1],
+            capture_output=True,
+            text=True,
+        )
+
+    out = plan("--pool_devices=1", "--config.sampling.kv_layout=paged", "--episode_median=40",
+               "--episode_p99=90")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "2 engine(s) x 8 slots = 16 rollouts in flight" in out.stdout
+    assert "KV pool paged: 48 pages x 16 positions" in out.stdout
+    bad = plan("--pool_devices=3")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "memory_plan: flag --pool_devices: 3 does not divide --devices"
+    ]

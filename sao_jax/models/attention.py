@@ -15,6 +15,9 @@ Decode cost proportional to context: a cache may carry a static `span`; attentio
 reads only slots [0, span) (the caller guarantees every query that matters sits below
 it), and an optional long lane (`lane_rows_r`, static `lane_span`) gives a few rows a
 longer span, so one long row does not make every row pay (docs/sampling.md section 1).
+A paged cache (models/paged_cache.py: pages shared by all slots, a block table per slot)
+shows attention the same slots: its pages are gathered into the dense layout, or read in
+place by a Pallas kernel for decode (models/paged_kernels.py); `cache_attention` picks.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sao_jax.models import attention_backends as backends
+from sao_jax.models import paged_cache as paged
+from sao_jax.models import paged_kernels
 from sao_jax.models.layers import (
     RMSNorm,
     apply_rope,
@@ -33,6 +38,7 @@ from sao_jax.models.layers import (
     rope_tables,
     token_einsum,
 )
+from sao_jax.models.paged_cache import PagedKVCache
 from sao_jax.parallel.mesh import Sharder
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -99,28 +105,70 @@ def _causal_over_slots(q_pos_bt, span: int) -> jax.Array:
     return jnp.arange(span, dtype=q_pos_bt.dtype)[None, None, :] <= q_pos_bt[:, :, None]
 
 
-def cached_attention(q_btnh, positions_bt, cache: KVCache) -> jax.Array:
-    """Attention of the queries over the cache's first `span` slots (long lane: `lane_span`).
+def attend_slots(q_btnh, positions_bt, read, span: int, lane_rows_r=None, lane_span=None):
+    """Attention of the queries over cache slots [0, span) (long lane: [0, lane_span)).
 
-    Equals attention over all S slots for every query at a position < its row's span:
-    the slots beyond are masked by causality, so they only add exact zeros.
+    `read(span, rows)` returns (k, v) [B or R, span, K, H] of slots [0, span) of every row
+    (rows None) or of rows `rows`: a slice of a dense cache or a gather of pages. Equals
+    attention over all slots for every query at a position < its row's span: the slots
+    beyond are masked by causality, so they only add exact zeros.
     """
+    k_bskh, v_bskh = read(span, None)
+    out_btnh = grouped_attention(q_btnh, k_bskh, v_bskh, _causal_over_slots(positions_bt, span))
+    if lane_rows_r is None:
+        return out_btnh
+    k_rskh, v_rskh = read(lane_span, lane_rows_r)
+    pos_rt = positions_bt[lane_rows_r]
+    out_rtnh = grouped_attention(
+        q_btnh[lane_rows_r], k_rskh, v_rskh, _causal_over_slots(pos_rt, lane_span)
+    )
+    return out_btnh.at[lane_rows_r].set(out_rtnh)
+
+
+def cached_attention(q_btnh, positions_bt, cache: KVCache) -> jax.Array:
+    """Attention of the queries over a dense cache's first `span` slots (long lane:
+    `lane_span`); see `attend_slots`."""
     s = cache.k_bskh.shape[-3]
     span = s if cache.span is None else min(cache.span, s)
-    k_bskh, v_bskh = _slots(cache, cache.k_bskh, span), _slots(cache, cache.v_bskh, span)
-    out_btnh = grouped_attention(q_btnh, k_bskh, v_bskh, _causal_over_slots(positions_bt, span))
-    if cache.lane_rows_r is None:
-        return out_btnh
-    rows_r = cache.lane_rows_r
     lane = s if cache.lane_span is None else min(cache.lane_span, s)
-    pos_rt = positions_bt[rows_r]
-    out_rtnh = grouped_attention(
-        q_btnh[rows_r],
-        _slots(cache, cache.k_bskh, lane)[rows_r],
-        _slots(cache, cache.v_bskh, lane)[rows_r],
-        _causal_over_slots(pos_rt, lane),
-    )
-    return out_btnh.at[rows_r].set(out_rtnh)
+
+    def read(n, rows):
+        k, v = _slots(cache, cache.k_bskh, n), _slots(cache, cache.v_bskh, n)
+        return (k, v) if rows is None else (k[rows], v[rows])
+
+    return attend_slots(q_btnh, positions_bt, read, span, cache.lane_rows_r, lane)
+
+
+def paged_attention(q_btnh, k_btkh, v_btkh, positions_bt, cache: PagedKVCache, sharder):
+    """Writes the new keys/values into their pages and attends (per device on a mesh):
+    one query per row through the Pallas kernel `cache.kernel`, otherwise the gather of
+    each row's pages into slots [0, span) (models/paged_cache.py, paged_kernels.py)."""
+    length = cache.block_table_sn.shape[1] * cache.page_size
+
+    def local(q, k, v, pos, c: PagedKVCache):
+        c = paged.write_pages(c, k, v, pos)
+        span = length if c.span is None else min(c.span, length)
+        if q.shape[1] == 1 and c.kernel != "gather":
+            lane = c.lane_span if c.lane_rows_r is not None else None
+            return paged_kernels.decode_attention(q, pos, c, max(span, lane or 0)), c
+        lane = length if c.lane_span is None else min(c.lane_span, length)
+
+        def read(n, rows):
+            return paged.gather_slots(c, c.k_klpzh, n, rows), paged.gather_slots(
+                c, c.v_klpzh, n, rows
+            )
+
+        return attend_slots(q, pos, read, span, c.lane_rows_r, lane), c
+
+    return paged.per_device(local, sharder, q_btnh, k_btkh, v_btkh, positions_bt, cache)
+
+
+def cache_attention(q_btnh, k_btkh, v_btkh, positions_bt, cache, sharder):
+    """(attention output, updated cache) of one cached call, dense or paged cache."""
+    if isinstance(cache, PagedKVCache):
+        return paged_attention(q_btnh, k_btkh, v_btkh, positions_bt, cache, sharder)
+    cache = write_cache(cache, k_btkh, v_btkh, positions_bt)
+    return cached_attention(q_btnh, positions_bt, cache), cache
 
 
 def grouped_attention(q_btnh, k_bskh, v_bskh, mask_bts) -> jax.Array:
@@ -236,8 +284,8 @@ class Attention(nnx.Module):
         x_btd: jax.Array,
         positions_bt: jax.Array,
         segment_ids_bt: jax.Array,
-        cache: KVCache | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
+        cache: KVCache | PagedKVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
         dt = x_btd.dtype
         c = self.sharder.constrain
         q = token_einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dt))
@@ -261,8 +309,7 @@ class Attention(nnx.Module):
                 sharder=self.sharder,
             )
         else:
-            cache = write_cache(cache, k, v, positions_bt)
-            out = cached_attention(q, positions_bt, cache)
+            out, cache = cache_attention(q, k, v, positions_bt, cache, self.sharder)
         out = c(out, ("batch", "length", "act_heads", None))
         y = token_einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt))
         return y, cache

@@ -19,6 +19,7 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.models.layer_stack import apply_layers, layer_runs, stack_modules
 from sao_jax.models.layers import DenseMLP, Embed, RMSNorm, normal, param, token_einsum, zeros
 from sao_jax.models.moe.block import MoEBlock
+from sao_jax.models.paged_cache import PagedKVCache, init_paged_cache
 from sao_jax.parallel.mesh import Sharder
 
 
@@ -151,6 +152,18 @@ class Trunk(nnx.Module):
             sizes = [None] * cfg.num_hidden_layers
         return tuple(
             init_cache(batch, length, dtype=cfg.compute_dtype, layers=n, **kw) for n in sizes
+        )
+
+    def init_paged_cache(self, num_pages: int, page_size: int) -> tuple[PagedKVCache, ...]:
+        """Zeros: one pool of `num_pages` pages of `page_size` positions per layer, laid out
+        [K, 1, P, Z, H] per layer or (`scan_layers`) [K, L_run, P, Z, H] per stack
+        (models/paged_cache.py)."""
+        cfg = self.cfg
+        kw = dict(num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+        runs = layer_runs(cfg) if cfg.scan_layers else [(0, 1)] * cfg.num_hidden_layers
+        return tuple(
+            init_paged_cache(num_pages, page_size, dtype=cfg.compute_dtype, layers=b - a, **kw)
+            for a, b in runs
         )
 
 

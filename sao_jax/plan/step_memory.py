@@ -279,9 +279,12 @@ def step_plan_lines(
     devices_per_host: int,
     frozen: bool = True,
     moe_impl: str = "ragged",
+    pool=None,
 ) -> list[str]:
     """The update step's temporaries (analytic) and the sampler's share, per device, as
-    table lines under `format_plan`'s; `plan` is sao_jax.plan.memory.Plan."""
+    table lines under `format_plan`'s; `plan` is sao_jax.plan.memory.Plan. The KV cache
+    is `pool`'s (sao_jax.plan.kv_pool.PoolPlan: dense or paged), or else a dense cache
+    of `slots_per_host` slots of `length` over the host's devices."""
     from sao_jax.models.factory import critic_def, policy_def
 
     opt = plan.critic_opt_frozen if frozen else plan.critic_opt_full
@@ -299,7 +302,17 @@ def step_plan_lines(
     c = _itemsize(cfg.compute_dtype)
     kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * c
     kv = slots_per_host * length * kv_token / devices_per_host
-    sampler = plan.policy_total.count * c / devices_per_host
+    kv_line = f"KV cache: {slots_per_host} slots/host x T x {kv_token / 1024:g} KiB/token"
+    if pool is not None and pool.layout == "paged":
+        kv = pool.device_bytes
+        kv_line = (
+            f"KV cache, paged: {pool.pages} pages x {pool.page_size} x {kv_token / 1024:g} KiB"
+        )
+    elif pool is not None:
+        kv = pool.device_bytes
+        kv_line = f"KV cache: {pool.slots} slots x {pool.max_len} x {kv_token / 1024:g} KiB/token"
+    copy_devices = pool.devices if pool is not None else devices_per_host  # the engine's
+    sampler = plan.policy_total.count * c / copy_devices
     state = plan.total(frozen).device_bytes
     lines = [
         "",
@@ -316,8 +329,8 @@ def step_plan_lines(
         ("LM-head chunk (logits [rows, C, V] f32) + final hidden", a.lm_head),
         ("total temporaries", a.total),
         ("params + AdamW (above) + temporaries: the update step", state + a.total),
-        (f"sampler bf16 policy copy, split over {devices_per_host} devices/host", sampler),
-        (f"KV cache: {slots_per_host} slots/host x T x {kv_token / 1024:g} KiB/token", kv),
+        (f"sampler bf16 policy copy, split over {copy_devices} devices", sampler),
+        (kv_line, kv),
         ("sum: update step + sampler (one copy) + KV cache", state + a.total + sampler + kv),
     ]
     for name, value in terms:

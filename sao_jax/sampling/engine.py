@@ -27,6 +27,12 @@ slots; `step` applies their results in slot order after waiting for all (determi
 or, with `overlap_env` (the async sampler), parks a slot whose call still runs out of the
 decode batch while the others decode. Waits honour SIGTERM (env_calls.EnvCalls.check).
 The host records (settings, slots, drops) live in slots.py.
+
+With a paged KV pool (`kv_layout='paged'`, page_pool.py) each step first gives every
+active slot, oldest first, the pages its calls touch; a slot short of pages sits the step
+out, and when a shard's slots are all stuck its youngest give their pages back
+(`_admit`): admission control, counted in `stats()`. Pages return when a trajectory
+ends. The programs run on the engine's sharder (generate.py: slots over the data axes).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from sao_jax.sampling.generate import (
     choose_spans,
     inert_rows,
 )
+from sao_jax.sampling.page_pool import PagePool
 from sao_jax.sampling.slots import (  # noqa: F401  (EngineConfig, Drop: the engine's API)
     DROP_REASONS,
     TURN_ENDED,
@@ -59,6 +66,22 @@ from sao_jax.sampling.slots import (  # noqa: F401  (EngineConfig, Drop: the eng
 from sao_jax.sampling.trajectory import Trajectory
 
 
+def generate_fns(mdef, cfg: EngineConfig, sharder=None) -> GenerateFns:
+    """The compiled programs of an engine with settings `cfg` (one GenerateFns serves every
+    engine of these settings: the sampler's workers share it), on `sharder`'s mesh
+    (default: the model def's)."""
+    return GenerateFns(
+        mdef,
+        num_slots=cfg.num_slots,
+        max_len=cfg.max_len,
+        steps=cfg.steps_per_sync,
+        record_routing=cfg.record_routing,
+        sharder=sharder,
+        layout=cfg.layout,
+        per_token_keys=cfg.per_token_keys,
+    )
+
+
 class Engine:
     """Continuous-batching rollouts over S slots; see the module docstring."""
 
@@ -71,15 +94,19 @@ class Engine:
         *,
         seed: int | jax.Array = 0,
     ):
-        if (fns.num_slots, fns.max_len, fns.steps) != (
-            cfg.num_slots,
-            cfg.max_len,
-            cfg.steps_per_sync,
-        ):
+        built = (fns.num_slots, fns.max_len, fns.steps, fns.per_token_keys)
+        wanted = (cfg.num_slots, cfg.max_len, cfg.steps_per_sync, cfg.per_token_keys)
+        if built != wanted:
             raise ValueError(
-                f"fns: built for (num_slots, max_len, steps)=({fns.num_slots}, {fns.max_len}, "
-                f"{fns.steps}) but cfg has ({cfg.num_slots}, {cfg.max_len}, {cfg.steps_per_sync})"
+                f"fns: built for (num_slots, max_len, steps, per_token_keys)={built} but cfg "
+                f"has {wanted}"
             )
+        layout = cfg.layout
+        if (fns.layout.kind, fns.layout.page_size) != (layout.kind, layout.page_size) or (
+            fns.layout.pool_pages(cfg.num_slots, cfg.max_len)
+            != layout.pool_pages(cfg.num_slots, cfg.max_len)
+        ):
+            raise ValueError(f"fns: built for KV layout {fns.layout} but cfg has {layout}")
         if cfg.record_routing and not fns.record_routing:
             raise ValueError("cfg.record_routing=True but fns were built without routing")
         vocab = fns.model_cfg.vocab_size
@@ -101,18 +128,35 @@ class Engine:
         self._cache = None
         self._sampling = cfg.sampling
         self.calls = dict(decode=0, prefill=0)
+        self._serial = 0  # prompts taken so far (a slot's age and, per-token keys, its RNG)
+        self.pool = (
+            PagePool(cfg.num_slots, cfg.max_len, fns.layout, fns.shards)
+            if fns.layout.paged
+            else None
+        )
+        self._paused: set[int] = set()  # slots waiting for pages in this step
+        self._table = None  # the block table on the devices, as of `_table_changes`
+        self._table_changes = -1
+        self.counters = dict(admission_waits=0, preemptions=0)
 
     @classmethod
-    def create(cls, mdef, tokenizer, env_factory, cfg: EngineConfig, *, seed: int = 0) -> Engine:
+    def create(
+        cls, mdef, tokenizer, env_factory, cfg: EngineConfig, *, seed: int = 0, sharder=None
+    ) -> Engine:
         """An engine with its own compiled programs (samplers share one GenerateFns)."""
-        fns = GenerateFns(
-            mdef,
-            num_slots=cfg.num_slots,
-            max_len=cfg.max_len,
-            steps=cfg.steps_per_sync,
-            record_routing=cfg.record_routing,
+        return cls(generate_fns(mdef, cfg, sharder), tokenizer, env_factory, cfg, seed=seed)
+
+    def stats(self) -> dict[str, int]:
+        """Admission control's counters: `admission_waits` (slot-steps a slot sat out for
+        want of pages), `preemptions` (slots whose pages were taken back so an older slot
+        could go on; they recompute their cache later), and the pool's pages in use now
+        and at most (0 for a dense cache)."""
+        pool = self.pool
+        return dict(
+            self.counters,
+            pages_in_use=pool.in_use if pool else 0,
+            pages_peak=pool.peak if pool else 0,
         )
-        return cls(fns, tokenizer, env_factory, cfg, seed=seed)
 
     @property
     def active(self) -> int:
@@ -170,7 +214,7 @@ class Engine:
                 "leaves no room to generate"
             )
             raise DropError("prompt_too_long", err)
-        slot = Slot(prompt, self.cfg.max_len, self._routing)
+        slot = Slot(prompt, self.cfg.max_len, self._routing, serial=self._serial - 1)
         slot.append_context(ids, version)
         return slot
 
@@ -186,10 +230,64 @@ class Engine:
                 prompt = next_prompt()
                 if prompt is None:
                     return
+                self._serial += 1
                 try:
                     self._slots[s] = self._start(s, prompt, version)
                 except DropError as d:
                     dropped.append(Drop(d.reason, prompt.uid, d.error))
+
+    # ---- admission control (paged pool) -------------------------------------------------
+
+    def _admit(self) -> None:
+        """Gives every active slot, oldest first, the pages its next prefill and decode
+        touch (positions [0, n - 1 + steps_per_sync)); a slot whose shard is short of pages
+        sits this step out (`_paused`, counted in `admission_waits`), holding what it has.
+        When no slot of a shard can go on, the youngest slots of that shard give their
+        pages back (`preemptions`) until its oldest waiting slot fits: it always does,
+        since a shard holds one full-length slot (KVLayout.check), so the oldest slot
+        always progresses and nothing waits forever. A preempted slot recomputes its
+        cache (a prefill of its tokens) once it gets pages again; nothing is dropped."""
+        self._paused = set()
+        pool = self.pool
+        if pool is None:
+            return
+        holders = {s: sl for s, sl in enumerate(self._slots) if sl is not None}
+        holders.update((s, sl) for s, (sl, _) in self._parked.items())
+        order = sorted((s for s, sl in enumerate(self._slots) if sl is not None),
+                       key=lambda s: holders[s].serial)  # fmt: skip
+        waiting = [s for s in order if not pool.ensure(s, self._tokens_needed(s))]
+        running = {pool.shard_of(s) for s in order if s not in waiting}
+        for shard in sorted({pool.shard_of(s) for s in waiting} - running):
+            first = next(s for s in waiting if pool.shard_of(s) == shard)
+            victims = sorted(
+                (v for v in holders if v != first and pool.shard_of(v) == shard and pool.held(v)),
+                key=lambda v: -holders[v].serial,
+            )
+            while not pool.ensure(first, self._tokens_needed(first)):
+                v = victims.pop(0)
+                pool.release(v)
+                holders[v].written = 0  # its cache is gone: prefilled again when it resumes
+                self.counters["preemptions"] += 1
+            waiting.remove(first)
+        self._paused = set(waiting)
+        self.counters["admission_waits"] += len(waiting)
+
+    def _tokens_needed(self, s: int) -> int:
+        """Positions slot s's next prefill and decode call write or attend."""
+        return min(self._slots[s].n - 1 + self.cfg.steps_per_sync, self.cfg.max_len)
+
+    def _block_table(self):
+        """The pool's block table on the devices (re-sent only when it changed)."""
+        if self.pool is None:
+            return None
+        if self._table_changes != self.pool.changes:
+            self._table = self.fns.block_table(self.pool.table)
+            self._table_changes = self.pool.changes
+        return self._table
+
+    def _running(self, s: int) -> Slot | None:
+        """Slot s's record if it takes part in this step's device calls."""
+        return None if s in self._paused else self._slots[s]
 
     # ---- device calls -------------------------------------------------------------------
 
@@ -197,7 +295,8 @@ class Engine:
         """Writes tokens[written : n - 1] of every active slot, chunk by chunk."""
         S, L = self.cfg.num_slots, self.cfg.max_len
         while True:
-            pending = [0 if sl is None else sl.n - 1 - sl.written for sl in self._slots]  # per slot
+            slots = [self._running(s) for s in range(S)]
+            pending = [0 if sl is None else sl.n - 1 - sl.written for sl in slots]  # per slot
             most = max(pending)
             if most <= 0:
                 return
@@ -207,21 +306,23 @@ class Engine:
             need_s = np.zeros(S, np.int64)  # cache slots each writing row reads
             for s, c in enumerate(counts):
                 if c > 0:
-                    sl = self._slots[s]
+                    sl = slots[s]
                     tokens_sc[s, :c] = sl.tokens[sl.written : sl.written + c]
                     positions_sc[s, :c] = np.arange(sl.written, sl.written + c)
                     need_s[s] = sl.written + c
             spans = choose_spans(need_s, self.cfg.spans)  # inert rows' outputs are unused
             self._cache, experts = self.fns.prefill(
-                params, self._cache, tokens_sc, positions_sc, spans
+                params, self._cache, tokens_sc, positions_sc, spans, block_table=self._block_table()
             )
             self.calls["prefill"] += 1
             experts = None if (experts is None or self._routing is None) else np.asarray(experts)
             for s, c in enumerate(counts):
                 if c > 0:
-                    sl = self._slots[s]
-                    if experts is not None:
-                        sl.experts[sl.written : sl.written + c] = experts[s, :c]
+                    sl = slots[s]
+                    if experts is not None:  # a recompute keeps the routing recorded first
+                        part = sl.experts[sl.written : sl.written + c]
+                        new = part[:, 0, 0] < 0
+                        part[new] = experts[s, :c][new]
                     sl.written += c
 
     def _decode(self, params):
@@ -229,14 +330,28 @@ class Engine:
         tokens_s = np.zeros(S, np.int32)
         positions_s = np.full(S, L, np.int32)
         need_s = np.zeros(S, np.int64)  # free slots' samples are unused
-        for s, sl in enumerate(self._slots):
+        serial_s = np.zeros(S, np.int32)
+        for s in range(S):
+            sl = self._running(s)
             if sl is not None:
                 tokens_s[s], positions_s[s] = sl.tokens[sl.n - 1], sl.n - 1
                 need_s[s] = min(sl.n - 1 + self.cfg.steps_per_sync, L)
+                serial_s[s] = sl.serial
         spans = choose_spans(need_s, self.cfg.spans, self.cfg.lane_slots)
-        self._key, step_key = jax.random.split(self._key)
+        if self.cfg.per_token_keys:
+            step_key = self._key  # folded with (serial, position) inside
+        else:
+            self._key, step_key = jax.random.split(self._key)
         self._cache, out = self.fns.decode(
-            params, self._cache, tokens_s, positions_s, step_key, self._sampling, spans
+            params,
+            self._cache,
+            tokens_s,
+            positions_s,
+            step_key,
+            self._sampling,
+            spans,
+            block_table=self._block_table(),
+            serial_s=serial_s,
         )
         self.calls["decode"] += 1
         return jax.tree.map(np.asarray, out)
@@ -347,11 +462,13 @@ class Engine:
                 done = self._collect_env_steps(version, block=True, every=False)
                 self._split(done, finished, dropped)
             return StepOutput(finished, dropped, self.active, 0)
+        self._admit()
         self._prefill_pending(params)
         out = self._decode(params)
         generated = 0
         ended: list[tuple[int, Trajectory | None, Drop | None]] = []  # (slot, traj, drop)
-        for s, sl in enumerate(self._slots):
+        for s in range(self.cfg.num_slots):
+            sl = self._running(s)
             if sl is None:
                 continue
             try:
@@ -371,10 +488,13 @@ class Engine:
         self._split(sorted(ended, key=lambda e: e[0]), finished, dropped)
         return StepOutput(finished, dropped, self.active, generated)
 
-    @staticmethod
-    def _split(entries, finished: list, dropped: list) -> None:
-        finished += [traj for _, traj, _ in entries if traj is not None]
-        dropped += [drop for _, _, drop in entries if drop is not None]
+    def _split(self, entries, finished: list, dropped: list) -> None:
+        """Sorts ended slots into finished / dropped and frees their pages."""
+        for s, traj, drop in entries:
+            if traj is not None or drop is not None:
+                if self.pool is not None:
+                    self.pool.release(s)
+                (finished if drop is None else dropped).append(traj if drop is None else drop)
 
     def run(
         self,

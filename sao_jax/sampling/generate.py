@@ -18,6 +18,10 @@ Both programs take a static read span (`choose_spans`): attention reads only cac
 optionally a long lane of a few rows with a longer span. So a step costs in proportion
 to the context the slots hold, not to L; one program is compiled per span (pair).
 
+The cache is dense ([S, L, K, H] per layer) or a paged pool shared by the slots, read
+through a block table the engine passes in (page_pool.py, models/paged_cache.py); the
+programs run on a sharder's mesh, the slot axis over its data axes (`GenerateFns`).
+
 Per generated token two log-probs are recorded:
   sampled_logp = log q(a), q = softmax(truncate(logits / temperature)) (what was sampled);
   rollout_logp = log_softmax(logits)[a], the untruncated temperature-1 distribution,
@@ -39,7 +43,12 @@ from flax import nnx
 
 from sao_jax.models.attention import KVCache
 from sao_jax.models.config import ModelConfig
+from sao_jax.models.factory import policy_def
+from sao_jax.models.paged_cache import PAGE_AXES, TABLE_AXES, PagedKVCache
+from sao_jax.models.paged_kernels import resolve_kernel
+from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
+from sao_jax.sampling.page_pool import KVLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +111,19 @@ def sample_tokens(
 ) -> Sample:
     """a ~ q = softmax(mask(logits / T)) per row; greedy argmax when T == 0.
 
-    sampled_logp = log q(a) (0 under greedy: a point mass); rollout_logp = log_softmax(
-    logits)[a] whatever the sampling settings.
+    `key`: one key for all rows, or [S] keys, one per row. sampled_logp = log q(a) (0
+    under greedy: a point mass); rollout_logp = log_softmax(logits)[a] whatever the
+    sampling settings.
     """
     logits_sv = logits_sv.astype(jnp.float32)
     greedy = temperature <= 0
     scaled_sv = logits_sv / jnp.where(greedy, 1.0, temperature)
     keep_sv = truncation_mask(scaled_sv, top_k, top_p)
     masked_sv = jnp.where(keep_sv, scaled_sv, -jnp.inf)
-    sampled_s = jax.random.categorical(key, masked_sv, axis=-1)
+    if key.ndim:  # a key per row
+        sampled_s = jax.vmap(jax.random.categorical)(key, masked_sv)
+    else:
+        sampled_s = jax.random.categorical(key, masked_sv, axis=-1)
     tokens_s = jnp.where(greedy, jnp.argmax(logits_sv, axis=-1), sampled_s).astype(jnp.int32)
     logq_sv = jax.nn.log_softmax(masked_sv, axis=-1)
     sampled_logp_s = jnp.take_along_axis(logq_sv, tokens_s[:, None], axis=-1)[:, 0]
@@ -154,6 +167,18 @@ class GenerateFns:
     Pure functions of (params, cache, ...); the cache is donated. Stateless apart from a
     trace counter, so several engines (sampler workers) can share one instance and one
     compilation. `traces[name]` counts how often each program was traced.
+
+    Sharding: the programs run on `sharder`'s mesh (default: the one the model def was
+    built with; another one rebuilds the policy def for it). The slot axis of the cache,
+    the decode batch and the prefill chunk takes the `batch` rule (the mesh's data axes),
+    key/value heads `act_kv_heads` (tensor), experts their own rules, all from the one
+    rules table (parallel/mesh.py), so the slot count grows with the pool's devices.
+
+    `layout` (page_pool.KVLayout): 'dense' keeps [S, L, K, H] per layer; 'paged' a pool
+    of pages shared by all slots (models/paged_cache.py), addressed through the block
+    table each call takes. `per_token_keys`: each sampled token's key is
+    fold_in(fold_in(key, serial), position), serial = the trajectory's number in the
+    engine, so a token's draw does not depend on which slot, batch or step it ran in.
     """
 
     def __init__(
@@ -165,22 +190,35 @@ class GenerateFns:
         steps: int = 1,
         record_routing: bool = False,
         return_logits: bool = False,
+        sharder: Sharder | None = None,
+        layout: KVLayout | None = None,
+        per_token_keys: bool = False,
     ):
         for name, v in (("num_slots", num_slots), ("max_len", max_len), ("steps", steps)):
             if not (isinstance(v, int) and v > 0):
                 raise ValueError(f"{name}: must be a positive int, got {v!r}")
+        model = nnx.merge(mdef.graphdef, mdef.abstract)
+        self.model_cfg: ModelConfig = model.cfg
+        if sharder is not None and sharder != model.sharder:
+            mdef = policy_def(self.model_cfg, sharder)  # constraints on the pool's mesh
         self.mdef = mdef
-        self.model_cfg: ModelConfig = nnx.merge(mdef.graphdef, mdef.abstract).cfg
+        self.sharder: Sharder = sharder or model.sharder
         self.num_slots = num_slots
         self.max_len = max_len
         self.steps = steps
         self.record_routing = record_routing
         self.return_logits = return_logits
+        self.per_token_keys = per_token_keys
+        layout = layout or KVLayout()  # dense
+        self.layout = dataclasses.replace(layout, kernel=resolve_kernel(layout.kernel))
+        self.shards = slot_shards(self.sharder, num_slots, self.layout.blocks(max_len))
+        self.layout.check(num_slots, max_len, self.shards)
         self.traces: collections.Counter[str] = collections.Counter()
         self.programs: set[tuple] = set()  # (name, span, lane_span, ...) of every trace
         static = ("span", "lane_span")
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,), static_argnames=static)
         self._decode = jax.jit(self._decode_impl, donate_argnums=(1,), static_argnames=static)
+        self._init = jax.jit(self._init_impl)
 
     @property
     def routing_shape(self) -> tuple[int, int] | None:
@@ -188,36 +226,102 @@ class GenerateFns:
         c = self.model_cfg
         return (len(c.moe_layers), c.num_experts_per_tok) if c.moe_layers else None
 
-    def init_cache(self, params: Params):
-        """An empty cache: a KVCache [S, L, K, H] per layer (stacked layout: per stack,
-        [L_run, S, L, K, H])."""
-        return self.mdef.bind(params).trunk.init_cache(self.num_slots, self.max_len)
+    def _empty(self):
+        trunk = nnx.merge(self.mdef.graphdef, self.mdef.abstract).trunk
+        if self.layout.paged:
+            return trunk.init_paged_cache(
+                self.layout.pool_pages(self.num_slots, self.max_len), self.layout.page_size
+            )
+        return trunk.init_cache(self.num_slots, self.max_len)
 
-    @staticmethod
-    def _reading(cache, lane_rows_r, span, lane_span):
-        """Caches that read [0, span) (lane rows: [0, lane_span)); per layer or stacked."""
-        return jax.tree.map(
-            lambda c: c.replace(lane_rows_r=lane_rows_r, span=span, lane_span=lane_span),
-            cache,
-            is_leaf=lambda x: isinstance(x, KVCache),
+    def _init_impl(self):
+        return self._placed(self._empty())
+
+    def init_cache(self, params: Params = None):
+        """An empty cache, placed on the mesh: dense, a KVCache [S, L, K, H] per layer
+        (stacked layout: per stack, [L_run, S, L, K, H]); paged, a PagedKVCache
+        [K, L_run, P, Z, H] per layer or stack. `params` is not read (kept for callers)."""
+        del params
+        return self._init()
+
+    def abstract_cache(self):
+        """The cache as ShapeDtypeStructs (with shardings on a mesh): for lowering the
+        programs from shapes (jax.eval_shape, `.trace(...).lower(...)`)."""
+        return jax.eval_shape(self._init_impl)
+
+    def trace_decode(self, span: int | None = None):
+        """The decode program traced from abstract shapes (nothing allocated, no params):
+        `.lower(lowering_platforms=('tpu',))` lowers it for another backend (Pallas
+        kernels: under `models.paged_kernels.lowering_for(platform)`)."""
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        f32 = jax.ShapeDtypeStruct((), jnp.float32)
+        s = self.num_slots
+        table = i32(s, self.layout.blocks(self.max_len)) if self.layout.paged else None
+        return self._decode.trace(
+            self.mdef.shapes(),
+            self.abstract_cache(),
+            i32(s),
+            i32(s),
+            jax.eval_shape(lambda: jax.random.key(0)),
+            f32,
+            jax.ShapeDtypeStruct((), jnp.int32),
+            f32,
+            None,
+            table,
+            i32(s),
+            span=span or self.max_len,
+            lane_span=None,
         )
 
-    @staticmethod
-    def _plain(cache):
-        return jax.tree.map(
-            lambda c: c.replace(lane_rows_r=None, span=None, lane_span=None),
-            cache,
-            is_leaf=lambda x: isinstance(x, KVCache),
-        )
+    def _placed(self, cache):
+        """Each cache leaf constrained to its sharding (identity unsharded)."""
+        sharder = self.sharder
+
+        def place(c):
+            if isinstance(c, PagedKVCache):
+                names = PAGE_AXES
+                return c.replace(
+                    k_klpzh=sharder.constrain(c.k_klpzh, names),
+                    v_klpzh=sharder.constrain(c.v_klpzh, names),
+                )
+            names = ("batch", "cache_length", "act_kv_heads", None)
+            if c.k_bskh.ndim == 5:
+                names = ("layers", *names)
+            return c.replace(
+                k_bskh=sharder.constrain(c.k_bskh, names), v_bskh=sharder.constrain(c.v_bskh, names)
+            )
+
+        return jax.tree.map(place, cache, is_leaf=_is_cache)
+
+    def _reading(self, cache, lane_rows_r, span, lane_span, table_sn):
+        """Caches that read [0, span) (lane rows: [0, lane_span)); per layer or stacked;
+        paged ones through `table_sn`."""
+
+        def read(c):
+            c = c.replace(lane_rows_r=lane_rows_r, span=span, lane_span=lane_span)
+            if isinstance(c, PagedKVCache):
+                c = c.replace(block_table_sn=table_sn, kernel=self.layout.kernel)
+            return c
+
+        return jax.tree.map(read, cache, is_leaf=_is_cache)
+
+    def _plain(self, cache):
+        def plain(c):
+            c = c.replace(lane_rows_r=None, span=None, lane_span=None)
+            if isinstance(c, PagedKVCache):
+                c = c.replace(block_table_sn=None, kernel="gather")
+            return c
+
+        return self._placed(jax.tree.map(plain, cache, is_leaf=_is_cache))
 
     def _prefill_impl(
-        self, params, cache, tokens_sc, positions_sc, lane_rows_r, *, span, lane_span
+        self, params, cache, tokens_sc, positions_sc, lane_rows_r, table_sn=None, *, span, lane_span
     ):
         self.traces["prefill"] += 1
         self.programs.add(("prefill", tokens_sc.shape[1], span, lane_span))
         model = self.mdef.bind(params)
         segments_sc = (positions_sc < self.max_len).astype(jnp.int32)
-        cache = self._reading(cache, lane_rows_r, span, lane_span)
+        cache = self._reading(cache, lane_rows_r, span, lane_span, table_sn)
         out = model(tokens_sc, positions_sc, segments_sc, cache=cache)
         experts = out.experts_btlk if self.record_routing else None
         return self._plain(out.cache), experts
@@ -233,6 +337,8 @@ class GenerateFns:
         top_k,
         top_p,
         lane_rows_r,
+        table_sn=None,
+        serial_s=None,
         *,
         span,
         lane_span,
@@ -240,13 +346,17 @@ class GenerateFns:
         self.traces["decode"] += 1
         self.programs.add(("decode", span, lane_span))
         model = self.mdef.bind(params)
+        if self.per_token_keys:  # [S] keys, one per trajectory; folded with the position
+            row_keys_s = jax.vmap(jax.random.fold_in, (None, 0))(key, serial_s)
 
         def one_step(carry, key_i):
             cache, tokens_s, positions_s = carry
             segments_s = (positions_s < self.max_len).astype(jnp.int32)
-            cache = self._reading(cache, lane_rows_r, span, lane_span)
+            cache = self._reading(cache, lane_rows_r, span, lane_span, table_sn)
             out = model(tokens_s[:, None], positions_s[:, None], segments_s[:, None], cache=cache)
             logits_sv = out.out[:, 0]  # [S, V]
+            if self.per_token_keys:  # the key of the token sampled for position p + 1
+                key_i = jax.vmap(jax.random.fold_in)(row_keys_s, positions_s + 1)
             sample = sample_tokens(key_i, logits_sv, temperature, top_k, top_p)
             experts = None
             if self.record_routing and out.experts_btlk is not None:
@@ -271,38 +381,81 @@ class GenerateFns:
         rows = None if rows is None else jnp.asarray(rows, jnp.int32)
         return dict(lane_rows_r=rows, span=spans.span, lane_span=spans.lane_span)
 
-    def prefill(self, params, cache, tokens_sc, positions_sc, spans: Spans | None = None):
+    def _rows(self, x, dtype=jnp.int32):
+        """A host array [S, ...] on the mesh, its slot axis split like the cache's."""
+        x = np.array(x, dtype)  # a copy: the host may change its array while a call runs
+        sharding = self.sharder.named(("batch",) + (None,) * (x.ndim - 1), x.shape)
+        return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding)
+
+    def block_table(self, table_sn):
+        """The block table [S, N] as a program argument (None for a dense cache)."""
+        if not self.layout.paged:
+            return None
+        if table_sn is None:
+            raise ValueError("block_table: a paged cache needs the engine's block table")
+        return table_sn if isinstance(table_sn, jax.Array) else self._rows(table_sn)
+
+    def prefill(self, params, cache, tokens_sc, positions_sc, spans=None, *, block_table=None):
         """Writes tokens [S, C] at positions [S, C] (>= L: not written). Returns the new
         cache and, with record_routing, the experts [S, C, L_moe, k] of every token.
 
         `spans` bounds the cache read (`choose_spans`); rows whose position + 1 exceeds
-        their span get wrong outputs, fine only for rows the caller ignores."""
+        their span get wrong outputs, fine only for rows the caller ignores. A paged
+        cache takes the block table [S, N] (`block_table`)."""
         return self._prefill(
             params,
             cache,
-            jnp.asarray(tokens_sc, jnp.int32),
-            jnp.asarray(positions_sc, jnp.int32),
+            self._rows(tokens_sc),
+            self._rows(positions_sc),
+            table_sn=self.block_table(block_table),
             **self._spans(spans),
         )
 
     def decode(
-        self, params, cache, tokens_s, positions_s, key, sampling: SamplingParams, spans=None
+        self,
+        params,
+        cache,
+        tokens_s,
+        positions_s,
+        key,
+        sampling: SamplingParams,
+        spans=None,
+        *,
+        block_table=None,
+        serial_s=None,
     ):
         """Feeds tokens [S] at positions [S] and samples `steps` tokens per slot.
 
         Step i feeds the token sampled at step i - 1 (the given one at step 0) at
         position positions_s + i; `spans` must cover positions_s + steps for every row
-        whose samples are used. Returns (cache, DecodeOut).
+        whose samples are used. With `per_token_keys`, `serial_s` [S] numbers each row's
+        trajectory and `key` is the engine's fixed key. Returns (cache, DecodeOut).
         """
+        serial_s = np.zeros(self.num_slots) if serial_s is None else serial_s
         return self._decode(
             params,
             cache,
-            jnp.asarray(tokens_s, jnp.int32),
-            jnp.asarray(positions_s, jnp.int32),
+            self._rows(tokens_s),
+            self._rows(positions_s),
             key,
             *sampling.arrays(),
+            table_sn=self.block_table(block_table),
+            serial_s=self._rows(serial_s),
             **self._spans(spans),
         )
+
+
+def _is_cache(x) -> bool:
+    return isinstance(x, (KVCache, PagedKVCache))
+
+
+def slot_shards(sharder: Sharder, num_slots: int, blocks: int) -> int:
+    """How many ways the slot axis splits on the sharder's mesh (1 unsharded)."""
+    if sharder.mesh is None:
+        return 1
+    axes = sharder.spec(TABLE_AXES, (num_slots, blocks))[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(sharder.mesh.shape[a] for a in axes)
 
 
 def span_buckets(max_len: int, smallest: int = 128) -> tuple[int, ...]:

@@ -178,12 +178,15 @@ class SyncRollouts:
         take_timeout_s: float = TAKE_TIMEOUT_S,
         max_env_errors: int = 8,
         max_dropped_in_a_row: int = 64,
+        sharder=None,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
         self.take_timeout_s = take_timeout_s
         self.max_env_errors = max_env_errors
         self.max_dropped_in_a_row = max_dropped_in_a_row
-        self.engine = Engine.create(policy_def, tokenizer, env_factory, engine_cfg, seed=seed)
+        self.engine = Engine.create(  # `sharder`: the pool's mesh (default: the model's)
+            policy_def, tokenizer, env_factory, engine_cfg, seed=seed, sharder=sharder
+        )
         self._engine_args = (tokenizer, env_factory, engine_cfg)
         self._key = jax.random.key(seed)
         self.group_size = group_size
@@ -192,6 +195,7 @@ class SyncRollouts:
         self._draws = 0  # takes since the last publish
         self.counts: collections.Counter[str] = collections.Counter()
         self.dropped: collections.Counter[str] = collections.Counter()
+        self.pool: collections.Counter[str] = collections.Counter()  # paged: admission
 
     def start(self) -> None:
         pass
@@ -263,19 +267,25 @@ class SyncRollouts:
             self.counts["generated"] += len(trajs)
             out += trajs
         self.counts["taken"] += n
+        stats = engine.stats()  # this take's engine: its admission counters, its peak
+        self.pool.update(admission_waits=stats["admission_waits"], preemptions=stats["preemptions"])
+        self.pool["pages_peak"] = max(self.pool["pages_peak"], stats["pages_peak"])
         return out[:n]
 
     def prompt_state(self) -> Any:
         return self.prompts.get_state()
 
     def stats(self) -> dict[str, Any]:
-        return dict(
+        out = dict(
             generated=self.counts["generated"],
             taken=self.counts["taken"],
             dropped=dict(self.dropped),
             queued=self.counts["generated"] - self.counts["taken"],
             version=self._version,
         )
+        if self.engine.pool is not None:  # paged KV pool: admission control's counters
+            out.update({"admission_waits": 0, "preemptions": 0, "pages_peak": 0, **self.pool})
+        return out
 
 
 class _TakeGuard:

@@ -55,8 +55,9 @@ import numpy as np
 
 from sao_jax import stop
 from sao_jax.envs.base import Env, Prompt
+from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
-from sao_jax.sampling.engine import Engine, EngineConfig
+from sao_jax.sampling.engine import Engine, EngineConfig, generate_fns
 from sao_jax.sampling.generate import GenerateFns
 from sao_jax.sampling.params_store import ParamsStore
 from sao_jax.sampling.trajectory import Trajectory, pad_batch
@@ -152,6 +153,7 @@ class AsyncSampler:
         engine: EngineConfig,
         config: SamplerConfig | None = None,
         fns: GenerateFns | None = None,
+        sharder: Sharder | None = None,
     ):
         self.cfg = config or SamplerConfig()
         self.engine_cfg = engine
@@ -161,13 +163,7 @@ class AsyncSampler:
                 f"SamplerConfig.queue_size: lockstep needs >= lockstep + num_slots = "
                 f"{lockstep + engine.num_slots}, got {size}"
             )
-        self._fns = fns or GenerateFns(
-            mdef,
-            num_slots=engine.num_slots,
-            max_len=engine.max_len,
-            steps=engine.steps_per_sync,
-            record_routing=engine.record_routing,
-        )
+        self._fns = fns or generate_fns(mdef, engine, sharder)  # `sharder`: the pool's mesh
         self._tok, self._env_factory = tokenizer, env_factory
         self._prompts = iter(prompts)
         self._prompt_lock = threading.Lock()
@@ -179,6 +175,7 @@ class AsyncSampler:
         self._lock = threading.Lock()
         self._failures: list[tuple[int, BaseException]] = []
         self._threads: list[threading.Thread] = []
+        self._engines: list[Engine] = []  # the workers' engines (their admission counters)
         self._generated = 0
         self._taken = 0
         self._dropped: collections.Counter[str] = collections.Counter()
@@ -281,7 +278,7 @@ class AsyncSampler:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return dict(
+            out = dict(
                 generated=self._generated,
                 taken=self._taken,
                 dropped=dict(self._dropped),
@@ -289,6 +286,11 @@ class AsyncSampler:
                 queued=self._queue.qsize() + len(self._held),
                 version=self._store.version,
             )
+            if self.engine_cfg.kv_layout == "paged":  # summed over the workers' engines
+                for e in list(self._engines):
+                    for k, v in e.stats().items():
+                        out[k] = out.get(k, 0) + v
+            return out
 
     def _finished(self) -> bool:
         return bool(self._threads) and not any(t.is_alive() for t in self._threads)
@@ -363,6 +365,8 @@ class AsyncSampler:
         try:
             key = jax.random.fold_in(jax.random.key(self.cfg.seed), idx)
             engine = Engine(self._fns, self._tok, self._env_factory, self.engine_cfg, seed=key)
+            with self._lock:
+                self._engines.append(engine)
             engine.overlap_env = self.cfg.lockstep is None  # lockstep: deterministic steps
             engine.env_calls.check = self._check_stop
             streak = DropStreak(self.cfg.max_env_errors, self.cfg.max_dropped_in_a_row)

@@ -12,6 +12,7 @@ import numpy as np
 
 from sao_jax.envs.base import Prompt, StepResult
 from sao_jax.sampling.generate import SamplingParams, default_buckets, span_buckets
+from sao_jax.sampling.page_pool import KVLayout
 from sao_jax.sampling.trajectory import Trajectory
 
 DROP_REASONS = (
@@ -42,6 +43,11 @@ class EngineConfig:
     add_bos: bool = True  # prepend tokenizer.bos_id (when it has one) to each prompt
     env_timeout_s: float | None = 120.0  # per env call, then a drop; None = no timeout
     env_workers: int = 8  # env calls running at once (threads off the decoding thread)
+    kv_layout: str = "dense"  # 'dense' (S x max_len) | 'paged' (a pool of pages, page_pool.py)
+    page_size: int = 16  # paged: positions per page
+    num_pages: int = 0  # paged: pages per layer in the pool; 0 = num_slots x max_len worth
+    paged_kernel: str = "auto"  # paged decode read: auto | gather | pallas_tpu | pallas_gpu
+    per_token_keys: bool = False  # key each draw by (trajectory, position): schedule-free
 
     def __post_init__(self):
         for name in ("num_slots", "max_len", "max_turn_tokens", "steps_per_sync", "env_workers"):
@@ -62,6 +68,17 @@ class EngineConfig:
         if self.env_timeout_s is not None and not self.env_timeout_s > 0:
             raise ValueError(f"EngineConfig.env_timeout_s: must be > 0, got {self.env_timeout_s}")
         SamplingParams(self.temperature, self.top_k, self.top_p)  # validates them
+        try:
+            self.layout.check(self.num_slots, self.max_len)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.{e}") from None
+
+    @property
+    def layout(self) -> KVLayout:
+        try:
+            return KVLayout(self.kv_layout, self.page_size, self.num_pages, self.paged_kernel)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.{e}") from None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -104,8 +121,11 @@ class DropError(Exception):
 class Slot:
     """Host record of one in-flight trajectory (arrays preallocated to max_len)."""
 
-    def __init__(self, prompt: Prompt, max_len: int, routing_lk: tuple[int, int] | None):
+    def __init__(
+        self, prompt: Prompt, max_len: int, routing_lk: tuple[int, int] | None, serial: int = 0
+    ):
         self.prompt = prompt
+        self.serial = serial  # the engine's count of prompts before this one (age, RNG)
         self.tokens = np.zeros(max_len, np.int32)
         self.action = np.zeros(max_len, np.bool_)
         self.rollout_logp = np.zeros(max_len, np.float32)
