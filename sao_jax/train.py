@@ -35,8 +35,10 @@ from sao_jax.data.pipeline import run_prompts
 from sao_jax.data.prompts import prompt_iterator
 from sao_jax.models.transformer import Policy, critic_params_from_policy
 from sao_jax.parallel import distributed
-from sao_jax.parallel.mesh import Sharder, sharder_from_config
+from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef
+from sao_jax.parallel.placement import Placement, placement_from_config, trainer_sharder
+from sao_jax.parallel.reshard import cast_and_reshard
 from sao_jax.report import run_report
 from sao_jax.report.progress import Progress
 from sao_jax.rl.update import Learner
@@ -64,11 +66,15 @@ class Run:
         workdir: pathlib.Path,
         sharder: Sharder | None = None,
         inputs: Inputs | None = None,
+        placement: Placement | None = None,
     ):
         inputs = inputs or read_inputs(config)
         self.config = config
         self.workdir = workdir
-        self.sharder = sharder or sharder_from_config(config)
+        # Where the sampler pool runs (sao_jax/parallel/placement.py); the trainer mesh
+        # takes the devices it leaves.
+        self.placement = placement or placement_from_config(config)
+        self.sharder = sharder or trainer_sharder(config, self.placement)
         self.tokenizer = inputs.tokenizer
         self.models = build_models(config, self.sharder, self.tokenizer)
         self.learner = Learner(config, self.models.policy_def, self.models.critic_def, self.sharder)
@@ -81,9 +87,15 @@ class Run:
                 "bring different numbers of packed rows); set train.pack=False"
             )
         self.batch_sharding = self.sharder.named(("batch",))
+        # Samplers decode without the trainer mesh's constraints: on the pool's own mesh
+        # (disaggregated) or unconstrained (per-host samplers of several processes).
+        pool = self.placement.pool_sharder(config.mesh.rules)
         self.sampler_def = self.models.policy_def
-        if jax.process_count() > 1:
-            self.sampler_def = ModelDef.of(lambda: Policy(self.models.cfg, rngs=nnx.Rngs(0)))
+        if pool is not None or jax.process_count() > 1:
+            self.sampler_def = ModelDef.of(
+                lambda: Policy(self.models.cfg, sharder=pool, rngs=nnx.Rngs(0))
+            )
+        self.pool_shardings = None if pool is None else self.sampler_def.shardings(pool)
         self.engine_cfg, self.sampler_cfg = configs_from_section(config.sampling, config.seed)
         self.chat = inputs.chat  # None: raw text prompts
         # The bounds of every rollouts take (RL loop and value pretraining): docs/checkpointing.md
@@ -104,6 +116,7 @@ class Run:
             seed=config.seed + EVAL_SEED_OFFSET,
             max_env_errors=self.sampler_cfg.max_env_errors,
         )
+        self.pool = dict(device_context=self.placement.pool_context)  # rollouts' kwargs
         t = config.train
         self.ckpt = checkpointing.Checkpointer(
             workdir / "checkpoints", keep=t.keep_checkpoints, async_save=t.async_checkpoints
@@ -224,7 +237,9 @@ class Run:
         if self.set_env_step is not None:
             self.set_env_step(0)
         if vp.sampler == "sync":
-            source = SyncRollouts(*args, self.engine_cfg, seed=seed, **self.take_bounds)
+            source = SyncRollouts(
+                *args, self.engine_cfg, seed=seed, **self.take_bounds, **self.pool
+            )
         else:
             local = distributed.local_batch_size(vp.batch_size, "value_pretrain.batch_size")
             sampler_cfg = dataclasses.replace(
@@ -239,8 +254,9 @@ class Run:
                 self.engine_cfg,
                 sampler_cfg,
                 take_timeout_s=self.take_bounds["take_timeout_s"],
+                **self.pool,
             )
-        source.publish(self.sampler_params(policy), 0)
+        source.publish(self.sampler_params(policy), 0, synced=True)
         source.start()
         return source
 
@@ -275,10 +291,18 @@ class Run:
         return batch
 
     def sampler_params(self, policy):
-        """The params samplers and evaluation run on: the policy in the compute dtype
-        (every weight is cast to it at use anyway, so rollouts are unchanged and a bf16
-        copy takes half the memory), as this host's own copy with several processes."""
-        return distributed.host_local(policy, dtype=self.models.cfg.compute_dtype)
+        """The weight sync: the params samplers and evaluation run on, i.e. the policy in
+        the compute dtype (every weight is cast to it at use anyway, so rollouts are
+        unchanged and a bf16 copy takes half the memory) in new buffers, on the pool's
+        shardings when it has devices of its own, as this host's own copy with several
+        processes (collective). Dispatched asynchronously: the copy runs behind the next
+        update (sao_jax/parallel/reshard.py)."""
+        return cast_and_reshard(
+            policy,
+            self.pool_shardings,
+            self.models.cfg.compute_dtype,
+            source_devices=self.placement.trainer_devices,
+        )
 
     def _key(self, state):
         return jax.random.fold_in(self.key, int(state.updates))
@@ -287,6 +311,7 @@ class Run:
         cfg = self.config
         kw = dict(group_size=cfg.env.group_size)
         args = (self.sampler_def, self.tokenizer, self.env_factory, self.prompts)
+        kw.update(self.pool)
         if cfg.train.rollouts == "sync":
             return SyncRollouts(*args, self.engine_cfg, seed=cfg.seed + 5, **kw, **self.take_bounds)
         timeout = self.take_bounds["take_timeout_s"]
@@ -294,7 +319,8 @@ class Run:
 
     def evaluate(self, state, step: int) -> dict[str, float]:
         t0 = time.time()
-        out = self.evaluator(self.sampler_params(state.policy), int(state.step), step=step)
+        with self.placement.pool_context():
+            out = self.evaluator(self.sampler_params(state.policy), int(state.step), step=step)
         out["eval/seconds"] = time.time() - t0
         self.writer.write_scalars(step, out)
         log.info("eval at step %d: %s", step, _fmt(out, "eval/"))
@@ -326,7 +352,8 @@ def _fmt(m: dict[str, float], prefix: str = "") -> str:
 def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = False) -> dict:
     """Runs (or resumes) one training run in `workdir`; returns the summary dict."""
     config = config_lib.validate(config)
-    sharder = sharder_from_config(config)
+    placement = placement_from_config(config)
+    sharder = trainer_sharder(config, placement)
     check_run(config, sharder)
     inputs = read_inputs(config)  # a bad input file stops here, before the workdir exists
     workdir = pathlib.Path(workdir)
@@ -335,7 +362,8 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=overwrite)
     t_start = time.time()
-    r = Run(config, workdir, sharder, inputs)
+    r = Run(config, workdir, sharder, inputs, placement)
+    log.info("placement: %s", placement.describe())
     t = config.train
     with checkpointing.GracefulExit() as stopper:
         latest = r.ckpt.latest_step()
@@ -398,7 +426,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
     source = r.rollouts()
     if r.set_env_step is not None:
         r.set_env_step(int(state.step))
-    source.publish(r.sampler_params(state.policy), int(state.step))
+    source.publish(r.sampler_params(state.policy), int(state.step), synced=True)
     source.start()
     acc = metrics.MetricAccumulator()
     host: list[dict[str, float]] = []
@@ -422,7 +450,9 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
                 acc.add(m)
                 continue
             state, m = learner.update_step(state, batch, r._key(state))
-            source.publish(r.sampler_params(state.policy), int(state.step))
+            # weight sync, dispatched behind the update: the pool keeps decoding the
+            # previous version until this one has landed
+            source.publish(r.sampler_params(state.policy), int(state.step), synced=True)
             if r.set_env_step is not None:  # non-stationary tasks follow the policy step
                 r.set_env_step(int(state.step))
             acc.add(m)

@@ -280,10 +280,12 @@ def global_from_replicated(tree: Any, sharding: NamedSharding | None) -> Any:
     return jax.tree.map(one, tree)
 
 
-def host_mesh() -> Mesh:
-    """All devices as a ('hosts', 'local') mesh: row p = process p's devices."""
+def host_mesh(devices: Sequence[Any] | None = None) -> Mesh:
+    """`devices` (default: all) as a ('hosts', 'local') mesh: row p = process p's devices
+    among them."""
     p = jax.process_count()
-    rows = [sorted((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)
+    devices = jax.devices() if devices is None else devices
+    rows = [sorted((d for d in devices if d.process_index == i), key=lambda d: d.id)
             for i in range(p)]  # fmt: skip
     if len({len(r) for r in rows}) != 1:
         counts = [len(r) for r in rows]
@@ -304,20 +306,22 @@ def _cast(x, dtype):
     return x.astype(dtype) if dtype is not None and floating and x.dtype != dtype else x
 
 
-def host_local(tree: Any, dtype: Any = None) -> Any:
+def host_local(tree: Any, dtype: Any = None, devices: Sequence[Any] | None = None) -> Any:
     """This host's copy of a tree of global arrays, on its own devices only, with
     floating leaves cast to `dtype` when given (a no-op where they already have it).
 
     Several processes: each leaf is resharded, collectively (every process must call
     this, in the same order), to be replicated across hosts and split over each host's
     devices along its first divisible dimension; the local shards then form an array on
-    a one-host mesh, which per-host samplers use in their own jitted programs. One
-    process: the (cast) tree, shardings unchanged.
+    a one-host mesh, which per-host samplers use in their own jitted programs. `devices`
+    are the devices the leaves live on (default: all; a disaggregated run's trainer
+    devices, sao_jax/parallel/placement.py). One process: the (cast) tree, shardings
+    unchanged.
     """
     tree = jax.tree.map(lambda x: _cast(x, dtype), tree)
     if jax.process_count() == 1:
         return tree
-    mesh = host_mesh()
+    mesh = host_mesh(devices)
     n_local = mesh.shape["local"]
     local_mesh = Mesh(mesh.devices[jax.process_index()], ("local",))
 

@@ -14,6 +14,13 @@ rollouts in flight at save time are discarded on resume anyway.
 With `group_size` G > 1 (GRPO-style estimators) every prompt is rolled out G times and
 the learner waits for complete groups: the synchronous group barrier that SAO removes.
 
+`publish(params, version, synced=True)` hands over a weight sync's output
+(sao_jax/parallel/reshard.py: new buffers, possibly still in flight): the async sampler
+makes it current once it has landed and decodes the previous version meanwhile (double
+buffering, sampling/params_store.py); the synchronous engine's next take waits for it.
+`device_context` (placement.Placement.pool_context) is entered wherever an engine runs, so
+its KV cache is created on the pool's devices.
+
 Every `take` is bounded, whoever calls it (the RL loop, value pretraining):
 * in time: `take(n, timeout)`, else the constructor's `take_timeout_s`
   (`train.take_timeout_s`), then TimeoutError naming what was dropped and why;
@@ -27,6 +34,7 @@ Every `take` is bounded, whoever calls it (the RL loop, value pretraining):
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -115,6 +123,7 @@ class AsyncRollouts:
         *,
         group_size: int = 1,
         take_timeout_s: float = TAKE_TIMEOUT_S,
+        device_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
         self.group_size = group_size
@@ -122,7 +131,13 @@ class AsyncRollouts:
         self.groups = GroupCollector(group_size)
         self.handed = 0  # trajectories returned by take (the sampler's `taken` - grouping)
         self.sampler = AsyncSampler(
-            policy_def, tokenizer, env_factory, self.prompts, engine=engine_cfg, config=sampler_cfg
+            policy_def,
+            tokenizer,
+            env_factory,
+            self.prompts,
+            engine=engine_cfg,
+            config=sampler_cfg,
+            device_context=device_context,
         )
 
     def start(self) -> None:
@@ -131,8 +146,9 @@ class AsyncRollouts:
     def stop(self, timeout: float = 30.0) -> bool:
         return self.sampler.stop(timeout)
 
-    def publish(self, params: Params, version: int) -> None:
-        self.sampler.publish(params, version)
+    def publish(self, params: Params, version: int, *, synced: bool = False) -> None:
+        """`synced`: a weight sync's new buffers, current once landed (no copy)."""
+        self.sampler.publish(params, version, copy=not synced, when_ready=synced)
 
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:
         """n trajectories (complete groups); bounded by `timeout` (default take_timeout_s)."""
@@ -180,8 +196,10 @@ class SyncRollouts:
         seed: int = 0,
         take_timeout_s: float = TAKE_TIMEOUT_S,
         max_env_errors: int = 8,
+        device_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
+        self.device_context = device_context or contextlib.nullcontext
         self.take_timeout_s = take_timeout_s
         self.max_env_errors = max_env_errors
         self.engine = Engine.create(policy_def, tokenizer, env_factory, engine_cfg, seed=seed)
@@ -201,7 +219,10 @@ class SyncRollouts:
         del timeout
         return True
 
-    def publish(self, params: Params, version: int) -> None:
+    def publish(self, params: Params, version: int, *, synced: bool = False) -> None:
+        """The next takes generate with `params` (a weight sync's in-flight arrays are
+        waited for by the first program that reads them)."""
+        del synced
         self._params, self._version, self._draws = params, version, 0
 
     def _fresh_engine(self) -> Engine:
@@ -223,7 +244,8 @@ class SyncRollouts:
         deadline = time.monotonic() + timeout
         mark = self._mark()
         try:
-            return self._take(n, timeout, deadline)
+            with self.device_context():
+                return self._take(n, timeout, deadline)
         except stop.StopRequested:
             self._rewind(mark)  # a checkpoint saved now resumes with exactly this take
             raise

@@ -38,6 +38,7 @@ trajectories, versions included, run after run (fixed seeds, same params).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -51,6 +52,7 @@ import numpy as np
 
 from sao_jax import stop
 from sao_jax.envs.base import Env, Prompt
+from sao_jax.parallel import placement
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.sampling.engine import Engine, EngineConfig
 from sao_jax.sampling.generate import GenerateFns
@@ -123,6 +125,12 @@ def sampling_section() -> ConfigDict:
     c.max_staleness = placeholder(int)  # drop if current - oldest version > this; None = off
     c.max_env_errors = 8  # environment failures in a row before the sampler fails
     c.lockstep = placeholder(int)  # deterministic mode: trajectories per version
+    # Where the pool decodes (sao_jax/parallel/placement.py): 'colocated' on the trainer's
+    # devices | 'disaggregated' on devices of its own (the trainer mesh takes the rest)
+    c.placement = "colocated"
+    c.pool_devices = 0  # disaggregated: each process's last N local devices form its pool
+    c.pool_mesh = ()  # the pool's mesh shape over mesh.axes (product = pool_devices);
+    # () = (pool_devices, 1, 1, 1): the engine's slots over the first (data) axis
     return c
 
 
@@ -131,7 +139,7 @@ def configs_from_section(section: ConfigDict, seed: int = 0) -> tuple[EngineConf
     values = dict(section.to_dict() if isinstance(section, ConfigDict) else section)
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     sampler_fields = {f.name for f in dataclasses.fields(SamplerConfig)} - {"seed", "poll_s"}
-    unknown = sorted(set(values) - engine_fields - sampler_fields)
+    unknown = sorted(set(values) - engine_fields - sampler_fields - set(placement.FIELDS))
     if unknown:
         raise ConfigError(f"config field sampling.{unknown[0]}: unknown sampling field")
     values["prefill_buckets"] = tuple(values.get("prefill_buckets", ()))
@@ -154,6 +162,7 @@ def configs_from_section(section: ConfigDict, seed: int = 0) -> tuple[EngineConf
 @register_validator("sampling")
 def _validate_section(config: ConfigDict) -> None:
     configs_from_section(config.sampling, config.get("seed", 0))
+    placement.check_fields(config.sampling)
 
 
 class AsyncSampler:
@@ -169,8 +178,12 @@ class AsyncSampler:
         engine: EngineConfig,
         config: SamplerConfig | None = None,
         fns: GenerateFns | None = None,
+        device_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
         self.cfg = config or SamplerConfig()
+        # entered by every worker thread: where its engine's arrays live (the pool's
+        # devices, sao_jax/parallel/placement.py); None = the default device
+        self._device_context = device_context or contextlib.nullcontext
         self.engine_cfg = engine
         lockstep, size = self.cfg.lockstep, self.cfg.queue_size
         if lockstep is not None and size < lockstep + engine.num_slots:
@@ -217,6 +230,7 @@ class AsyncSampler:
     def stop(self, timeout: float = 30.0) -> bool:
         """Stops and joins every worker; True when none is left alive."""
         self._stop.set()
+        self._store.close()
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -230,10 +244,14 @@ class AsyncSampler:
 
     # ---- learner side -------------------------------------------------------------------
 
-    def publish(self, params: Params, version: int, *, copy: bool = True) -> None:
+    def publish(
+        self, params: Params, version: int, *, copy: bool = True, when_ready: bool = False
+    ) -> None:
         """Makes `params` (tagged `version`, increasing) what workers use from their next
-        step on. Copies by default, so the learner may donate its own buffers."""
-        self._store.publish(params, version, copy=copy)
+        step on. Copies by default, so the learner may donate its own buffers. With
+        `when_ready` (a weight sync in flight) workers keep the previous version until
+        every array has landed (params_store.py: double buffering)."""
+        self._store.publish(params, version, copy=copy, when_ready=when_ready)
 
     @property
     def version(self) -> int | None:
@@ -296,7 +314,7 @@ class AsyncSampler:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return dict(
+            out = dict(
                 generated=self._generated,
                 taken=self._taken,
                 dropped=dict(self._dropped),
@@ -304,6 +322,12 @@ class AsyncSampler:
                 queued=self._queue.qsize() + len(self._held),
                 version=self._store.version,
             )
+        store = self._store
+        if store.landed or store.superseded:  # double-buffered weight sync
+            out["weight_sync_landed"] = store.landed
+            out["weight_sync_superseded"] = store.superseded
+            out["weight_sync_s"] = store.landing_s / max(store.landed, 1)
+        return out
 
     def _finished(self) -> bool:
         return bool(self._threads) and not any(t.is_alive() for t in self._threads)
@@ -317,7 +341,7 @@ class AsyncSampler:
             return None
 
     def _accept(self, traj: Trajectory) -> bool:
-        lag = (self._store.version or 0) - traj.min_version
+        lag = (self._store.target or 0) - traj.min_version  # the learner's version
         cap = self.cfg.max_staleness
         with self._lock:
             if cap is not None and lag > cap:
@@ -375,6 +399,10 @@ class AsyncSampler:
         return False
 
     def _work(self, idx: int) -> None:
+        with self._device_context():
+            self._work_on(idx)
+
+    def _work_on(self, idx: int) -> None:
         try:
             key = jax.random.fold_in(jax.random.key(self.cfg.seed), idx)
             engine = Engine(self._fns, self._tok, self._env_factory, self.engine_cfg, seed=key)
