@@ -327,8 +327,17 @@ class Run:
         return out
 
     def save(self, step: int, state, source, counters: dict, extra: dict) -> None:
+        prompts = source.prompt_state() if source is not None else self.prompts.get_state()
         meta = dict(
-            prompts=source.prompt_state() if source is not None else self.prompts.get_state(),
+            prompts=prompts,
+            # every host's own position in its prompt slice (collective; a resumed host
+            # restores its own: exact for each host with async rollouts too)
+            prompts_by_process=[
+                checkpointing.decode_meta(json.loads(b))
+                for b in distributed.allgather_bytes(
+                    json.dumps(checkpointing.encode_meta(prompts)).encode()
+                )
+            ],
             counters=counters,
             before=extra["before"],
             value_pretrain=acct.finite(extra.get("value_pretrain", {})),
@@ -387,7 +396,9 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
                 r.learner.abstract_state, r.learner.state_shardings
             )
             state, meta = r.ckpt.restore(abstract)
-            r.prompts.set_state(meta["prompts"])
+            mine = meta.get("prompts_by_process", [])  # absent in older checkpoints
+            own = len(mine) == jax.process_count()
+            r.prompts.set_state(mine[jax.process_index()] if own else meta["prompts"])
             r.writer = metrics.create_writers(workdir, resume_step=int(state.step))
             extra = dict(
                 before=meta["before"],
@@ -496,15 +507,21 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
 
 def take_or_stop(source, n: int, timeout: float, stopper) -> list[Trajectory] | None:
     """This step's n trajectories, or None when any process stops: this one was signalled
-    (before or during the take), or another one was. Collective (`agree_stop`): every
-    process calls it once per step, before the step's first collective."""
+    (before or during the take), or another one was (what this one took is then given
+    back, so the checkpoint counts it in flight and a sync run resumes with that take).
+    Collective (`agree_stop`): every process calls it once per step, before the step's
+    first collective."""
     trajs = None
     if not stopper.requested:
         try:
             trajs = source.take(n, timeout)
         except stop.StopRequested as e:
             log.warning("%s", e)
-    return None if distributed.agree_stop(trajs is None) else trajs
+    if not distributed.agree_stop(trajs is None):
+        return trajs
+    if trajs:
+        source.give_back(trajs)
+    return None
 
 
 def _unless_stopped(fn, *args):

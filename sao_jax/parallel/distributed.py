@@ -14,7 +14,8 @@ Data enters as global arrays assembled from per-process pieces:
   * `global_from_replicated`: data every process computed identically (demonstrations
     from one seed): each device takes its slice of the host copy;
   * `agree_max`: the one scalar all hosts must agree on (the padded length T);
-  * `agree_stop`: the stop decision (SIGTERM on any host), agreed once per step.
+  * `agree_stop`: the stop decision (SIGTERM on any host), agreed once per step;
+  * `allgather_bytes`: every host's own host state (its prompt position) for a checkpoint.
 Samplers run per host and asynchronously, so they must not run multi-process programs:
 `host_local` turns the (global, sharded) policy into arrays on this host's devices only.
 
@@ -194,6 +195,20 @@ def agree_max(value: int) -> int:
         return int(value)
     gathered = multihost_utils.process_allgather(np.asarray(value, np.int64))
     return int(np.max(gathered))
+
+
+def allgather_bytes(data: bytes) -> list[bytes]:
+    """Every process's `data`, in process order (collective: every process calls it at
+    the same point). Host state only (a prompt iterator's position), never tensors.
+    One process: [data]."""
+    if jax.process_count() == 1:
+        return [bytes(data)]
+    n = np.asarray(len(data), np.int64)
+    lengths = np.asarray(multihost_utils.process_allgather(n)).reshape(-1)
+    buf = np.zeros(int(lengths.max()), np.uint8)
+    buf[: len(data)] = np.frombuffer(data, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(buf))
+    return [rows[p, : int(lengths[p])].tobytes() for p in range(jax.process_count())]
 
 
 def agree_stop(local: bool) -> bool:

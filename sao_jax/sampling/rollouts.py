@@ -169,6 +169,11 @@ class AsyncRollouts:
         self.handed += len(out)
         return out
 
+    def give_back(self, trajs: list[Trajectory]) -> None:
+        """Undoes the last take (the run stopped before training it): in flight again."""
+        self.handed -= len(trajs)
+        self.sampler.give_back(trajs)
+
     def prompt_state(self) -> Any:
         return self.sampler.prompt_state()
 
@@ -209,6 +214,7 @@ class SyncRollouts:
         self._params: Params | None = None
         self._version = 0
         self._draws = 0  # takes since the last publish
+        self._last_mark: tuple | None = None  # before the last take (give_back)
         self.counts: collections.Counter[str] = collections.Counter()
         self.dropped: collections.Counter[str] = collections.Counter()
 
@@ -242,13 +248,19 @@ class SyncRollouts:
         """
         timeout = self.take_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        mark = self._mark()
+        mark = self._last_mark = self._mark()
         try:
             with self.device_context():
                 return self._take(n, timeout, deadline)
         except stop.StopRequested:
             self._rewind(mark)  # a checkpoint saved now resumes with exactly this take
             raise
+
+    def give_back(self, trajs: list[Trajectory]) -> None:
+        """Undoes the last take (the run stopped before training it): a checkpoint saved
+        now resumes with exactly this take again."""
+        del trajs
+        self._rewind(self._last_mark)
 
     def _mark(self) -> tuple:
         """What a take changes: prompt position, draw number, counters."""

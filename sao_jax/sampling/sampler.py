@@ -296,6 +296,16 @@ class AsyncSampler:
                 out.append(traj)
         return out
 
+    def give_back(self, trajs: list[Trajectory]) -> None:
+        """Undoes the last `take` of `trajs` (the run stopped before training them): they
+        are queued again, first, and no longer counted as taken."""
+        lags = [(self._store.target or 0) - t.min_version for t in trajs]
+        with self._lock:
+            self._held.extendleft(reversed(trajs))
+            self._taken -= len(trajs)
+            self._staleness.subtract(lags)
+            self._staleness += collections.Counter()  # drops the zero counts
+
     def take_batch(
         self, n: int, timeout: float | None = None, **pad_kwargs: Any
     ) -> tuple[dict[str, np.ndarray], list[Trajectory]]:
