@@ -283,10 +283,17 @@ WORKLOADS = {
     "h200": tp.Workload(128, 4600, 1500, 6800, 32768, 2, 41.87 * GiB, 16, 67.0 * GiB,
                         max_in_flight=1024),
 }  # fmt: skip
-PLANS = (  # hardware, chips, pool splits, chips per sampler replica (one host)
-    ("tpu-v5p", 64, (0, 8, 16, 24, 32), 4),
-    ("h200", 128, (0, 16, 32, 64, 96), 8),
-)
+# (hardware, chips, [(layout, pool chips, chips per sampler replica)]). "every host": each
+# host splits its own chips (sampling.pool_devices per process: what runs across processes
+# today); "pool hosts": whole hosts form the pool (a pool slice: Pathways, or a
+# cross-process transfer jax 0.10 does not offer on CPU/GPU; docs/scaling.md).
+PLANS = (
+    ("tpu-v5p", 64, [("colocated", 0, 4), ("every host 1:3", 16, 1), ("every host 2:2", 32, 2),
+                     ("pool hosts", 16, 4), ("pool hosts", 24, 4), ("pool hosts", 32, 4)]),
+    ("h200", 128, [("colocated", 0, 8), ("every host 2:6", 32, 2), ("every host 4:4", 64, 4),
+                   ("every host 6:2", 96, 2), ("pool hosts", 32, 8), ("pool hosts", 64, 8),
+                   ("pool hosts", 96, 8)]),
+)  # fmt: skip
 
 
 def plan_30b() -> None:
@@ -294,26 +301,30 @@ def plan_30b() -> None:
 
     cfg = ModelConfig.from_config(qwen3_30b_a3b.get_config())
     print("30B plan (shapes + published figures; decode at 70% of HBM bandwidth, update and")
-    print("prefill at 40% MFU; a sampler replica = one host; paged KV; sync overlapped):")
-    print("| hardware | rollout:train chips | rollouts in flight | decode step (ms) |"
-          " rollouts / update (s) | update (s) | weight sync (s) | predicted traj/s |"
-          " speedup over colocated | speedup, decode at 20% of HBM bw |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, chips, splits, replica in PLANS:
+    print("prefill at 40% MFU; paged KV; at most 1024 rollouts in flight; sync overlapped):")
+    columns = ("hardware", "layout", "rollout:train chips", "chips per replica",
+               "rollouts in flight", "decode step (ms)", "rollouts of one batch (s)",
+               "update (s)", "weight sync (s)", "predicted traj/s", "speedup over colocated",
+               "same, decode at 20% of HBM bw")  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, chips, rows in PLANS:
         hw, work = tp.HARDWARE[name], WORKLOADS[name]
-        base = tp.split_rate(cfg, hw, work, chips, 0, replica)
-        slow_base = tp.split_rate(cfg, hw, work, chips, 0, replica, bw_efficiency=0.2)
-        for pool in splits:
+        _, _, base_replica = rows[0]
+        base = tp.split_rate(cfg, hw, work, chips, 0, base_replica)
+        slow_base = tp.split_rate(cfg, hw, work, chips, 0, base_replica, bw_efficiency=0.2)
+        for layout, pool, replica in rows:
             r = tp.split_rate(cfg, hw, work, chips, pool, replica)
-            split = "colocated" if pool == 0 else f"{pool}:{chips - pool}"
+            split = "-" if pool == 0 else f"{pool}:{chips - pool}"
+            head = f"| {chips} x {hw.name} | {layout} | {split} | {replica} |"
             if r is None:
-                print(f"| {hw.name} | {split} | trainer does not fit | | | | | | | |")
+                print(f"{head} does not fit | | | | | | | |")
                 continue
             slow = tp.split_rate(cfg, hw, work, chips, pool, replica, bw_efficiency=0.2)
-            print(f"| {hw.name} | {split} | {r['slots']} | {r['step_ms']:.1f} | "
-                  f"{r['roll_s']:.1f} | {r['update_s']:.1f} | {r['sync_s']:.2f} | "
-                  f"{r['rate']:.2f} | {r['rate'] / base['rate']:.2f}x | "
-                  f"{slow['rate'] / slow_base['rate']:.2f}x |")  # fmt: skip
+            speedup, slow_speedup = r["rate"] / base["rate"], slow["rate"] / slow_base["rate"]
+            print(f"{head} {r['slots']} | {r['step_ms']:.1f} | {r['roll_s']:.1f} | "
+                  f"{r['update_s']:.1f} | {r['sync_s']:.2f} | {r['rate']:.2f} | "
+                  f"{speedup:.2f}x | {slow_speedup:.2f}x |")  # fmt: skip
     for name, *_ in PLANS:
         print(f"# {tp.HARDWARE[name].name}: {tp.HARDWARE[name].source}")
 

@@ -36,10 +36,9 @@ import dataclasses
 import math
 
 from sao_jax.models.config import ModelConfig
+from sao_jax.parallel.placement import PLACEMENTS
 from sao_jax.plan import flops as flops_lib
 from sao_jax.schema import ConfigError
-
-PLACEMENTS = ("colocated", "disaggregated")
 
 
 def pipeline_rate(
