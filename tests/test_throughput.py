@@ -23,6 +23,10 @@ def test_pipeline_rate_by_placement():
     assert half == pytest.approx(8 / (1.2 / 1.5))
     with pytest.raises(ConfigError, match="placement"):
         tp.pipeline_rate("pooled", 8, 0.1, 0.4, 0.0)
+    # a CPU: colocated threads interleave too (measured concurrency), sync still exposed
+    assert tp.pipeline_rate("colocated", 8, 0.1, 0.4, 0.05, concurrency=2.0) == pytest.approx(
+        8 / 0.8
+    )
     with pytest.raises(ValueError, match="concurrency"):
         tp.pipeline_rate("disaggregated", 8, 0.1, 0.4, 0.0, concurrency=3.0)
 

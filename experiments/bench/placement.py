@@ -1,7 +1,7 @@
 """Placement benchmark: colocated vs disaggregated sampler pool, the throughput model and its
 check here, then the model applied to the 30B recipe (docs/scaling.md, "Sampler pool").
 
-    python -m experiments.bench.placement            # ~6-10 minutes on 2 busy cores
+    python -m experiments.bench.placement            # 3-6 minutes on 2 busy cores
     python -m experiments.bench.placement --plan     # the 30B table only (a second)
 
 Here: 2 fake CPU devices, each single-threaded (XLA_FLAGS below, set before jax starts),
@@ -13,11 +13,11 @@ the real weight sync (sao_jax/parallel/reshard.py, landing double-buffered).
 
 Measured, side by side in one process:
   1. decode step cost by (slots, context) on one device;
-  2. per placement: rollout cost per trajectory (the sync engine, fixed params, on that
-     placement's sampler devices), update cost (on its trainer devices), weight-sync cost;
-  3. this machine's concurrency: rollouts on device 1 and updates on device 0 at once
-     (2 = two independent cores; 1 = no gain, e.g. when other jobs hold the cores);
-  4. the prediction of sao_jax/plan/throughput.py per placement, then the loop itself
+  2. per placement: rollout cost per trajectory (the async sampler alone, fixed params, on
+     that placement's sampler devices), update cost (batch assembly + the update step, on
+     its trainer devices), weight-sync cost;
+  3. the prediction of sao_jax/plan/throughput.py per placement (`CONCURRENCY` below: on
+     this CPU the sampler and the learner share the cores), then the loop itself
      (async rollouts, update, weight sync; as sao_jax/train.py runs it), twice per
      placement, interleaved; the model's error per placement.
 Then the 30B table (`--plan` alone prints just that): a plan from shapes and published
@@ -36,6 +36,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import contextlib
 import pathlib
 import statistics
 import subprocess
@@ -54,6 +55,13 @@ from sao_jax.plan import throughput as tp
 from sao_jax.sampling.generate import GenerateFns, SamplingParams
 
 B = 8  # trajectories per update
+# Two single-threaded devices on 2 shared cores: the sampler thread's host work (the
+# engine's Python) and both placements' device programs contend for the same cores, so
+# the sampler and the learner gain nothing from running at once (concurrency 1, for both
+# placements). A probe that ran update steps beside a free-running sampler measured
+# 1.0-1.4, but the coupled loop ran no faster than the serial sum: its predictions with the
+# probe's value were 24-52% too high. On chips, concurrency is 2 for a pool of its own.
+CONCURRENCY = 1.0
 RUN = {  # configs/sao.py:smoke, shrunk to the loop itself
     "init.kind": "random",
     "sft.steps": 0,
@@ -135,30 +143,63 @@ class Bench:
         config.lock()
         return self.run, self.run.rollouts()
 
-    def rollout_s(self, takes: int = 3) -> float:
-        """Seconds per trajectory: the sync engine, fixed params, on the sampler devices."""
-        run, source = self._source("sync")
+    def producing(self):
+        """A started async source with fixed params whose trajectories a thread takes as
+        they come (so the queue never pushes back), and a stop callable."""
+        run, source = self._source("async")
         source.publish(run.sampler_params(self.state.policy), 0, synced=True)
-        source.take(B, 600)  # compiles
-        t = time.perf_counter()
-        for _ in range(takes):
-            source.take(B, 600)
-        return (time.perf_counter() - t) / (takes * B)
+        source.start()
+        done = threading.Event()
 
-    def batch(self):
+        def drain():
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError, RuntimeError):  # RuntimeError: stopped
+                    source.take(1, 1.0)
+
+        worker = threading.Thread(target=drain, daemon=True)
+        worker.start()
+        generated = lambda: source.stats()["generated"]
+        while generated() < 2 * B:  # compiled, in its stride
+            time.sleep(0.05)
+
+        def stop():
+            done.set()
+            source.stop()
+            worker.join(30)
+
+        return generated, stop
+
+    def rollout_s(self, trajectories: int = 4 * B) -> float:
+        """Seconds per trajectory of the async sampler alone (the loop's producer), fixed
+        params, on this placement's sampler devices: its production rate, drained."""
+        generated, stop = self.producing()
+        try:
+            g0, t0 = generated(), time.perf_counter()
+            while generated() < g0 + trajectories:
+                time.sleep(0.01)
+            return (time.perf_counter() - t0) / (generated() - g0)
+        finally:
+            stop()
+
+    def trajectories(self):
         run, source = self._source("sync")
         source.publish(run.sampler_params(self.state.policy), 0, synced=True)
-        return self.run._batch(source.take(B, 600))
+        return source.take(B, 600)
 
     def fresh_state(self):
         """A copy of the initial state (the update step donates its input)."""
         return jax.tree.map(jnp.copy, self.state)
 
-    def update_s(self, batch, repeats: int = 5) -> float:
+    def learner_step(self, state, trajs):
+        """What the learner does per update besides taking: the batch, the update step."""
+        return self.run.learner.update_step(state, self.run._batch(trajs), self.run._key(state))
+
+    def update_s(self, trajs, repeats: int = 5) -> float:
+        """Seconds per update as the loop pays them: batch assembly + the update step."""
         state = [self.fresh_state()]
 
         def step():
-            state[0], m = self.run.learner.update_step(state[0], batch, self.run._key(state[0]))
+            state[0], m = self.learner_step(state[0], trajs)
             return m
 
         return _timed(step, repeats)
@@ -185,25 +226,6 @@ class Bench:
             source.stop()
 
 
-def concurrency(dis: Bench, batch, roll_s: float, upd_s: float) -> float:
-    """(a + b) / wall of rollouts on the pool device and updates on the trainer device at
-    once, where a, b are their solo times; 2 when the wall is the longer one alone."""
-    run, source = dis._source("sync")
-    source.publish(run.sampler_params(dis.state.policy), 0, synced=True)
-    n_upd = max(1, round(3 * B * roll_s / upd_s))  # about as long as 3 takes
-    t = time.perf_counter()
-    worker = threading.Thread(target=lambda: [source.take(B, 600) for _ in range(3)])
-    worker.start()
-    state = dis.fresh_state()
-    for _ in range(n_upd):
-        state, _ = dis.run.learner.update_step(state, batch, dis.run._key(state))
-    jax.block_until_ready(state)
-    worker.join()
-    wall = time.perf_counter() - t
-    a, b = 3 * B * roll_s, n_upd * upd_s
-    return 2.0 if wall <= max(a, b) else min(2.0, max(1.0, (a + b) / wall))
-
-
 def uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -217,8 +239,7 @@ def measure(steps: int) -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         benches = {p: Bench(p, pathlib.Path(tmp) / p) for p in PLACEMENTS}
-        dis = benches["disaggregated"]
-        table = decode_table(dis.run)
+        table = decode_table(benches["disaggregated"].run)
         print("decode step (ms) by slots x context, one device (the pool's), medians:")
         contexts = sorted({c for _, c in table})
         print("| slots | " + " | ".join(f"context {c}" for c in contexts) + " |")
@@ -227,28 +248,20 @@ def measure(steps: int) -> None:
             print(f"| {s} | " + " | ".join(f"{table[(s, c)]:.2f}" for c in contexts) + " |")
         costs = {}
         for name, bench in benches.items():
-            batch = bench.batch()
+            trajs = bench.trajectories()
             costs[name] = dict(
-                roll=bench.rollout_s(), update=bench.update_s(batch), sync=bench.sync_s()
+                roll=bench.rollout_s(), update=bench.update_s(trajs), sync=bench.sync_s()
             )
-            costs[name]["batch"] = batch
-        c = concurrency(dis, costs["disaggregated"]["batch"], costs["disaggregated"]["roll"],
-                        costs["disaggregated"]["update"])  # fmt: skip
-        print(f"unit costs (s; B={B}), concurrency of this machine: {c:.2f}")
+            costs[name]["trajs"] = trajs
+        print(f"unit costs (s; B={B}; update = batch assembly + update step):")
         print("| placement | rollout per trajectory | update | weight sync |")
         print("|---|---|---|---|")
         for name, k in costs.items():
             print(f"| {name} | {k['roll']:.4f} | {k['update']:.4f} | {k['sync']:.4f} |")
-        predicted = {
-            "colocated": tp.pipeline_rate(
-                "colocated", B, costs["colocated"]["roll"], costs["colocated"]["update"],
-                costs["colocated"]["sync"],
-            ),
-            "disaggregated": tp.pipeline_rate(
-                "disaggregated", B, costs["disaggregated"]["roll"],
-                costs["disaggregated"]["update"], costs["disaggregated"]["sync"],
-                concurrency=c, sync_exposed=1.0,  # the CPU copies the bytes
-            ),
+        predicted = {  # this CPU: concurrency 1 for both (CONCURRENCY), the CPU copies the sync
+            name: tp.pipeline_rate(name, B, k["roll"], k["update"], k["sync"],
+                                   concurrency=CONCURRENCY, sync_exposed=1.0)
+            for name, k in costs.items()
         }  # fmt: skip
         measured = {p: [] for p in PLACEMENTS}
         for _ in range(2):  # interleaved: A B A B
@@ -332,7 +345,7 @@ def plan_30b() -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plan", action="store_true", help="the 30B table only")
-    p.add_argument("--steps", type=int, default=8, help="measured updates per loop run")
+    p.add_argument("--steps", type=int, default=12, help="measured updates per loop run")
     args = p.parse_args(argv)
     if not args.plan:
         measure(args.steps)

@@ -3,22 +3,24 @@ decode roofline that feeds it at scale (a plan from shapes and published figures
 
 The loop (sao_jax/train.py) consumes B trajectories per update. Per placement:
 
-  colocated:     the pool decodes on the trainer's devices, and a device runs one program
-                 at a time, so per update of B trajectories
-                     period = B * roll + update + sync
+  work   = (B * roll, update + exposed * sync)
+  period = max(max(work), sum(work) / concurrency)
+
+  colocated:     the pool decodes on the trainer's devices, and an accelerator runs one
+                 program at a time: concurrency 1, so period = B * roll + update + sync;
   disaggregated: pool and trainer run at once; the pool swaps versions between engine
                  steps (double buffering, sampling/params_store.py), so the two only meet
-                 in the queue:
-                     work   = (B * roll_pool, update_trainer + exposed * sync)
-                     period = max(max(work), sum(work) / concurrency)
+                 in the queue: concurrency 2 on separate chips.
 
   trajectories/s = B / period
 
 `roll`: device seconds per trajectory on that device set (decode + prefill + the host's
 per-trajectory work, at its slot count); `update`: one update step; `sync`: the weight
-sync (cast + transfer of the bf16 policy). `concurrency`: how much of two programs on
-two device sets runs at full speed at once: 2 on separate chips; on a shared CPU the
-cores decide (measured by experiments/bench/placement.py; 1 = no gain). `exposed`: the
+sync (cast + transfer of the bf16 policy). `concurrency`: how much of the sampler's and
+the learner's work runs at full speed at once: 1 or 2 by the rule above on chips; on a
+CPU the cores are shared by both placements (experiments/bench/placement.py uses 1 for
+both on 2 cores, where the sampler's host work and every device program contend for
+them). `exposed`: the
 share of the sync that costs trainer time: 1 where the CPU copies the bytes, 0 where a DMA
 engine / the interconnect moves them while the next update runs (the sync then bounds
 only the staleness: ceil(sync / update) versions of lag).
@@ -48,18 +50,26 @@ def pipeline_rate(
     update_s: float,
     sync_s: float,
     *,
-    concurrency: float = 2.0,
-    sync_exposed: float = 0.0,
+    concurrency: float | None = None,
+    sync_exposed: float | None = None,
 ) -> float:
-    """Trajectories per second (module docstring): B / period."""
+    """Trajectories per second (module docstring): B / period, with period =
+    max(max(work), sum(work) / concurrency), work = (B roll, update + exposed sync).
+
+    Defaults: colocated concurrency 1 and exposed 1 (a device runs one program at a
+    time: period = B roll + update + sync); disaggregated concurrency 2 and exposed 0
+    (separate chips, the sync moved by the interconnect). On a CPU both placements share
+    the cores: pass the machine's own (experiments/bench/placement.py).
+    """
     if placement not in PLACEMENTS:
         raise ConfigError(f"argument placement: must be one of {PLACEMENTS}, got {placement!r}")
-    if placement == "colocated":
-        return batch / (batch * roll_s + update_s + sync_s)
-    if not 1.0 <= concurrency <= 2.0:
-        raise ValueError(f"concurrency: must be in [1, 2], got {concurrency}")
-    work = (batch * roll_s, update_s + sync_exposed * sync_s)
-    return batch / max(max(work), sum(work) / concurrency)
+    colocated = placement == "colocated"
+    c = (1.0 if colocated else 2.0) if concurrency is None else concurrency
+    exposed = (1.0 if colocated else 0.0) if sync_exposed is None else sync_exposed
+    if not 1.0 <= c <= 2.0:
+        raise ValueError(f"concurrency: must be in [1, 2], got {c}")
+    work = (batch * roll_s, update_s + exposed * sync_s)
+    return batch / max(max(work), sum(work) / c)
 
 
 @dataclasses.dataclass(frozen=True)
