@@ -188,6 +188,12 @@ def sampling_section() -> ConfigDict:
     c.max_dropped_in_a_row = 64  # dropped episodes in a row (any reason, e.g. every prompt
     # longer than max_len) before the run stops naming the drops by reason
     c.lockstep = placeholder(int)  # deterministic mode: trajectories per version
+    # Where the pool decodes (sao_jax/parallel/placement.py): 'colocated' on the trainer's
+    # devices | 'disaggregated' on devices of its own (the trainer mesh takes the rest)
+    c.placement = "colocated"
+    c.pool_devices = 0  # disaggregated: each process's last N local devices form its pool
+    c.pool_mesh = ()  # the pool's mesh shape over mesh.axes (product = pool_devices);
+    # () = (pool_devices, 1, 1, 1): the engine's slots over the first (data) axis
     return c
 
 

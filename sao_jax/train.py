@@ -38,8 +38,10 @@ from sao_jax.data.pipeline import run_prompts
 from sao_jax.data.prompts import prompt_iterator
 from sao_jax.models.transformer import Policy, critic_params_from_policy
 from sao_jax.parallel import distributed
-from sao_jax.parallel.mesh import Sharder, sharder_from_config
+from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef
+from sao_jax.parallel.placement import Placement, placement_from_config, trainer_sharder
+from sao_jax.parallel.reshard import cast_and_reshard
 from sao_jax.report import run_report
 from sao_jax.report.progress import Progress
 from sao_jax.report.samples import SampleWriter
@@ -69,11 +71,15 @@ class Run:
         workdir: pathlib.Path,
         sharder: Sharder | None = None,
         inputs: Inputs | None = None,
+        placement: Placement | None = None,
     ):
         inputs = inputs or read_inputs(config)
         self.config = config
         self.workdir = workdir
-        self.sharder = sharder or sharder_from_config(config)
+        # Where the sampler pool runs (sao_jax/parallel/placement.py); the trainer mesh
+        # takes the devices it leaves.
+        self.placement = placement or placement_from_config(config)
+        self.sharder = sharder or trainer_sharder(config, self.placement)
         self.tokenizer = inputs.tokenizer
         self.models = build_models(config, self.sharder, self.tokenizer)
         self.learner = Learner(config, self.models.policy_def, self.models.critic_def, self.sharder)
@@ -86,9 +92,15 @@ class Run:
                 "bring different numbers of packed rows); set train.pack=False"
             )
         self.batch_sharding = self.sharder.named(("batch",))
+        # Samplers decode without the trainer mesh's constraints: on the pool's own mesh
+        # (disaggregated) or unconstrained (per-host samplers of several processes).
+        pool = self.placement.pool_sharder(config.mesh.rules)
         self.sampler_def = self.models.policy_def
-        if jax.process_count() > 1:
-            self.sampler_def = ModelDef.of(lambda: Policy(self.models.cfg, rngs=nnx.Rngs(0)))
+        if pool is not None or jax.process_count() > 1:
+            self.sampler_def = ModelDef.of(
+                lambda: Policy(self.models.cfg, sharder=pool, rngs=nnx.Rngs(0))
+            )
+        self.pool_shardings = None if pool is None else self.sampler_def.shardings(pool)
         self.engine_cfg, self.sampler_cfg = configs_from_section(
             config.sampling, stream_seed(config.seed, "rollouts")
         )
@@ -113,6 +125,7 @@ class Run:
             max_env_errors=self.sampler_cfg.max_env_errors,
             stall_timeout_s=config.train.take_timeout_s,
         )
+        self.pool = dict(device_context=self.placement.pool_context)  # rollouts' kwargs
         t = config.train
         self.ckpt = checkpointing.Checkpointer(
             workdir / "checkpoints", keep=t.keep_checkpoints, async_save=t.async_checkpoints
@@ -255,7 +268,9 @@ class Run:
         if self.set_env_step is not None:
             self.set_env_step(0)
         if vp.sampler == "sync":
-            source = SyncRollouts(*args, self.engine_cfg, seed=seed, **self.take_bounds)
+            source = SyncRollouts(
+                *args, self.engine_cfg, seed=seed, **self.take_bounds, **self.pool
+            )
         else:
             local = distributed.local_batch_size(vp.batch_size, "value_pretrain.batch_size")
             sampler_cfg = dataclasses.replace(
@@ -270,8 +285,9 @@ class Run:
                 self.engine_cfg,
                 sampler_cfg,
                 take_timeout_s=self.take_bounds["take_timeout_s"],
+                **self.pool,
             )
-        source.publish(self.sampler_params(policy), 0)
+        source.publish(self.sampler_params(policy), 0, synced=True)
         source.start()
         return source
 
@@ -306,10 +322,18 @@ class Run:
         return batch
 
     def sampler_params(self, policy):
-        """The params samplers and evaluation run on: the policy in the compute dtype
-        (every weight is cast to it at use anyway, so rollouts are unchanged and a bf16
-        copy takes half the memory), as this host's own copy with several processes."""
-        return distributed.host_local(policy, dtype=self.models.cfg.compute_dtype)
+        """The weight sync: the params samplers and evaluation run on, i.e. the policy in
+        the compute dtype (every weight is cast to it at use anyway, so rollouts are
+        unchanged and a bf16 copy takes half the memory) in new buffers, on the pool's
+        shardings when it has devices of its own, as this host's own copy with several
+        processes (collective). Dispatched asynchronously: the copy runs behind the next
+        update (sao_jax/parallel/reshard.py)."""
+        return cast_and_reshard(
+            policy,
+            self.pool_shardings,
+            self.models.cfg.compute_dtype,
+            source_devices=self.placement.trainer_devices,
+        )
 
     def _key(self, state):
         return jax.random.fold_in(self.key, int(state.updates))
@@ -318,6 +342,7 @@ class Run:
         cfg = self.config
         kw = dict(group_size=cfg.env.group_size)
         args = (self.sampler_def, self.tokenizer, self.env_factory, self.prompts)
+        kw.update(self.pool)
         if cfg.train.rollouts == "sync":
             seed = stream_seed(cfg.seed, "sync_rollouts")
             return SyncRollouts(*args, self.engine_cfg, seed=seed, **kw, **self.take_bounds)
@@ -327,15 +352,25 @@ class Run:
     def evaluate(self, state, step: int) -> dict[str, float]:
         log.info("eval at step %d: %d held-out prompts", step, len(self.evaluator.prompts))
         t0 = time.time()
-        out = self.evaluator(self.sampler_params(state.policy), int(state.step), step=step)
+        with self.placement.pool_context():
+            out = self.evaluator(self.sampler_params(state.policy), int(state.step), step=step)
         out["eval/seconds"] = time.time() - t0
         self.writer.write_scalars(step, out)
         log.info("eval at step %d: %s", step, _fmt(out, "eval/"))
         return out
 
     def save(self, step: int, state, source, counters: dict, extra: dict) -> None:
+        prompts = source.prompt_state() if source is not None else self.prompts.get_state()
         meta = dict(
-            prompts=source.prompt_state() if source is not None else self.prompts.get_state(),
+            prompts=prompts,
+            # every host's own position in its prompt slice (collective; a resumed host
+            # restores its own: exact for each host with async rollouts too)
+            prompts_by_process=[
+                checkpointing.decode_meta(json.loads(b))
+                for b in distributed.allgather_bytes(
+                    json.dumps(checkpointing.encode_meta(prompts)).encode()
+                )
+            ],
             counters=counters,
             before=extra["before"],
             value_pretrain=acct.finite(extra.get("value_pretrain", {})),
@@ -360,7 +395,8 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     """Runs (or resumes) one training run in `workdir`; returns the summary dict."""
     log.info("checking the config and the inputs (workdir %s)", workdir)
     config = config_lib.validate(config)
-    sharder = sharder_from_config(config)
+    placement = placement_from_config(config)
+    sharder = trainer_sharder(config, placement)
     check_run(config, sharder)
     config = resolved_config(config)  # init.kind='hf': the checkpoint's model and tokenizer
     inputs = read_inputs(config)  # a bad input file stops here, before the workdir exists
@@ -377,7 +413,8 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
         log.info("%s", line)
     log.info("building the policy, the critic and the learner")
     t_start = time.time()
-    r = Run(config, workdir, sharder, inputs)
+    r = Run(config, workdir, sharder, inputs, placement)
+    log.info("placement: %s", placement.describe())
     t = config.train
     with checkpointing.GracefulExit() as stopper:
         latest = r.ckpt.latest_step()
@@ -401,7 +438,9 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
                 r.learner.abstract_state, r.learner.state_shardings
             )
             state, meta = r.ckpt.restore(abstract)
-            r.prompts.set_state(meta["prompts"])
+            mine = meta.get("prompts_by_process", [])  # absent in older checkpoints
+            own = len(mine) == jax.process_count()
+            r.prompts.set_state(mine[jax.process_index()] if own else meta["prompts"])
             r.open_writers(resume_step=int(state.step))
             extra = dict(
                 before=meta["before"],
@@ -444,7 +483,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
     source = r.rollouts()
     if r.set_env_step is not None:
         r.set_env_step(int(state.step))
-    source.publish(r.sampler_params(state.policy), int(state.step))
+    source.publish(r.sampler_params(state.policy), int(state.step), synced=True)
     source.start()
     log.info("RL: at step %d of %d, %d trajectories a step", int(state.step), t.total_steps, b)
     acc = metrics.MetricAccumulator()
@@ -469,7 +508,9 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
                 acc.add(m)
                 continue
             state, m = learner.update_step(state, batch, r._key(state))
-            source.publish(r.sampler_params(state.policy), int(state.step))
+            # weight sync, dispatched behind the update: the pool keeps decoding the
+            # previous version until this one has landed
+            source.publish(r.sampler_params(state.policy), int(state.step), synced=True)
             if r.set_env_step is not None:  # non-stationary tasks follow the policy step
                 r.set_env_step(int(state.step))
             acc.add(m)
@@ -514,15 +555,21 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
 
 def take_or_stop(source, n: int, timeout: float, stopper) -> list[Trajectory] | None:
     """This step's n trajectories, or None when any process stops: this one was signalled
-    (before or during the take), or another one was. Collective (`agree_stop`): every
-    process calls it once per step, before the step's first collective."""
+    (before or during the take), or another one was (what this one took is then given
+    back, so the checkpoint counts it in flight and a sync run resumes with that take).
+    Collective (`agree_stop`): every process calls it once per step, before the step's
+    first collective."""
     trajs = None
     if not stopper.requested:
         try:
             trajs = source.take(n, timeout)
         except stop.StopRequested as e:
             log.warning("%s", e)
-    return None if distributed.agree_stop(trajs is None) else trajs
+    if not distributed.agree_stop(trajs is None):
+        return trajs
+    if trajs:
+        source.give_back(trajs)
+    return None
 
 
 def _unless_stopped(fn, *args):

@@ -5,15 +5,15 @@ Each worker process has 4 fake CPU devices, joins a 2-process `jax.distributed` 
 its half of each synthetic batch (`global_batch`); the parameters after 3 update steps
 must equal those of the single-process 8-device run in this test process.
 
-Stop agreement: the two processes run the training loop's step skeleton (the loop's own
-`take_or_stop`, an update step, then the final save), and only process 1 gets SIGTERM;
-both must leave the loop at the same step, save that step together and exit 0.
+End to end: `python -m experiments.train` as two processes, asynchronous rollouts on a
+sampler pool of each host's own device (disaggregated placement); only process 1 gets
+SIGTERM: both must leave the loop at the same step (the stop agreement), save that step
+together and exit 0; a second launch resumes both from it and finishes.
 """
 
 import json
 import os
 import pathlib
-import signal
 import socket
 import subprocess
 import sys
@@ -136,62 +136,6 @@ def _worker(process_id: int, num_processes: int, port: int, out: str) -> None:
         jax.distributed.shutdown()
 
 
-class _SlowSource:
-    """A rollouts source whose take waits (stoppably) 0.2 s and returns nothing."""
-
-    def take(self, n, timeout):
-        from sao_jax import stop
-
-        if stop.sleep(0.2):
-            stop.raise_if_requested("waiting for trajectories")
-        return []
-
-
-def _stop_worker(process_id: int, port: int, out: str) -> None:
-    """One process of the stop-agreement test: steps until the agreed stop, then saves."""
-    import pathlib
-
-    from sao_jax import checkpointing, train
-    from sao_jax.models.config import ModelConfig
-    from sao_jax.models.factory import init_models
-    from sao_jax.parallel.mesh import sharder_from_config
-    from sao_jax.rl.synthetic import synthetic_batch
-    from sao_jax.rl.update import Learner
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    spec = dist.resolve(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
-        timeout_s=60, env={},
-    )  # fmt: skip
-    dist.initialize(spec)
-    config = _config()
-    sharder = sharder_from_config(config)
-    models = init_models(ModelConfig.from_config(config.model), sharder, seed=0)
-    learner = Learner(config, models.policy_def, models.critic_def, sharder)
-    state = learner.new_state(models.policy, models.critic, seed=0)
-    batch_sh = sharder.named(("batch",))
-    rows = dist.local_batch_size(B)
-    lo = process_id * rows
-    progress = pathlib.Path(out, f"step_{process_id}")
-    with checkpointing.GracefulExit() as stopper:
-        ckpt = checkpointing.Checkpointer(pathlib.Path(out, "checkpoints"), async_save=False)
-        while int(state.step) < 10_000:
-            if train.take_or_stop(_SlowSource(), rows, 60.0, stopper) is None:
-                break
-            full = synthetic_batch(B, T, 32, seed=int(state.step), version=0, max_lag=1)
-            batch = dist.global_batch({k: v[lo : lo + rows] for k, v in full.items()}, batch_sh)
-            state, _ = learner.update_step(state, batch, jax.random.key(0))
-            progress.write_text(str(int(state.step)))
-        step = int(state.step)
-        ckpt.save(step, state, {"step": step}, force=True)
-        ckpt.close()
-    signalled = stopper.signal is not None
-    pathlib.Path(out, f"stopped_{process_id}.json").write_text(
-        json.dumps(dict(step=step, signalled=signalled))
-    )
-    jax.distributed.shutdown()
-
-
 def _flat(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
@@ -273,6 +217,110 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
     assert heads and all(h > 0 for h in heads)  # the critic trained (it starts at zero)
 
 
+# -------------------------------------- asynchronous rollouts across processes, end to end
+
+# configs/sao.py:smoke as two processes of 4 fake devices: each gives its last device to
+# its sampler pool (pools on every host) and 3 to the 6-device trainer mesh (data axis,
+# 3 rows per process); async rollouts with a staleness cap; few programs to compile.
+ASYNC_RUN = {
+    "init.kind": "random",
+    "sft.steps": 0,
+    "value_pretrain.steps": 0,
+    "train.rollouts": "async",
+    "sampling.placement": "disaggregated",
+    "sampling.pool_devices": 1,
+    "sampling.max_staleness": 1,
+    "rl.batch_size": 6,
+    "rl.advantage": "moving_average",  # no critic: half the update step to compile
+    "sampling.num_slots": 4,
+    "sampling.max_len": 64,
+    "sampling.prefill_buckets": (32,),
+    "sampling.span_buckets": (64,),
+    "train.length_bucket": 64,
+    "env.eval_size": 2,
+    "train.log_every": 1,
+    "train.eval_every": 0,
+    "train.checkpoint_every": 0,
+    "train.total_steps": 6,
+}
+
+
+def _launch(workdir, flags, port, env, tag):
+    """Both processes of `python -m experiments.train` on loopback."""
+    from tests import train_support as ts
+
+    procs = []
+    for pid in (0, 1):
+        log = open(workdir.parent / f"log_{tag}_{pid}.txt", "w")  # noqa: SIM115
+        dist_flags = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                      f"--process_id={pid}"]  # fmt: skip
+        procs.append(ts.entry_point([*flags, *dist_flags], workdir, env, log))
+    return procs
+
+
+def _finish(procs) -> list[int]:
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    try:
+        return [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
+    except subprocess.TimeoutExpired:
+        return [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _logs(tmp_path, tag) -> str:
+    return "\n".join(
+        f"--- {f.name} ---\n" + f.read_text()[-3000:] for f in sorted(tmp_path.glob(f"log_{tag}_*"))
+    )
+
+
+@pytest.mark.slow
+def test_two_process_async_disaggregated_run_stops_and_resumes(tmp_path):
+    """experiments.train as two processes, async rollouts on each host's own pool device:
+    SIGTERM to process 1 after step 2 stops both at one step (saved together, exit 0); a
+    second launch resumes there, each host from its own prompt position, and finishes."""
+    from tests import train_support as ts
+
+    workdir = tmp_path / "run"
+    overrides = {k.replace(".", "__"): v for k, v in ASYNC_RUN.items()}
+    flags = ts.flags_of("smoke", **overrides)
+    fake4 = f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}"
+    with ts.persistent_compilation_cache(tmp_path / "jax_cache") as cache_env:
+        env = {**cache_env, "XLA_FLAGS": fake4, "JAX_PLATFORMS": "cpu"}
+        procs = _launch(workdir, flags, _free_port(), env, "first")
+        try:
+            ts.sigterm_after_step(procs[1], workdir, 2, WORKER_TIMEOUT_S)  # process 1 only
+        finally:
+            codes = _finish(procs)
+        assert codes == [0, 0], _logs(tmp_path, "first")
+        first = ts.read_strict_json(workdir / "summary.json")
+        stopped = first["steps"]
+        assert first["interrupted"] and 2 <= stopped < ASYNC_RUN["train.total_steps"], first
+        step_dir = workdir / "checkpoints" / str(stopped)
+        for pid in (0, 1):  # both processes committed their part of the same step
+            assert (step_dir / f"integrity.process_{pid}.json").exists(), sorted(step_dir.iterdir())
+        target = ts.restore_target(ts.small_config(**overrides))  # onto this process's mesh
+        _, meta = ts.restore(target, workdir, step=stopped)
+        assert len(meta["prompts_by_process"]) == 2  # each host's own prompt position
+
+        procs = _launch(workdir, flags, _free_port(), env, "second")
+        codes = _finish(procs)
+        assert codes == [0, 0], _logs(tmp_path, "second")
+    log0 = (tmp_path / "log_second_0.txt").read_text()
+    assert f"resumed from step {stopped}" in log0, log0[-3000:]
+    done = ts.read_strict_json(workdir / "summary.json")
+    assert done["steps"] == ASYNC_RUN["train.total_steps"] and not done["interrupted"]
+    c = done["counters"]  # process 0's; what was in flight at the stop counts as discarded
+    assert c["generated"] == c["trained"] + c["dropped_stale"] + c["discarded"] + c["in_flight"]
+    assert c["trained"] == ASYNC_RUN["train.total_steps"] * ASYNC_RUN["rl.batch_size"] // 2
+    assert max(int(k) for k in done["staleness_hist"]) <= ASYNC_RUN["sampling.max_staleness"]
+    steps = [r["step"] for r in ts.read_metrics(workdir) if "policy/loss" in r]
+    assert steps == list(range(1, ASYNC_RUN["train.total_steps"] + 1)), steps
+
+
 # ------------------------------------------------------------------- single-process API
 
 
@@ -330,44 +378,24 @@ def test_single_process_helpers_are_identities():
     assert dist.is_primary()
 
 
-@pytest.mark.slow
-def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
-    port = _free_port()
-    procs = []
-    for pid in (0, 1):
-        env = dict(os.environ)
-        env.update(
-            XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
-            JAX_PLATFORMS="cpu",
-            PYTHONPATH=str(ROOT),
-        )
-        args = f"{pid}, {port}, {str(tmp_path)!r}"
-        code = f"from tests.test_distributed import _stop_worker; _stop_worker({args})"
-        log = open(tmp_path / f"log_stop_{pid}.txt", "w")  # noqa: SIM115
-        procs.append(
-            subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=log,
-                             stderr=subprocess.STDOUT)
-        )  # fmt: skip
-    progress = tmp_path / "step_1"
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    try:
-        while not (progress.exists() and int(progress.read_text() or 0) >= 2):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
-                "workers did not reach step 2"
-            )
-            time.sleep(0.2)
-        procs[1].send_signal(signal.SIGTERM)  # process 1 only
-        codes = [p.wait(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = "\n".join(f.read_text()[-2000:] for f in sorted(tmp_path.glob("log_stop_*")))
-    assert codes == [0, 0], logs
-    results = [json.loads((tmp_path / f"stopped_{pid}.json").read_text()) for pid in (0, 1)]
-    assert results[0]["step"] == results[1]["step"] >= 2, results
-    assert [r["signalled"] for r in results] == [False, True]
-    step_dir = tmp_path / "checkpoints" / str(results[0]["step"])
-    for pid in (0, 1):  # each process committed its part of the same step
-        assert (step_dir / f"integrity.process_{pid}.json").exists(), sorted(step_dir.iterdir())
+def test_take_or_stop_gives_back_what_it_took_when_another_process_stops(monkeypatch):
+    """Another process was signalled: this one's take is undone (in flight again, or a
+    sync take replayed on resume), not counted as trained."""
+    from sao_jax import train
+
+    class Source:
+        given = None
+
+        def take(self, n, timeout):
+            return ["t"] * n
+
+        def give_back(self, trajs):
+            self.given = trajs
+
+    class Stopper:
+        requested = False
+
+    source = Source()
+    assert train.take_or_stop(source, 2, 1.0, Stopper()) == ["t", "t"] and source.given is None
+    monkeypatch.setattr(dist, "agree_stop", lambda local: True)  # another process stops
+    assert train.take_or_stop(source, 2, 1.0, Stopper()) is None and source.given == ["t", "t"]

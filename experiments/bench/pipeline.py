@@ -15,6 +15,9 @@ the sampler), then publishes the params as the next version. Side by side in one
 (b) sync group-of-8: 8 rollouts of one prompt start together in 8 slots; the batch is
     ready when the slowest finishes; then the learner updates; no overlap.
 
+Every prefill/decode program the engine can pick is compiled before anything is timed
+(`compile_programs`), so neither mode pays a compile inside its timed window.
+
 Printed: trajectories/s and learner idle fraction (time waiting for data / wall time)
 of each, their ratio, the staleness histogram of (a), and the decode cost per step
 (cache length --cache-len, every slot at position 64, or at 2048, or all at 64 but one at
@@ -45,7 +48,14 @@ from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
 from sao_jax.sampling.engine import Engine, EngineConfig
-from sao_jax.sampling.generate import GenerateFns, SamplingParams, choose_spans, span_buckets
+from sao_jax.sampling.generate import (
+    GenerateFns,
+    SamplingParams,
+    Spans,
+    choose_spans,
+    inert_rows,
+    span_buckets,
+)
 from sao_jax.sampling.sampler import AsyncSampler, SamplerConfig
 from sao_jax.sampling.trajectory import pack_rows, round_up
 
@@ -84,6 +94,29 @@ class ParetoTurnsEnv:
         self.t += 1
         done = self.t >= self.turns
         return StepResult("" if done else "<o>", 1.0 if done else 0.0, done)
+
+
+def compile_programs(fns, params, ecfg) -> float:
+    """Compiles every program the engine can pick (each decode span; each prefill width
+    with each span that can hold it) before anything is timed; returns the seconds.
+
+    They compile lazily, on first use: without this, whichever mode runs first pays the
+    compiles of the longer spans inside its timed window (a heavy-tailed episode reaches
+    a new span bucket mid-run), which is how async single rollouts once measured slower
+    than the synchronous group (docs/benchmarks.md, "Pipeline")."""
+    t = time.perf_counter()
+    cache = fns.init_cache(params)
+    s, key = fns.num_slots, jax.random.key(0)
+    for span in ecfg.spans:
+        spans = Spans(span)
+        for width in ecfg.buckets:
+            if width <= span:
+                tokens, positions = inert_rows(s, width, fns.max_len)
+                cache, _ = fns.prefill(params, cache, tokens, positions, spans)
+        cache, _ = fns.decode(params, cache, np.zeros(s, np.int32), np.zeros(s, np.int32),
+                                key, SamplingParams(), spans)  # fmt: skip
+    jax.block_until_ready(cache)
+    return time.perf_counter() - t
 
 
 def run_async(mdef, params, env_factory, ecfg, steps, update_s, fns):
@@ -200,6 +233,8 @@ def main(argv=None):
         f"turns~min(Pareto({args.alpha}), {args.max_turns}) x {args.turn_tokens} tokens, "
         f"update={args.update_ms:.0f} ms"
     )
+    compile_s = compile_programs(fns, params, ecfg)
+    print(f"# compiled {len(fns.programs)} prefill/decode programs first: {compile_s:.1f} s")
     a, stats = run_async(mdef, params, env_factory, ecfg, steps, update_s, fns)
     b = run_sync(mdef, params, env_factory, ecfg, steps, update_s, fns)
     lengths = np.array(a["lengths"] + b["lengths"])

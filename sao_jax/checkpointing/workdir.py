@@ -3,9 +3,10 @@
 The first run writes `<workdir>/config.json`. A later run in the same workdir compares
 its config with it, field by field (dotted names, lists compared whole), ignoring the
 fields matched by `RESUMABLE_FIELDS` (fnmatch patterns: loop length, logging, eval and
-checkpoint cadence, the mesh). The first other difference raises ConfigError naming the
-field, unless the run never committed a checkpoint (it failed or stopped before one:
-nothing to resume), which the corrected config replaces, with a log line. `overwrite=True`
+checkpoint cadence, the mesh and the sampler pool placement). The first other difference
+raises ConfigError naming the field, unless the run never committed a checkpoint (it
+failed or stopped before one: nothing to resume), which the corrected config replaces,
+with a log line. `overwrite=True`
 starts fresh: every entry of the workdir moves into `<workdir>/previous-<UTC time>/`
 (nothing is deleted, nothing is mixed); so does a replaced run without checkpoints.
 """
@@ -51,6 +52,9 @@ RESUMABLE_FIELDS = (
     "train.samples_per_log",
     "train.wandb_*",
     "mesh.*",
+    "sampling.placement",  # where the pool runs: the checkpoint restores onto any mesh
+    "sampling.pool_devices",
+    "sampling.pool_mesh",
 )
 
 _ABSENT = object()

@@ -14,7 +14,8 @@ Data enters as global arrays assembled from per-process pieces:
   * `global_from_replicated`: data every process computed identically (demonstrations
     from one seed): each device takes its slice of the host copy;
   * `agree_max`: the one scalar all hosts must agree on (the padded length T);
-  * `agree_stop`: the stop decision (SIGTERM on any host), agreed once per step.
+  * `agree_stop`: the stop decision (SIGTERM on any host), agreed once per step;
+  * `allgather_bytes`: every host's own host state (its prompt position) for a checkpoint.
 Samplers run per host and asynchronously, so they must not run multi-process programs:
 `host_local` turns the (global, sharded) policy into arrays on this host's devices only.
 
@@ -34,7 +35,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sao_jax.parallel.reshard import cast_floating, first_divisible_spec
 from sao_jax.schema import ConfigError
 
 MODES = ("auto", "detect", "off")
@@ -197,6 +197,20 @@ def agree_max(value: int) -> int:
     return int(np.max(gathered))
 
 
+def allgather_bytes(data: bytes) -> list[bytes]:
+    """Every process's `data`, in process order (collective: every process calls it at
+    the same point). Host state only (a prompt iterator's position), never tensors.
+    One process: [data]."""
+    if jax.process_count() == 1:
+        return [bytes(data)]
+    n = np.asarray(len(data), np.int64)
+    lengths = np.asarray(multihost_utils.process_allgather(n)).reshape(-1)
+    buf = np.zeros(int(lengths.max()), np.uint8)
+    buf[: len(data)] = np.frombuffer(data, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(buf))
+    return [rows[p, : int(lengths[p])].tobytes() for p in range(jax.process_count())]
+
+
 def agree_stop(local: bool) -> bool:
     """Whether any process wants to stop (a SIGTERM reached it, or its wait was
     interrupted): one tiny all-reduce, so every process takes the same decision before
@@ -281,10 +295,12 @@ def global_from_replicated(tree: Any, sharding: NamedSharding | None) -> Any:
     return jax.tree.map(one, tree)
 
 
-def host_mesh() -> Mesh:
-    """All devices as a ('hosts', 'local') mesh: row p = process p's devices."""
+def host_mesh(devices: Sequence[Any] | None = None) -> Mesh:
+    """`devices` (default: all) as a ('hosts', 'local') mesh: row p = process p's devices
+    among them."""
     p = jax.process_count()
-    rows = [sorted((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)
+    devices = jax.devices() if devices is None else devices
+    rows = [sorted((d for d in devices if d.process_index == i), key=lambda d: d.id)
             for i in range(p)]  # fmt: skip
     if len({len(r) for r in rows}) != 1:
         counts = [len(r) for r in rows]
@@ -292,20 +308,41 @@ def host_mesh() -> Mesh:
     return Mesh(np.array(rows), ("hosts", "local"))
 
 
-def host_local(tree: Any, dtype: Any = None) -> Any:
+def cast_floating(tree: Any, dtype: Any = None) -> Any:
+    """Floating leaves cast to `dtype` (None: unchanged); other leaves as they are."""
+
+    def one(x):
+        floating = jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+        return x.astype(dtype) if dtype is not None and floating and x.dtype != dtype else x
+
+    return jax.tree.map(one, tree)
+
+
+def first_divisible_spec(shape: Sequence[int], axis: str, size: int) -> PartitionSpec:
+    """Split the first dimension that `size` divides over mesh axis `axis`; else replicate
+    (the host-local sampler layout of `host_local`)."""
+    for d, n in enumerate(shape):
+        if n >= size and n % size == 0:
+            return PartitionSpec(*([None] * d), axis)
+    return PartitionSpec()
+
+
+def host_local(tree: Any, dtype: Any = None, devices: Sequence[Any] | None = None) -> Any:
     """This host's copy of a tree of global arrays, on its own devices only, with
     floating leaves cast to `dtype` when given (a no-op where they already have it).
 
     Several processes: each leaf is resharded, collectively (every process must call
     this, in the same order), to be replicated across hosts and split over each host's
     devices along its first divisible dimension; the local shards then form an array on
-    a one-host mesh, which per-host samplers use in their own jitted programs. One
-    process: the (cast) tree, shardings unchanged.
+    a one-host mesh, which per-host samplers use in their own jitted programs. `devices`
+    are the devices the leaves live on (default: all; a disaggregated run's trainer
+    devices, sao_jax/parallel/placement.py). One process: the (cast) tree, shardings
+    unchanged.
     """
     tree = cast_floating(tree, dtype)
     if jax.process_count() == 1:
         return tree
-    mesh = host_mesh()
+    mesh = host_mesh(devices)
     n_local = mesh.shape["local"]
     local_mesh = Mesh(mesh.devices[jax.process_index()], ("local",))
 

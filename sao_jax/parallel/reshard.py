@@ -1,21 +1,31 @@
-"""Weight sync: params cast to the sampler's dtype and moved to the sampler's shardings.
+"""Weight sync: the trainer's params, cast to the compute dtype, onto the sampler's shardings.
 
 After every update the sampler gets the policy in its compute dtype (bf16 for the 30B
-recipe: every weight is cast to it at use anyway, so rollouts do not change) laid out as
-the sampler wants it, which is not the trainer's layout (a host-local split, or a pool
-mesh of its own). `cast_and_reshard(params, target_shardings, dtype)` does both:
+recipe: every weight is cast to it at use anyway, so rollouts do not change, and half the
+bytes move) laid out as the sampler wants it, which is not the trainer's layout (a
+host-local split, or a pool mesh of its own). `cast_and_reshard(params, shardings, dtype)`
+is that transfer. It is dispatched asynchronously, so the call returns at once and the copy
+runs behind the caller's next program (the learner's next update); the result's arrays
+become ready when their bytes have landed (sao_jax/sampling/params_store.py publishes them
+to the sampler only then). The result is always in fresh buffers: the learner donates its
+state to the next update.
 
-  * target on the same devices as the params, in the same mesh order (colocated; any
-    mesh shape or axis names over them): ONE jitted program, cast then reshard, whose
-    collectives XLA derives from the two shardings (`reshard_program`; it lowers for TPU
-    and GPU on abstract meshes, tests/test_lowering.py);
-  * target on other devices (a sampler pool beside the trainer, in this process), or on
-    the same ones in another order: the cast runs where the params are (half the bytes
-    to move for float32 -> bf16), then `jax.device_put` copies the shards.
+Where the target is (sao_jax/parallel/placement.py):
+  * the same devices as the params, in the same mesh order (colocated; any mesh shape or
+    axis names over them): ONE jitted program, cast then reshard, whose collectives XLA
+    derives from the two shardings (`reshard_program`; it lowers for TPU and GPU on
+    abstract meshes, tests/test_lowering.py); `shardings=None` keeps the source layout;
+  * other devices (a sampler pool beside the trainer, in this process), or the same ones in
+    another order: the cast runs where the params are, then `jax.device_put` copies the
+    shards;
+  * several processes: first `distributed.host_local` (collective: every process calls it,
+    in the same order) gives each host its own full copy on its own trainer devices, then
+    a host-local `device_put` moves it onto that host's pool devices. JAX's multi-controller
+    `device_put` between two device sets spanning processes is refused on CPU and GPU in
+    jax 0.10 (docs/scaling.md, "Sampler pool placement"), so the cross-host part is the
+    trainer-mesh reshard and the move to the pool never leaves the host.
 
-Floating leaves are cast, integer leaves are moved unchanged (`cast_floating`). In one
-process only: `jax.device_put` cannot reach another process's devices, and that
-transfer is not handled here.
+Floating leaves are cast, integer leaves are moved unchanged (`cast_floating`).
 """
 
 from __future__ import annotations
@@ -26,26 +36,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
+from sao_jax.parallel import distributed
+from sao_jax.parallel.distributed import cast_floating, first_divisible_spec
 
-def cast_floating(tree: Any, dtype: Any = None) -> Any:
-    """Floating leaves cast to `dtype` (None: unchanged); other leaves as they are."""
-
-    def one(x):
-        floating = jnp.issubdtype(x.dtype, jnp.floating)
-        return x.astype(dtype) if dtype is not None and floating and x.dtype != dtype else x
-
-    return jax.tree.map(one, tree)
-
-
-def first_divisible_spec(shape: Sequence[int], axis: str, size: int) -> PartitionSpec:
-    """Split the first dimension that `size` divides over mesh axis `axis`; else replicate
-    (the host-local sampler layout of `distributed.host_local`)."""
-    for d, n in enumerate(shape):
-        if n >= size and n % size == 0:
-            return PartitionSpec(*([None] * d), axis)
-    return PartitionSpec()
+__all__ = [
+    "cast_and_reshard",
+    "cast_floating",
+    "first_divisible_spec",
+    "host_split_shardings",
+    "reshard_program",
+]
 
 
 def _is_sharding(x) -> bool:
@@ -79,21 +81,37 @@ def _device_orders(tree: Any) -> set[tuple[int, ...]]:
     return out
 
 
-@functools.lru_cache(maxsize=8)
-def _cast_program(dtype_name: str | None):
-    dtype = None if dtype_name is None else jnp.dtype(dtype_name)
-    return jax.jit(functools.partial(cast_floating, dtype=dtype))
+def _fresh(source: Any, out: Any) -> Any:
+    """`out` with every leaf that is still a buffer of `source` copied."""
+    copy = lambda x, y: y if y is not x else jax.device_put(y, y.sharding, may_alias=False)
+    return jax.tree.map(copy, source, out)
 
 
-def cast_and_reshard(params: Any, target_shardings: Any, dtype: Any = None) -> Any:
-    """`params` (arrays) cast to `dtype` (floating leaves) and placed on `target_shardings`
-    (a tree of NamedShardings of the same structure). Asynchronous, as any JAX dispatch:
-    block on the result to time the transfer."""
-    orders = _device_orders(params) | _device_orders(target_shardings)
-    if len(orders) == 1:
-        return reshard_program(target_shardings, dtype)(params)
-    cast = _cast_program(None if dtype is None else jnp.dtype(dtype).name)
-    return jax.device_put(cast(params), target_shardings)
+def cast_and_reshard(
+    params: Any,
+    shardings: Any = None,
+    dtype: Any = None,
+    *,
+    source_devices: Sequence[Any] | None = None,
+) -> Any:
+    """`params` (arrays) with floating leaves cast to `dtype` (None: kept), placed on
+    `shardings` (a tree of Shardings matching `params`, or None: the source shardings), in
+    fresh buffers. Asynchronous, as any JAX dispatch: block on the result to time it.
+
+    Several processes: collective (see the module docstring); `source_devices` are the
+    devices the leaves live on (the trainer's), `shardings` must then be on this
+    process's devices only.
+    """
+    if jax.process_count() > 1:
+        local = distributed.host_local(params, dtype, devices=source_devices)
+        if shardings is None:
+            return _fresh(params, local)
+        return jax.device_put(local, shardings, may_alias=False)
+    if shardings is None:
+        shardings = jax.tree.map(lambda x: x.sharding, params)
+    if len(_device_orders(params) | _device_orders(shardings)) == 1:
+        return _fresh(params, reshard_program(shardings, dtype)(params))
+    return jax.device_put(cast_floating(params, dtype), shardings, may_alias=False)
 
 
 def host_split_shardings(params: Any, mesh: jax.sharding.Mesh, axis: str) -> Any:

@@ -49,6 +49,9 @@ PRETRAIN_IGNORES = (
     "sampling.max_dropped_in_a_row",
     "env.eval_size",
     "env.group_size",  # value pretraining samples one rollout per prompt
+    "sampling.placement",  # where the pool runs, like mesh.* (float rounding only)
+    "sampling.pool_devices",
+    "sampling.pool_mesh",
 )
 
 

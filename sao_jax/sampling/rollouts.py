@@ -14,6 +14,13 @@ rollouts in flight at save time are discarded on resume anyway.
 With `group_size` G > 1 (GRPO-style estimators) every prompt is rolled out G times and
 the learner waits for complete groups: the synchronous group barrier that SAO removes.
 
+`publish(params, version, synced=True)` hands over a weight sync's output
+(sao_jax/parallel/reshard.py: new buffers, possibly still in flight): the async sampler
+makes it current once it has landed and decodes the previous version meanwhile (double
+buffering, sampling/params_store.py); the synchronous engine's next take waits for it.
+`device_context` (placement.Placement.pool_context) is entered wherever an engine runs, so
+its KV cache is created on the pool's devices.
+
 Every `take` is bounded, whoever calls it (the RL loop, value pretraining):
 * in time: no trajectory for `timeout` s (`take(n, timeout)`, else the constructor's
   `take_timeout_s`: `train.take_timeout_s`) raises NoProgress (a TimeoutError) naming
@@ -30,6 +37,7 @@ Every `take` is bounded, whoever calls it (the RL loop, value pretraining):
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -118,6 +126,7 @@ class AsyncRollouts:
         *,
         group_size: int = 1,
         take_timeout_s: float = TAKE_TIMEOUT_S,
+        device_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
         self.group_size = group_size
@@ -125,7 +134,13 @@ class AsyncRollouts:
         self.groups = GroupCollector(group_size)
         self.handed = 0  # trajectories returned by take (the sampler's `taken` - grouping)
         self.sampler = AsyncSampler(
-            policy_def, tokenizer, env_factory, self.prompts, engine=engine_cfg, config=sampler_cfg
+            policy_def,
+            tokenizer,
+            env_factory,
+            self.prompts,
+            engine=engine_cfg,
+            config=sampler_cfg,
+            device_context=device_context,
         )
 
     def start(self) -> None:
@@ -134,8 +149,9 @@ class AsyncRollouts:
     def stop(self, timeout: float = 30.0) -> bool:
         return self.sampler.stop(timeout)
 
-    def publish(self, params: Params, version: int) -> None:
-        self.sampler.publish(params, version)
+    def publish(self, params: Params, version: int, *, synced: bool = False) -> None:
+        """`synced`: a weight sync's new buffers, current once landed (no copy)."""
+        self.sampler.publish(params, version, copy=not synced, when_ready=synced)
 
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:
         """n trajectories (complete groups); NoProgress when none arrives for `timeout`
@@ -149,6 +165,11 @@ class AsyncRollouts:
                     self.groups.add(traj)
         self.handed += len(out)
         return out
+
+    def give_back(self, trajs: list[Trajectory]) -> None:
+        """Undoes the last take (the run stopped before training it): in flight again."""
+        self.handed -= len(trajs)
+        self.sampler.give_back(trajs)
 
     def prompt_state(self) -> Any:
         return self.sampler.prompt_state()
@@ -179,8 +200,10 @@ class SyncRollouts:
         max_env_errors: int = 8,
         max_dropped_in_a_row: int = 64,
         sharder=None,
+        device_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
+        self.device_context = device_context or contextlib.nullcontext
         self.take_timeout_s = take_timeout_s
         self.max_env_errors = max_env_errors
         self.max_dropped_in_a_row = max_dropped_in_a_row
@@ -193,6 +216,7 @@ class SyncRollouts:
         self._params: Params | None = None
         self._version = 0
         self._draws = 0  # takes since the last publish
+        self._last_mark: tuple | None = None  # before the last take (give_back)
         self.counts: collections.Counter[str] = collections.Counter()
         self.dropped: collections.Counter[str] = collections.Counter()
         self.pool: collections.Counter[str] = collections.Counter()  # paged: admission
@@ -204,7 +228,10 @@ class SyncRollouts:
         del timeout
         return True
 
-    def publish(self, params: Params, version: int) -> None:
+    def publish(self, params: Params, version: int, *, synced: bool = False) -> None:
+        """The next takes generate with `params` (a weight sync's in-flight arrays are
+        waited for by the first program that reads them)."""
+        del synced
         self._params, self._version, self._draws = params, version, 0
 
     def _fresh_engine(self) -> Engine:
@@ -224,12 +251,19 @@ class SyncRollouts:
         max_env_errors environment failures in a row, StopRequested on SIGTERM.
         """
         timeout = self.take_timeout_s if timeout is None else timeout
-        mark = self._mark()
+        mark = self._last_mark = self._mark()
         try:
-            return self._take(n, timeout)
+            with self.device_context():
+                return self._take(n, timeout)
         except stop.StopRequested:
             self._rewind(mark)  # a checkpoint saved now resumes with exactly this take
             raise
+
+    def give_back(self, trajs: list[Trajectory]) -> None:
+        """Undoes the last take (the run stopped before training it): a checkpoint saved
+        now resumes with exactly this take again."""
+        del trajs
+        self._rewind(self._last_mark)
 
     def _mark(self) -> tuple:
         """What a take changes: prompt position, draw number, counters."""

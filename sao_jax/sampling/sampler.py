@@ -43,6 +43,7 @@ trajectories, versions included, run after run (fixed seeds, same params).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -55,6 +56,7 @@ import numpy as np
 
 from sao_jax import stop
 from sao_jax.envs.base import Env, Prompt
+from sao_jax.parallel import placement
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.sampling.engine import Engine, EngineConfig, generate_fns
@@ -115,7 +117,7 @@ def configs_from_section(section: ConfigDict, seed: int = 0) -> tuple[EngineConf
     values = dict(section.to_dict() if isinstance(section, ConfigDict) else section)
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     sampler_fields = {f.name for f in dataclasses.fields(SamplerConfig)} - {"seed", "poll_s"}
-    unknown = sorted(set(values) - engine_fields - sampler_fields)
+    unknown = sorted(set(values) - engine_fields - sampler_fields - set(placement.FIELDS))
     if unknown:
         raise ConfigError(f"config field sampling.{unknown[0]}: unknown sampling field")
     values["prefill_buckets"] = tuple(values.get("prefill_buckets", ()))
@@ -138,6 +140,7 @@ def configs_from_section(section: ConfigDict, seed: int = 0) -> tuple[EngineConf
 @register_validator("sampling")
 def _validate_section(config: ConfigDict) -> None:
     configs_from_section(config.sampling, config.get("seed", 0))
+    placement.check_fields(config.sampling)
 
 
 class AsyncSampler:
@@ -154,8 +157,12 @@ class AsyncSampler:
         config: SamplerConfig | None = None,
         fns: GenerateFns | None = None,
         sharder: Sharder | None = None,
+        device_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
         self.cfg = config or SamplerConfig()
+        # entered by every worker thread: where its engine's arrays live (the pool's
+        # devices, sao_jax/parallel/placement.py); None = the default device
+        self._device_context = device_context or contextlib.nullcontext
         self.engine_cfg = engine
         lockstep, size = self.cfg.lockstep, self.cfg.queue_size
         if lockstep is not None and size < lockstep + engine.num_slots:
@@ -197,6 +204,7 @@ class AsyncSampler:
     def stop(self, timeout: float = 30.0) -> bool:
         """Stops and joins every worker; True when none is left alive."""
         self._stop.set()
+        self._store.close()
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -210,10 +218,14 @@ class AsyncSampler:
 
     # ---- learner side -------------------------------------------------------------------
 
-    def publish(self, params: Params, version: int, *, copy: bool = True) -> None:
+    def publish(
+        self, params: Params, version: int, *, copy: bool = True, when_ready: bool = False
+    ) -> None:
         """Makes `params` (tagged `version`, increasing) what workers use from their next
-        step on. Copies by default, so the learner may donate its own buffers."""
-        self._store.publish(params, version, copy=copy)
+        step on. Copies by default, so the learner may donate its own buffers. With
+        `when_ready` (a weight sync in flight) workers keep the previous version until
+        every array has landed (params_store.py: double buffering)."""
+        self._store.publish(params, version, copy=copy, when_ready=when_ready)
 
     @property
     def version(self) -> int | None:
@@ -260,6 +272,16 @@ class AsyncSampler:
                     deadline = time.monotonic() + timeout
         return out
 
+    def give_back(self, trajs: list[Trajectory]) -> None:
+        """Undoes the last `take` of `trajs` (the run stopped before training them): they
+        are queued again, first, and no longer counted as taken."""
+        lags = [(self._store.target or 0) - t.min_version for t in trajs]
+        with self._lock:
+            self._held.extendleft(reversed(trajs))
+            self._taken -= len(trajs)
+            self._staleness.subtract(lags)
+            self._staleness += collections.Counter()  # drops the zero counts
+
     def take_batch(
         self, n: int, timeout: float | None = None, **pad_kwargs: Any
     ) -> tuple[dict[str, np.ndarray], list[Trajectory]]:
@@ -290,7 +312,12 @@ class AsyncSampler:
                 for e in list(self._engines):
                     for k, v in e.stats().items():
                         out[k] = out.get(k, 0) + v
-            return out
+        store = self._store
+        if store.landed or store.superseded:  # double-buffered weight sync
+            out["weight_sync_landed"] = store.landed
+            out["weight_sync_superseded"] = store.superseded
+            out["weight_sync_s"] = store.landing_s / max(store.landed, 1)
+        return out
 
     def _finished(self) -> bool:
         return bool(self._threads) and not any(t.is_alive() for t in self._threads)
@@ -304,7 +331,7 @@ class AsyncSampler:
             return None
 
     def _accept(self, traj: Trajectory) -> bool:
-        lag = (self._store.version or 0) - traj.min_version
+        lag = (self._store.target or 0) - traj.min_version  # the learner's version
         cap = self.cfg.max_staleness
         with self._lock:
             if cap is not None and lag > cap:
@@ -362,6 +389,10 @@ class AsyncSampler:
         return False
 
     def _work(self, idx: int) -> None:
+        with self._device_context():
+            self._work_on(idx)
+
+    def _work_on(self, idx: int) -> None:
         try:
             key = jax.random.fold_in(jax.random.key(self.cfg.seed), idx)
             engine = Engine(self._fns, self._tok, self._env_factory, self.engine_cfg, seed=key)
