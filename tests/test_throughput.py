@@ -5,8 +5,10 @@ import math
 import pytest
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.plan import flops
+from sao_jax.plan import flops, roofline
 from sao_jax.plan import throughput as tp
+from sao_jax.plan.hardware import Peak
+from sao_jax.plan.kv_pool import kv_bytes_per_token
 from sao_jax.schema import ConfigError
 
 
@@ -39,19 +41,27 @@ def _cfg(**kw):
     return ModelConfig(**{**base, **kw})
 
 
+def _hw(**kw):
+    peak = dict(bf16_flops=1e3, hbm_bytes=1e9, hbm_bytes_per_s=1e3)
+    link = dict(link_bw=1.0)
+    for k, v in kw.items():
+        (peak if k in peak else link)[k] = v
+    return tp.Hardware(Peak("toy", source="-", **peak), link="-", chips_per_host=1,
+                       link_source="-", **link)  # fmt: skip
+
+
 def test_decode_bytes_and_flops_by_hand():
     cfg = _cfg()
-    assert tp.experts_touched(1, 4, 2) == pytest.approx(2.0)
-    assert tp.experts_touched(2, 4, 2) == pytest.approx(4 * (1 - 0.25))
-    assert tp.kv_bytes_per_token(cfg) == 2 * 2 * 1 * 4 * 2
+    assert kv_bytes_per_token(cfg, 2) == 2 * 2 * 1 * 4 * 2
     counts = flops.param_counts(cfg)
     experts = 2 * 3 * 4 * 8 * 4  # L_moe x 3 x E x D x F_e
     assert counts["experts"] == experts
-    rest = sum(counts.values()) - experts - 100 * 8  # the embedding table is a gather
-    assert tp.decode_weight_bytes(cfg, 1) == pytest.approx((rest + experts / 2) * 2)
-    hw = tp.Hardware("toy", peak_flops=1e3, hbm_bytes=1e9, hbm_bw=1e3, link_bw=1.0,
-                     link="-", chips_per_host=1, source="-")  # fmt: skip
-    read = tp.decode_weight_bytes(cfg, 2) + 2 * 10 * tp.kv_bytes_per_token(cfg)
+    rest = sum(counts.values()) - experts - 100 * 8  # the table: only the slots' rows read
+    # 2 slots touch 4 (1 - (1 - 2/4)^2) = 3 of the 4 experts
+    weights = (rest + 2 * 8 + experts * 3 / 4) * 2
+    assert roofline.decode_step_bytes(cfg, 2, 10)["weights"] == pytest.approx(weights)
+    hw = _hw()
+    read = weights + 2 * 10 * kv_bytes_per_token(cfg, 2)
     work = 2 * flops.matmul_params(cfg) * 2 + 4 * 2 * 10 * 2 * 4 * 2
     want = max(read / (2 * 1e3 * 0.5), work / (2 * 1e3 * 0.25))
     got = tp.decode_step_s(cfg, 2, 10, 2, hw, bw_efficiency=0.5, mfu=0.25)
@@ -65,15 +75,14 @@ def test_decode_bytes_and_flops_by_hand():
 
 def test_split_rate_disaggregation_frees_pool_memory():
     cfg = _cfg()
-    hw = tp.Hardware("toy", peak_flops=1e9, hbm_bytes=1e6, hbm_bw=1e6, link_bw=1e6, link="-",
-                     chips_per_host=1, source="-")  # fmt: skip
+    hw = _hw(bf16_flops=1e9, hbm_bytes=1e6, hbm_bytes_per_s=1e6, link_bw=1e6)
     work = tp.Workload(batch=4, generated=10, prefilled=5, context=8, row_length=16,
                        k_critic=2, state_bytes=2.5e5, state_chips=4, temp_bytes=2e5,
                        reserve_bytes=0.0)  # fmt: skip
     col = tp.split_rate(cfg, hw, work, 4, 0, 1)
     dis = tp.split_rate(cfg, hw, work, 4, 2, 1)
     copy = flops.total_params(cfg) * 2
-    kv = 8 * tp.kv_bytes_per_token(cfg)
+    kv = 8 * kv_bytes_per_token(cfg, 2)
     assert col["slots"] == 4 * math.floor((1e6 - 2.5e5 - 2e5 - copy) / kv)
     assert dis["slots"] == 2 * math.floor((1e6 - copy) / kv)  # a pool chip holds no state
     assert dis["update_s"] == pytest.approx(2 * col["update_s"])  # half the trainer chips

@@ -41,9 +41,10 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.sampling.page_pool import KVLayout
 
 
-def kv_bytes_per_token(cfg: ModelConfig) -> int:
-    """b: keys and values of one position in every layer, in the compute dtype."""
-    itemsize = np.dtype(cfg.compute_dtype).itemsize
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int | None = None) -> int:
+    """b = L x 2 K H x itemsize: keys and values of one position in every layer, in the
+    compute dtype unless `itemsize` is given."""
+    itemsize = np.dtype(cfg.compute_dtype).itemsize if itemsize is None else itemsize
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from sao_jax.models.config import ModelConfig
 from sao_jax.plan.flops import param_counts
+from sao_jax.plan.kv_pool import kv_bytes_per_token
 
 
 def expected_experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
@@ -49,8 +50,7 @@ def decode_step_bytes(
     touched = expected_experts_touched(cfg.num_experts, cfg.num_experts_per_tok, slots)
     experts = len(cfg.moe_layers) * touched * per_expert
     weights = (dense + head + embedding_rows + experts) * weight_bytes
-    kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_bytes
-    kv = slots * context * kv_token
+    kv = slots * context * kv_bytes_per_token(cfg, kv_bytes)
     return {"weights": float(weights), "kv": float(kv), "total": float(weights + kv)}
 
 

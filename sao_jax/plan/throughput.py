@@ -40,6 +40,9 @@ import math
 from sao_jax.models.config import ModelConfig
 from sao_jax.parallel.placement import PLACEMENTS
 from sao_jax.plan import flops as flops_lib
+from sao_jax.plan import roofline
+from sao_jax.plan.hardware import Peak, peak_for
+from sao_jax.plan.kv_pool import kv_bytes_per_token
 from sao_jax.schema import ConfigError
 
 
@@ -74,57 +77,36 @@ def pipeline_rate(
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """Published per-chip figures (bf16 dense peak, HBM capacity and bandwidth, the link a
-    weight sync crosses), with their source."""
+    """One chip's published figures (sao_jax/plan/hardware.py) and the link a weight sync
+    crosses, with the link's source."""
 
-    name: str
-    peak_flops: float  # bf16 dense FLOP/s
-    hbm_bytes: float
-    hbm_bw: float  # bytes/s
+    peak: Peak
     link_bw: float  # bytes/s per chip, one direction, trainer -> pool
     link: str
     chips_per_host: int
-    source: str
+    link_source: str
+
+    name = property(lambda self: self.peak.name)
+    peak_flops = property(lambda self: self.peak.bf16_flops)  # bf16 dense FLOP/s
+    hbm_bytes = property(lambda self: self.peak.hbm_bytes)
+    hbm_bw = property(lambda self: self.peak.hbm_bytes_per_s)  # bytes/s
+    source = property(lambda self: f"{self.peak.source}; {self.link_source}")
 
 
 HARDWARE = {
     "tpu-v5p": Hardware(
-        "TPU v5p", 459e12, 95e9, 2765e9, 4800e9 / 8 / 2, "ICI (4800 Gbps per chip, half one way)",
-        4, "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GB HBM2e, 2765 GB/s, ICI 4800 Gbps",
+        peak_for("TPU v5p"), 4800e9 / 8 / 2, "ICI (4800 Gbps per chip, half one way)", 4,
+        "ICI 4800 Gbps per chip (the same page)",
     ),
     "h200": Hardware(
-        "H200 SXM", 989e12, 141e9, 4.8e12, 400e9 / 8, "InfiniBand NDR (400 Gb/s per GPU)",
-        8, "nvidia.com/en-us/data-center/h200 (989 TFLOP/s bf16 dense, 141 GB, 4.8 TB/s); "
+        peak_for("NVIDIA H200"), 400e9 / 8, "InfiniBand NDR (400 Gb/s per GPU)", 8,
         "NDR 400 Gb/s ConnectX-7 per GPU",
     ),
     "h100": Hardware(
-        "H100 SXM", 989e12, 80e9, 3.35e12, 400e9 / 8, "InfiniBand NDR (400 Gb/s per GPU)",
-        8, "nvidia.com/en-us/data-center/h100 (989 TFLOP/s bf16 dense, 80 GB, 3.35 TB/s); "
+        peak_for("NVIDIA H100 80GB HBM3"), 400e9 / 8, "InfiniBand NDR (400 Gb/s per GPU)", 8,
         "NDR 400 Gb/s ConnectX-7 per GPU",
     ),
 }  # fmt: skip
-
-
-def experts_touched(slots: int, experts: int, k: int) -> float:
-    """Expected distinct experts hit by `slots` tokens routing top-k each, uniformly:
-    E * (1 - (1 - k / E)^S)."""
-    return experts * (1.0 - (1.0 - k / experts) ** slots)
-
-
-def kv_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
-    """K and V of one token in every layer: 2 x L x K x H x itemsize."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
-
-
-def decode_weight_bytes(cfg: ModelConfig, slots: int, itemsize: int = 2) -> float:
-    """Weight bytes one decode step reads: everything but the experts (attention, router,
-    norms, LM head; not the embedding table, a gather), plus the experts the slots touch."""
-    counts = flops_lib.param_counts(cfg)
-    experts = counts.get("experts", 0)
-    table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-    rest = sum(counts.values()) - experts - table
-    share = experts_touched(slots, cfg.num_experts, cfg.num_experts_per_tok) / cfg.num_experts
-    return (rest + experts * share) * itemsize
 
 
 def decode_step_s(
@@ -139,9 +121,10 @@ def decode_step_s(
 ) -> float:
     """One decode step of `slots` slots at mean `context` on a replica of `chips` chips:
     max(bytes / (chips x HBM bw x eff), FLOPs / (chips x peak x mfu)); bytes = weights
-    touched + every slot's KV; FLOPs = 2 x active matmul params x slots + attention
-    4 x slots x context x N x H x L. Collectives (the expert all-to-all) not counted."""
-    read = decode_weight_bytes(cfg, slots) + slots * context * kv_bytes_per_token(cfg)
+    touched + every slot's KV in bf16 (sao_jax/plan/roofline.py); FLOPs = 2 x active
+    matmul params x slots + attention 4 x slots x context x N x H x L.
+    Collectives (the expert all-to-all) not counted."""
+    read = roofline.decode_step_bytes(cfg, slots, context)["total"]
     attn = 4 * slots * context * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     work = 2 * flops_lib.matmul_params(cfg) * slots + attn
     return max(read / (chips * hw.hbm_bw * bw_efficiency), work / (chips * hw.peak_flops * mfu))
@@ -225,7 +208,7 @@ def split_rate(
     else:  # colocated: the KV shares HBM with the training state and temporaries
         free, pool = hw.hbm_bytes - held - copy / replica - work.reserve_bytes, chips
     replicas = pool // replica
-    slots = int(free * replica // (work.context * kv_bytes_per_token(cfg)))
+    slots = int(free * replica // (work.context * kv_bytes_per_token(cfg, 2)))
     if work.max_in_flight is not None:
         slots = min(slots, work.max_in_flight // replicas)
     if slots < 1:
