@@ -409,12 +409,11 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     checkpointing.keep_sources(workdir, config)  # tokenizer files, the HF config.json
     if (done := acct.finished(workdir, config.train.total_steps)) is not None:
         return done  # nothing to do, nothing rewritten (one line says so)
-    for line in startup_lines(config, inputs, lengths, sharder):
+    for line in startup_lines(config, inputs, lengths, sharder, placement):
         log.info("%s", line)
     log.info("building the policy, the critic and the learner")
     t_start = time.time()
     r = Run(config, workdir, sharder, inputs, placement)
-    log.info("placement: %s", placement.describe())
     t = config.train
     with checkpointing.GracefulExit() as stopper:
         latest = r.ckpt.latest_step()

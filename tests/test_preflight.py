@@ -12,6 +12,7 @@ import pytest
 from sao_jax import train
 from sao_jax.models.config import ModelConfig
 from sao_jax.parallel.mesh import sharder_from_config
+from sao_jax.parallel.placement import placement_from_config
 from sao_jax.report.startup import startup_lines
 from sao_jax.run import preflight
 from sao_jax.run.inputs import read_inputs, resolved_config
@@ -163,7 +164,8 @@ def test_startup_summary_names_what_the_run_trains_on(files):
     )
     inputs = read_inputs(config)
     lengths = preflight.check_inputs(config, inputs)
-    lines = startup_lines(config, inputs, lengths, sharder_from_config(config))
+    placement = placement_from_config(config)
+    lines = startup_lines(config, inputs, lengths, sharder_from_config(config), placement)
     assert [line.split(":")[0] for line in lines] == [
         "model", "tokenizer", "template", "prompts", "lengths", "devices",
     ]  # fmt: skip
@@ -176,3 +178,4 @@ def test_startup_summary_names_what_the_run_trains_on(files):
     assert f"lengths: longest prompt {lengths.longest} tokens ('rows:5'; chat template + " in length
     assert "vs sampling.max_len=256, sampling.max_turn_tokens=" in length
     assert "devices: 8 x cpu (cpu), 1 process(es); mesh {'data': 8" in devices
+    assert "placement colocated: sampler on the trainer's 8 devices" in devices

@@ -1,6 +1,6 @@
 """The start-up summary: what a run is about to train on, logged before anything compiles.
 
-`startup_lines(config, inputs, lengths, sharder)`, one line each:
+`startup_lines(config, inputs, lengths, sharder, placement)`, one line each:
 
   model      the checkpoint (init.hf_path) or how the model starts; its shapes
   tokenizer  init.tokenizer (or the built-in character tokenizer): size, eos, bos
@@ -8,7 +8,8 @@
   prompts    rows loaded: the training epoch and the held-out prompts, and from where
   lengths    the longest prompt in tokens (as the policy sees it) vs sampling.max_len and
              sampling.max_turn_tokens
-  devices    count and kind, processes, the mesh, where the sampler runs
+  devices    count and kind, processes, the trainer mesh, where the sampler pool runs
+             (sampling.placement: sao_jax/parallel/placement.py)
 
 `inputs` is a sao_jax.run.inputs.Inputs, `lengths` a sao_jax.run.preflight.PromptLengths.
 """
@@ -79,20 +80,20 @@ def _lengths(config, lengths) -> str:
     )
 
 
-def _devices(config, sharder) -> str:
+def _devices(config, sharder, placement) -> str:
     devices = jax.devices()
     kind = devices[0].device_kind if devices else "?"
     mesh = dict(sharder.mesh.shape) if sharder.mesh is not None else "none (one device)"
     s = config.sampling
     return (
         f"devices: {len(devices)} x {kind} ({jax.default_backend()}), "
-        f"{jax.process_count()} process(es); mesh {mesh}; sampler colocated on the "
-        f"trainer's devices ({s.num_workers} worker(s) x {s.num_slots} slots, "
+        f"{jax.process_count()} process(es); mesh {mesh}; placement "
+        f"{placement.describe()} ({s.num_workers} worker(s) x {s.num_slots} slots, "
         f"{config.train.rollouts})"
     )
 
 
-def startup_lines(config, inputs, lengths, sharder) -> list[str]:
+def startup_lines(config, inputs, lengths, sharder, placement) -> list[str]:
     """The summary lines (see the module docstring)."""
     env = inputs.env_factory()
     return [
@@ -101,5 +102,5 @@ def startup_lines(config, inputs, lengths, sharder) -> list[str]:
         _template(config, inputs, env),
         _prompts(config, inputs, lengths),
         _lengths(config, lengths),
-        _devices(config, sharder),
+        _devices(config, sharder, placement),
     ]
