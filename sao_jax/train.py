@@ -36,6 +36,7 @@ from sao_jax import checkpointing, metrics, stop
 from sao_jax import config as config_lib
 from sao_jax.data.pipeline import run_prompts
 from sao_jax.data.prompts import prompt_iterator
+from sao_jax.defaults import default_config
 from sao_jax.models.transformer import Policy, critic_params_from_policy
 from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder
@@ -405,7 +406,9 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"flag --workdir: {workdir} exists and is not a directory")
     workdir.mkdir(parents=True, exist_ok=True)
-    checkpointing.check_workdir_config(workdir, config.to_dict(), overwrite=overwrite)
+    checkpointing.check_workdir_config(
+        workdir, config.to_dict(), overwrite=overwrite, defaults=default_config().to_dict()
+    )
     checkpointing.keep_sources(workdir, config)  # tokenizer files, the HF config.json
     if (done := acct.finished(workdir, config.train.total_steps)) is not None:
         return done  # nothing to do, nothing rewritten (one line says so)

@@ -90,3 +90,23 @@ def test_graceful_exit_on_sigterm_and_second_sigint():
             _wait_for(lambda: False, timeout=2.0)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
     assert not stop_flag.requested()  # the process-wide flag is cleared on leaving
+
+
+def test_a_field_added_since_the_run_at_its_default_does_not_block_resume(tmp_path, caplog):
+    wd = tmp_path / "run"
+    ckpt.check_workdir_config(wd, {"rl": {"k": 1}}, overwrite=False)  # an older sao_jax's file
+    (wd / "checkpoints" / "3").mkdir(parents=True)
+    defaults = {"rl": {"k": 2, "target": "lambda"}}
+    newer = {"rl": {"k": 1, "target": "lambda"}}  # rl.target added later, at its default
+    with caplog.at_level(logging.INFO):
+        ckpt.check_workdir_config(wd, newer, overwrite=False, defaults=defaults)
+    assert any("rl.target" in r.getMessage() for r in caplog.records)
+    assert json.loads((wd / ckpt.CONFIG_FILE).read_text()) == newer  # recorded from now on
+    (wd / ckpt.CONFIG_FILE).write_text(json.dumps({"rl": {"k": 1}}))
+    want = "config field rl.target: .*absent: default 'lambda'.* 'brace'"
+    with pytest.raises(ConfigError, match=want):
+        ckpt.check_workdir_config(
+            wd, {"rl": {"k": 1, "target": "brace"}}, overwrite=False, defaults=defaults
+        )
+    with pytest.raises(ConfigError, match="config field rl.target"):  # no defaults: absent
+        ckpt.check_workdir_config(wd, newer, overwrite=False)

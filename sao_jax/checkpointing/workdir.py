@@ -74,13 +74,23 @@ def flatten_config(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(
-    old: dict, new: dict, resumable: Sequence[str] = RESUMABLE_FIELDS
+    old: dict,
+    new: dict,
+    resumable: Sequence[str] = RESUMABLE_FIELDS,
+    defaults: dict | None = None,
 ) -> tuple[list[str], list[str]]:
-    """(fields that differ and block a resume, resumable fields that differ), sorted."""
+    """(fields that differ and block a resume, resumable fields that differ), sorted.
+
+    With `defaults` (the config's defaults, sao_jax/defaults.py), a field the stored config
+    lacks (written by an older sao_jax) counts as holding its default value: a field added
+    later, left at its default, does not block resuming an older run (new fields default to
+    the behaviour that existed before them)."""
     a, b = flatten_config(old), flatten_config(new)
+    base = flatten_config(json.loads(json.dumps(encode_meta(dict(defaults or {}), "config"))))
     blocking, allowed = [], []
     for name in sorted(set(a) | set(b)):
-        if a.get(name, _ABSENT) == b.get(name, _ABSENT):
+        before = a.get(name, base.get(name, _ABSENT))
+        if before == b.get(name, _ABSENT):
             continue
         ok = any(fnmatch.fnmatchcase(name, p) for p in resumable)
         (allowed if ok else blocking).append(name)
@@ -88,9 +98,15 @@ def config_differences(
 
 
 def check_workdir_config(
-    workdir, config_dict: dict, *, overwrite: bool, resumable: Sequence[str] = RESUMABLE_FIELDS
+    workdir,
+    config_dict: dict,
+    *,
+    overwrite: bool,
+    resumable: Sequence[str] = RESUMABLE_FIELDS,
+    defaults: dict | None = None,
 ) -> None:
-    """Writes `<workdir>/config.json` on a first run; on a resume checks it matches.
+    """Writes `<workdir>/config.json` on a first run; on a resume checks it matches (a
+    field missing from the stored file counts as `defaults`' value: `config_differences`).
 
     Raises:
       ConfigError: naming the first field (outside `resumable`) whose value differs from
@@ -117,7 +133,7 @@ def check_workdir_config(
             old = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"workdir config {path}: unreadable ({e})") from e
-        blocking, allowed = config_differences(old, new, resumable)
+        blocking, allowed = config_differences(old, new, resumable, defaults)
         if blocking and not _has_checkpoint(workdir):
             moved = _move_previous_run(workdir, entries)
             log.warning(
@@ -128,15 +144,23 @@ def check_workdir_config(
             _write_json(path, new)
         elif blocking:
             name = blocking[0]
-            before = flatten_config(old).get(name, "(absent)")
+            base = flatten_config(defaults or {})
+            absent = f"(absent: default {base[name]!r})" if name in base else "(absent)"
+            before = flatten_config(old).get(name, absent)
             after = flatten_config(new).get(name, "(absent)")
             raise ConfigError(
                 f"config field {name}: the run in {workdir} used {before!r}, this config has "
                 f"{after!r} ({len(blocking)} non-resumable field(s) differ); resume with the "
                 f"same config, or pass overwrite=True (--overwrite) to move the old run aside"
             )
-        if allowed:
-            log.info("resuming %s with changed fields %s", workdir, allowed)
+        added = sorted(set(flatten_config(new)) - set(flatten_config(old)))
+        if added:  # not blocking, so at their defaults: recorded from now on
+            more = " ..." if len(added) > 8 else ""
+            log.info("resuming %s: fields new since its config.json, at their defaults: %s",
+                     workdir, ", ".join(added[:8]) + more)  # fmt: skip
+        if allowed or added:
+            if allowed:
+                log.info("resuming %s with changed fields %s", workdir, allowed)
             _write_json(path, new)
     else:
         _write_json(path, new)

@@ -23,6 +23,7 @@ from sao_jax import config as config_lib
 from sao_jax.checkpointing.meta import encode_meta
 from sao_jax.checkpointing.workdir import CONFIG_FILE, config_differences
 from sao_jax.cli import entry_module
+from sao_jax.defaults import default_config
 from sao_jax.run.settings import WARM_START_CRITIC_SUBDIR, pretraining_fields
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.sweep.results import (
@@ -188,7 +189,9 @@ def check_workdir(job: Job) -> None:
         return
     expected = encode_meta(point_config(*job.config).to_dict(), "config")
     blocking, _ = config_differences(
-        json.loads(saved.read_text()), json.loads(json.dumps(expected))
+        json.loads(saved.read_text()),
+        json.loads(json.dumps(expected)),
+        defaults=default_config().to_dict(),
     )
     if blocking:
         raise ValueError(
