@@ -351,3 +351,24 @@ def test_ppo_loop_sharded_equals_unsharded(ppo_reference):
     got, _ = _three_steps(_ppo_config(), Sharder(build_mesh((2, 1, 2, 2))))
     _assert_close(got.policy, ref.policy)
     _assert_close(got.policy_opt, ref.policy_opt)
+
+
+def test_brace_target_equals_lambda_on_policy_and_moves_on_stale_data(default):
+    """rl.critic_target='brace' (sao_jax/rl/critic_targets.py): on a batch whose recorded
+    log-probs are the learner's own (ratio 1) the critic regresses the lambda = 1 returns,
+    so its K steps match the default's; on the synthetic batch's random log-probs (ratios
+    far from 1) the targets move off the Monte-Carlo returns. (value_step: the critic's
+    half of update_step, which reads the same targets.)"""
+    learner, new_state = default
+    brace, _ = _setup(_config(aux=0.0, critic_target="brace"))
+    state = new_state()
+    batch = _batch(seed=5)
+    on_policy = dict(batch, rollout_logp=_logp(learner, state.policy, batch))
+    want, _ = learner.value_step(new_state(), on_policy, jax.random.key(0))
+    got, m = brace.value_step(new_state(), on_policy, jax.random.key(0))
+    _assert_close(got.critic, want.critic, atol=1e-5)
+    m = reduce_metrics(m)
+    assert abs(m["critic/target_shift"]) < 1e-5 and m["critic/target_trace"] == pytest.approx(1.0)
+    _, m = brace.value_step(new_state(), batch, jax.random.key(0))
+    m = reduce_metrics(m)
+    assert abs(m["critic/target_shift"]) > 1e-3 and m["critic/target_trace"] < 0.9
