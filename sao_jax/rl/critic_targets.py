@@ -29,11 +29,12 @@
   rho = 1 (fresh tokens, no train/inference mismatch) or k = 0 give the lambda = 1 returns
   exactly; k >= L gives the V-trace target with the same truncation levels.
 
-  Closed form, no loop over time: with X_t = w_t delta_t + gamma c_t X_{t+1} (the V-trace
-  recursion, a reverse linear recurrence) the capped sum is X_t - gamma^k P_{t,k} X_{t+k},
-  and P_{t,k} = exp(Lambda_{t+k} - Lambda_t) with Lambda the running sum of log c. Rows
-  are compacted to their action tokens first (a scatter by rank), so "t + k" is k action
-  tokens later, whatever observations lie between.
+  Computed without a loop over tokens: delta and G - V are the lambda = 1 advantages of
+  `gae.skip_observation_gae` (so observations, parked rewards and the bootstrap are
+  handled by the GAE itself); rows are then compacted to their action tokens (a scatter
+  by rank), so "t + j" is j action tokens later, whatever observations lie between; the
+  k-capped sum is `capped_trace_sum` (windows doubled: O(log k) elementwise steps), and
+  the tail is gamma^k (G - V) shifted by k.
 
 Parameters (`rl.critic_targets.brace.*`, defaults in `BRACE_PARAMS`): k (correction
 horizon in action tokens), c_bar (trace cap), rho_bar (residual weight cap), tail.
@@ -52,23 +53,25 @@ import jax.numpy as jnp
 
 from sao_jax.registry import Registry, check_params
 from sao_jax.rl import checks as ck
+from sao_jax.rl import gae
 from sao_jax.rl import metrics as rm
+from sao_jax.rl.losses import LOG_RATIO_CLAMP
 
-LOG_RATIO_CLAMP = 20.0  # as the policy losses' log-ratios (sao_jax/rl/losses.py)
 TAILS = ("one", "trace")
 BRACE_PARAMS = {"k": 8, "c_bar": 1.0, "rho_bar": 1.0, "tail": "one"}
 
 
 class TargetInputs(NamedTuple):
-    """Arguments of `critic_targets`, checked; the mask as bool."""
+    """Arguments of `critic_targets`, as given (each target checks what it reads)."""
 
-    rewards_bt: jax.Array
-    values_bt: jax.Array
-    m_bt: jax.Array
-    log_ratio_bt: jax.Array | None
-    last_value_b: jax.Array
-    gamma: Any
-    lambda_returns: Callable[[], jax.Array] | None
+    rewards_bt: jax.Array  # [B, T] float
+    values_bt: jax.Array  # [B, T] float, the anchor V0
+    action_mask_bt: jax.Array  # [B, T] bool or 0/1
+    log_ratio_bt: jax.Array | None  # [B, T] log pi_theta - rollout_logp (needs_log_ratio)
+    last_value_b: jax.Array | None  # [B] bootstrap after the last token (None: zeros)
+    gamma: Any  # scalar discount
+    lambda_returns: Callable[[], jax.Array] | None  # the estimator's returns, lazily
+    checked: bool | None  # value checks (None: the enclosing checked_mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +102,7 @@ def register(name: str, params: dict[str, Any] | None = None, **attrs: Any) -> C
 
 
 def _compact(x_bt: jax.Array, m_bt: jax.Array) -> jax.Array:
-    """[B, T] -> [B, T]: row b's action-token entries moved to the front, in order."""
+    """[B, T] -> [B, T]: row b's action-token entries moved to the front, in order; 0 after."""
     b, t = m_bt.shape
     rank_bt = jnp.where(m_bt, jnp.cumsum(m_bt, axis=1) - 1, t)  # t: out of bounds, dropped
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
@@ -112,36 +115,43 @@ def _scatter_back(x_bn: jax.Array, m_bt: jax.Array) -> jax.Array:
     return jnp.where(m_bt, jnp.take_along_axis(x_bn, rank_bt, axis=1), 0.0)
 
 
-def _fold_rewards(r_bt: jax.Array, m_bt: jax.Array) -> jax.Array:
-    """Compacted rewards, each non-action token's reward added to the last action token
-    before it (as sao_jax/rl/gae.py credits them); one before the first action is dropped."""
-    b, t = m_bt.shape
-    rank_bt = jnp.cumsum(m_bt, axis=1) - 1
-    rank_bt = jnp.where(rank_bt < 0, t, rank_bt)
-    rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    return jnp.zeros((b, t), r_bt.dtype).at[rows_bt, rank_bt].add(r_bt, mode="drop")
-
-
-def _reverse_recurrence(c_bn: jax.Array, d_bn: jax.Array) -> jax.Array:
-    """x_t = d_t + c_t * x_{t+1} along axis 1, x_T = 0 (a reverse lax.scan over time)."""
-
-    def step(x_b, cd):
-        c_b, d_b = cd
-        x_b = d_b + c_b * x_b
-        return x_b, x_b
-
-    _, x_nb = jax.lax.scan(step, jnp.zeros_like(d_bn[:, 0]), (c_bn.T, d_bn.T), reverse=True)
-    return x_nb.T
-
-
-def _shift_left(x_bn: jax.Array, k: int) -> jax.Array:
-    """out[:, t] = x[:, t + k], 0 past the end."""
-    if k == 0:
-        return x_bn
+def _shift_left(x_bn: jax.Array, j: int, fill: float) -> jax.Array:
+    """out[:, n] = x[:, n + j], `fill` past the end (j >= 0, static)."""
     n = x_bn.shape[1]
-    if k >= n:
-        return jnp.zeros_like(x_bn)
-    return jnp.pad(x_bn[:, k:], ((0, 0), (0, k)))
+    if j == 0:
+        return x_bn
+    if j >= n:
+        return jnp.full_like(x_bn, fill)
+    return jnp.pad(x_bn[:, j:], ((0, 0), (0, j)), constant_values=fill)
+
+
+def capped_trace_sum(
+    d_bn: jax.Array, c_bn: jax.Array, gamma: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array]:
+    """(S_bn, P_bn) over windows of k positions along axis 1 (static k >= 0):
+
+        S_n = sum_{j<k} gamma^j P_{n,j} d_{n+j}      P_{n,j} = c_n * ... * c_{n+j-1}
+        P_n = P_{n,k}                                 (d = 0 and c = 1 past the end)
+
+    The k-term truncation of the V-trace sum X_n = d_n + gamma c_n X_{n+1}, computed
+    directly: windows are doubled and joined (a segment [n, n+a) followed by [n+a, n+a+b)
+    has S = S_a(n) + gamma^a P_a(n) S_b(n+a), P = P_a(n) P_b(n+a)), so the loop runs over
+    the bits of k, O(log k) elementwise steps, never over tokens; no subtraction of long
+    sums or of running log-sums, so no cancellation on long rows.
+    """
+    s_bn, p_bn = jnp.zeros_like(d_bn), jnp.ones_like(c_bn)  # the empty window
+    span_s, span_p, width, done = d_bn, c_bn, 1, 0  # windows of `width`; `done` covered
+    while k:
+        if k & 1:
+            s_bn = s_bn + gamma**done * p_bn * _shift_left(span_s, done, 0.0)
+            p_bn = p_bn * _shift_left(span_p, done, 1.0)
+            done += width
+        k >>= 1
+        if k:
+            span_s = span_s + gamma**width * span_p * _shift_left(span_s, width, 0.0)
+            span_p = span_p * _shift_left(span_p, width, 1.0)
+            width *= 2
+    return s_bn, p_bn
 
 
 def brace_targets(
@@ -156,58 +166,63 @@ def brace_targets(
     c_bar: float = BRACE_PARAMS["c_bar"],
     rho_bar: float = BRACE_PARAMS["rho_bar"],
     tail: str = BRACE_PARAMS["tail"],
+    checked: bool | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The BRACE target y_bt (module doc) and, for metrics, the MC return G_bt and
-    P_{t,k} (`trace_bt`); all [B, T], 0 off action tokens.
+    """The BRACE target y_bt (module doc) and, for metrics, y - G (`shift_bt`, G the
+    lambda = 1 returns) and P_{t,k} (`trace_bt`); all [B, T], 0 off action tokens.
+
+    Observations are skipped by `gae.skip_observation_gae` itself: delta and G - V come
+    from its lambda = 1 advantages (rewards parked on observations, the bootstrap and
+    checked mode exactly as there), then rows are compacted to their action tokens, so
+    "t + j" is j action tokens later whatever observations lie between.
 
     Args:
-      rewards_bt: [B, T] float rewards (on action tokens; others folded as in GAE).
+      rewards_bt: [B, T] float rewards on action tokens (others: as skip_observation_gae).
       values_bt: [B, T] float anchor values V0, read on action tokens.
       action_mask_bt: [B, T] bool mask of policy-generated tokens.
       log_ratio_bt: [B, T] log pi_theta(a_t) - rollout_logp(a_t), read on action tokens
-        (clamped to +-20).
+        (clamped to +-LOG_RATIO_CLAMP).
       gamma: discount per action token.
       last_value_b: [B] bootstrap after the last action token (default zeros).
-      k: correction horizon in action tokens (>= 0; static).
+      k: correction horizon in action tokens (int >= 0; static).
       c_bar, rho_bar: caps of the trace and of the residual weight (> 0).
       tail: 'one' (tail weight 1) or 'trace' (P_{t,k}).
+      checked: value checks (None: the enclosing checked_mode).
     """
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ValueError(f"k: must be an int >= 0, got {k!r}")
     if tail not in TAILS:
         raise ValueError(f"tail: one of {TAILS}, got {tail!r}")
     for name, cap in (("c_bar", c_bar), ("rho_bar", rho_bar)):
-        if isinstance(cap, (int, float)) and not cap > 0:
+        if isinstance(cap, int | float) and not cap > 0:
             raise ValueError(f"{name}: must be > 0, got {cap}")
-    m_bt = action_mask_bt
-    n_b = jnp.sum(m_bt, axis=1)  # [B] action tokens per row
-    pos_bn = jnp.arange(m_bt.shape[1])[None, :]
-    on_bn = pos_bn < n_b[:, None]
-    last_b = jnp.zeros(n_b.shape, values_bt.dtype) if last_value_b is None else last_value_b
-    v_bn = _compact(values_bt, m_bt)
-    r_bn = _fold_rewards(rewards_bt, m_bt)
-    v_next_bn = jnp.where(pos_bn + 1 < n_b[:, None], _shift_left(v_bn, 1), last_b[:, None])
-    delta_bn = jnp.where(on_bn, r_bn + gamma * v_next_bn - v_bn, 0.0)
-    log_rho_bn = _compact(jnp.clip(log_ratio_bt, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), m_bt)
-    log_c_bn = jnp.where(on_bn, jnp.minimum(jnp.log(c_bar), log_rho_bn), 0.0)
-    w_bn = jnp.where(on_bn, jnp.exp(jnp.minimum(jnp.log(rho_bar), log_rho_bn)), 0.0)
-    gamma_n = jnp.asarray(gamma, v_bn.dtype)
-    # V-trace recursion X and the lambda = 1 advantage (G - V), both reverse recurrences.
-    x_bn = _reverse_recurrence(gamma_n * jnp.exp(log_c_bn), w_bn * delta_bn)
-    mc_bn = _reverse_recurrence(jnp.broadcast_to(gamma_n, delta_bn.shape), delta_bn)
-    cum_bn = jnp.cumsum(log_c_bn, axis=1) - log_c_bn  # Lambda_t: sum of log c before t
-    # Lambda_{t+k}; past the row's end log c = 0, so Lambda stays at its last value.
-    total_b = jnp.sum(log_c_bn, axis=1)
-    end_bn = jnp.where(pos_bn + k < m_bt.shape[1], _shift_left(cum_bn, k), total_b[:, None])
-    trace_bn = jnp.where(on_bn, jnp.exp(end_bn - cum_bn), 0.0)  # P_{t,k}
-    gk = gamma_n**k
-    correction_bn = x_bn - gk * trace_bn * _shift_left(x_bn, k)
-    tail_w_bn = trace_bn if tail == "trace" else jnp.ones_like(trace_bn)
-    y_bn = v_bn + correction_bn + tail_w_bn * gk * _shift_left(mc_bn, k)
-    return _scatter_back(y_bn, m_bt), {
-        "returns_bt": _scatter_back(v_bn + mc_bn, m_bt),
-        "trace_bt": _scatter_back(trace_bn, m_bt),
-    }
+    bt = ck.check_bt(log_ratio_bt, "log_ratio_bt", ck.check_bt(values_bt, "values_bt"))
+    ck.check_float(log_ratio_bt, "log_ratio_bt")
+    m_bt = ck.as_mask(action_mask_bt, "action_mask_bt", bt, ck.is_checked(checked))
+    a1_bt, g_bt = gae.skip_observation_gae(
+        rewards_bt, values_bt, m_bt, gamma=gamma, lam=1.0, last_value_b=last_value_b,
+        checked=checked,
+    )  # fmt: skip
+    gamma = ck.as_unit_scalar(gamma, "gamma", False).astype(a1_bt.dtype)
+    k = min(k, bt[1])  # a window past the row's end adds nothing
+    on_bn = jnp.arange(bt[1])[None, :] < jnp.sum(m_bt, axis=1)[:, None]
+    a1_bn = _compact(a1_bt, m_bt)  # G_t - V_t on the compacted action tokens
+    delta_bn = a1_bn - gamma * _shift_left(a1_bn, 1, 0.0)  # r_t + gamma V_{t+1} - V_t
+    rho_bn = jnp.exp(_compact(jnp.clip(log_ratio_bt, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), m_bt))
+    c_bn = jnp.where(on_bn, jnp.minimum(c_bar, rho_bn), 1.0)  # trace factors
+    w_bn = jnp.where(on_bn, jnp.minimum(rho_bar, rho_bn), 0.0)  # residual weights
+    # y - G = (corrected - uncorrected first k residuals) [+ (P_{t,k} - 1) x the tail]:
+    # the tail sum_{j>=k} gamma^j delta_{t+j} telescopes to gamma^k (G - V)_{t+k}. Written
+    # as a shift from G, so rho = 1 (both sums the same float operations) or k = 0 give the
+    # lambda = 1 returns bit for bit.
+    corrected_bn, trace_bn = capped_trace_sum(w_bn * delta_bn, c_bn, gamma, k)
+    plain_bn, _ = capped_trace_sum(delta_bn, jnp.ones_like(c_bn), gamma, k)
+    shift_bn = corrected_bn - plain_bn
+    if tail == "trace":
+        shift_bn = shift_bn + (trace_bn - 1.0) * gamma**k * _shift_left(a1_bn, k, 0.0)
+    shift_bt = _scatter_back(shift_bn, m_bt)
+    parts = {"shift_bt": shift_bt, "trace_bt": _scatter_back(trace_bn, m_bt)}
+    return g_bt + shift_bt, parts
 
 
 # ------------------------------------------------------------------------ the registry
@@ -223,12 +238,14 @@ def _lambda(x: TargetInputs) -> tuple[jax.Array, rm.Metrics]:
 @register("brace", BRACE_PARAMS, needs_log_ratio=True)
 def _brace(x: TargetInputs, k, c_bar, rho_bar, tail) -> tuple[jax.Array, rm.Metrics]:
     y_bt, parts = brace_targets(
-        x.rewards_bt, x.values_bt, x.m_bt, x.log_ratio_bt, gamma=x.gamma,
+        x.rewards_bt, x.values_bt, x.action_mask_bt, x.log_ratio_bt, gamma=x.gamma,
         last_value_b=x.last_value_b, k=k, c_bar=c_bar, rho_bar=rho_bar, tail=tail,
+        checked=x.checked,
     )  # fmt: skip
+    m_bt = jnp.asarray(x.action_mask_bt) != 0
     metrics = {
-        "target_shift": rm.masked_sum_count(y_bt - parts["returns_bt"], x.m_bt),
-        "target_trace": rm.masked_sum_count(parts["trace_bt"], x.m_bt),
+        "target_shift": rm.masked_sum_count(parts["shift_bt"], m_bt),
+        "target_trace": rm.masked_sum_count(parts["trace_bt"], m_bt),
     }
     return y_bt, metrics
 
@@ -247,25 +264,14 @@ def critic_targets(
     **params: Any,
 ) -> tuple[jax.Array, rm.Metrics]:
     """(targets_bt, metrics) of critic target `name` (module doc); unknown names and
-    parameters raise naming them, and so does a missing input the target needs."""
+    parameters raise naming them, and so does a missing input the target needs. Each
+    target checks the arrays it reads ('lambda' reads none: its returns are the caller's)."""
     entry = CRITIC_TARGETS.get(name)
     check_params("critic target", name, params, tuple(entry.params))
-    params = {**entry.params, **params}
-    checked = ck.is_checked(checked)
-    bt = ck.check_bt(values_bt, "values_bt")
-    ck.check_bt(rewards_bt, "rewards_bt", bt)
-    m_bt = ck.as_mask(action_mask_bt, "action_mask_bt", bt, checked)
-    if entry.needs_log_ratio:
-        if log_ratio_bt is None:
-            raise ValueError(f"critic target {name!r} needs log_ratio_bt, got None")
-        ck.check_bt(log_ratio_bt, "log_ratio_bt", bt)
-        ck.check_float(log_ratio_bt, "log_ratio_bt")
-    if last_value_b is None:
-        last_value_b = jnp.zeros((bt[0],), jnp.float32)
-    ck.check_b(last_value_b, "last_value_b", bt[0])
-    f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
+    if entry.needs_log_ratio and log_ratio_bt is None:
+        raise ValueError(f"critic target {name!r} needs log_ratio_bt, got None")
     x = TargetInputs(
-        f32(rewards_bt), f32(values_bt), m_bt, f32(log_ratio_bt), f32(last_value_b),
-        ck.as_unit_scalar(gamma, "gamma", checked), lambda_returns,
+        rewards_bt, values_bt, action_mask_bt, log_ratio_bt, last_value_b, gamma,
+        lambda_returns, checked,
     )  # fmt: skip
-    return entry.fn(x, **params)
+    return entry.fn(x, **{**entry.params, **params})

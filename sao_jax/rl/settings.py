@@ -2,7 +2,7 @@
 
 Its defaults (SAO's, docs/method.md sections 2-5), with a comment per field, are
 `rl_section` in sao_jax/defaults.py; `loss_params` and `estimator_params` read the
-configured loss's and estimator's parameters.
+configured loss's and estimator's parameters, `target_params` the critic target's.
 """
 
 from __future__ import annotations
@@ -63,11 +63,19 @@ def _validate_critic_target(rl: ConfigDict) -> None:
         critic_targets.CRITIC_TARGETS.get(rl.critic_target)
     except RegistryError as e:
         raise ConfigError(f"config field rl.critic_target: {e}") from None
-    require(
-        rl.critic_target == "lambda" or advantages.ESTIMATORS.get(rl.advantage).needs_values,
-        "rl.critic_target",
-        f"{rl.critic_target!r} needs a critic, and rl.advantage={rl.advantage!r} has none",
-    )
+    if rl.critic_target != "lambda":  # brace: token-level, observation-skipping, lambda = 1
+        require(
+            rl.advantage == "gae",
+            "rl.critic_target",
+            f"{rl.critic_target!r} replaces the observation-skipping GAE's critic targets: "
+            f"needs rl.advantage='gae', got {rl.advantage!r}",
+        )
+        require(
+            rl.lam_critic == 1.0,
+            "rl.lam_critic",
+            f"must be 1.0 with rl.critic_target={rl.critic_target!r} (its horizon is "
+            f"rl.critic_targets.{rl.critic_target}.k), got {rl.lam_critic}",
+        )
     for name, params in rl.critic_targets.items():
         for key, value in params.items():
             field = f"rl.critic_targets.{name}.{key}"
