@@ -25,9 +25,11 @@
   values the lambda targets come from). The tail sum telescopes to
   gamma^k (G_{t+k} - V_{t+k}), G the observed return: with tail 'one' the target is the
   Monte-Carlo return with its first k residuals importance-corrected,
-  y_t = G_t + sum_{j<k} gamma^j (P_{t,j} w_{t+j} - 1) delta_{t+j}. Special cases (tested):
-  rho = 1 (fresh tokens, no train/inference mismatch) or k = 0 give the lambda = 1 returns
-  exactly; k >= L gives the V-trace target with the same truncation levels.
+  y_t = G_t + sum_{j<k} gamma^j (P_{t,j} w_{t+j} - 1) delta_{t+j}, the form computed.
+  Special cases (tested): rho = 1 (fresh tokens, no train/inference mismatch) or k = 0
+  give the lambda = 1 returns bit for bit; k >= L gives the V-trace target with the same
+  truncation levels. The config allows it only with rl.advantage = 'gae' and
+  rl.lam_critic = 1 (sao_jax/rl/settings.py), the targets it replaces.
 
   Computed without a loop over tokens: delta and G - V are the lambda = 1 advantages of
   `gae.skip_observation_gae` (so observations, parked rewards and the bootstrap are
