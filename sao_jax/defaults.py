@@ -29,7 +29,7 @@ import ml_collections
 
 from sao_jax.models.config import ModelConfig
 from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
-from sao_jax.rl import advantages, losses
+from sao_jax.rl import advantages, critic_targets, losses
 from sao_jax.rl.optim import ATTENTION_PATTERNS
 from sao_jax.schema import ConfigDict
 
@@ -111,6 +111,9 @@ def rl_section() -> ConfigDict:
     # policy step -> K critic steps
     c.gamma = 1.0  # discount [open]
     c.lam_critic = 1.0  # lambda of the critic's value targets (decoupled lambda)
+    c.critic_target = "lambda"  # what the critic regresses (sao_jax.rl.critic_targets):
+    # 'lambda' = the estimator's returns at lam_critic | 'brace' = anchored Bellman-residual
+    # target for stale rollouts: k-capped importance-weighted correction + Monte-Carlo tail
     c.lam_mode = "adaptive"  # policy lambda: 'adaptive' = 1 - 1/(alpha * l) per row
     c.lam_alpha = 1.5  # alpha of the adaptive policy lambda (SAO 1.5; VAPO 0.05)
     c.lam_fixed = 0.95  # policy lambda when lam_mode == 'fixed'
@@ -145,6 +148,16 @@ def rl_section() -> ConfigDict:
             name: dict(advantages.ESTIMATORS.get(name).params)
             for name in advantages.ESTIMATORS.names()
             if advantages.ESTIMATORS.get(name).params
+        }
+    )
+    # Parameters of every critic target, defaults from the critic-target registry:
+    # brace: k (correction horizon, action tokens), c_bar / rho_bar (caps of the trace and
+    # of the residual weight), tail ('one': Monte-Carlo tail weight 1 | 'trace': P_{t,k}).
+    c.critic_targets = ConfigDict(
+        {
+            name: dict(critic_targets.CRITIC_TARGETS.get(name).params)
+            for name in critic_targets.CRITIC_TARGETS.names()
+            if critic_targets.CRITIC_TARGETS.get(name).params
         }
     )
     return c

@@ -1,9 +1,11 @@
 """The one registry mechanism: entries by name, unknown names refused with the known ones.
 
-Four things are picked by name from a config, each from one `Registry`:
+Five things are picked by name from a config, each from one `Registry`:
 
   policy losses         sao_jax.rl.losses.LOSSES        rl.policy_loss, rl.losses.<name>.*
   advantage estimators  sao_jax.rl.advantages.ESTIMATORS  rl.advantage, rl.estimators.<name>.*
+  critic targets        sao_jax.rl.critic_targets.CRITIC_TARGETS
+                                                        rl.critic_target, rl.critic_targets.<name>.*
   tasks                 sao_jax.envs.registry.TASKS     env.name, env.params, env.prompts
   rewards               sao_jax.envs.registry.REWARDS   env.params.reward
 

@@ -224,3 +224,30 @@ def staleness_bucket(lag: int) -> str:
     if lag <= 8:
         return "5_8"
     return "gt8"
+
+
+def brace_reference(r, v, m, log_ratio, gamma, last_b, k, c_bar, rho_bar, tail):
+    """BRACE critic targets straight from the definition (docs/method.md section 8): on the
+    compacted action tokens, y_t = V_t + sum_{j<k} gamma^j (prod_{i<j} c_{t+i}) w_{t+j}
+    delta_{t+j} + tau_t * sum_{j>=k} gamma^j delta_{t+j}, double loops over t and j."""
+    r = fold_observation_rewards(np.asarray(r), np.asarray(m, bool))
+    out = np.zeros(r.shape)
+    for b in range(r.shape[0]):
+        idx = np.flatnonzero(m[b])
+        n = len(idx)
+        vals = [float(v[b, i]) for i in idx] + [float(last_b[b])]
+        rho = [float(np.exp(np.clip(log_ratio[b, i], -20.0, 20.0))) for i in idx]
+        delta = [r[b, idx[i]] + gamma * vals[i + 1] - vals[i] for i in range(n)]
+        for t in range(n):
+            y, trace = vals[t], 1.0
+            for j in range(n - t):
+                if j < k:
+                    y += gamma**j * trace * min(rho_bar, rho[t + j]) * delta[t + j]
+                    trace *= min(c_bar, rho[t + j])
+            tail_w = 1.0
+            if tail == "trace":
+                tail_w = float(np.prod([min(c_bar, rho[t + i]) for i in range(min(k, n - t))]))
+            for j in range(k, n - t):
+                y += tail_w * gamma**j * delta[t + j]
+            out[b, idx[t]] = y
+    return out

@@ -351,3 +351,76 @@ def test_ppo_loop_sharded_equals_unsharded(ppo_reference):
     got, _ = _three_steps(_ppo_config(), Sharder(build_mesh((2, 1, 2, 2))))
     _assert_close(got.policy, ref.policy)
     _assert_close(got.policy_opt, ref.policy_opt)
+
+
+# -------------------------------------------- rl.critic_target = 'brace' (stale critics)
+
+
+def _brace_config(**rl):
+    return _config(aux=0.0, critic_target="brace", **rl)
+
+
+@pytest.fixture(scope="module")
+def brace():
+    """The default SAO learner with the BRACE critic target (compiled once)."""
+    config = _brace_config()
+    models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
+    learner = CountingLearner(config, models.policy_def, models.critic_def, Sharder())
+    return learner, lambda: learner.new_state(models.policy, models.critic, seed=0)
+
+
+@pytest.fixture(scope="module")
+def brace_reference(brace):
+    """Three BRACE updates on stale batches (versions lag up to 4), unsharded, without
+    microbatching: the final state and the last step's metrics."""
+    learner, new_state = brace
+    state, metrics = _steps(learner, new_state(), 3, max_lag=4)
+    return jax.tree.map(np.asarray, state), reduce_metrics(metrics)
+
+
+def test_brace_update_runs_finite_without_retrace(brace, brace_reference):
+    learner, _ = brace
+    state, m = brace_reference
+    assert learner.traces["update_step"] == 1  # three steps, one trace
+    assert int(state.step) == 3 and int(state.skipped_steps) == 0
+    for name in ("policy/loss", "critic/value_loss", "critic/target_shift", "critic/lr"):
+        assert np.isfinite(m[name]), name
+    assert 0.0 < m["critic/target_trace"] < 1.0  # random rollout log-probs: ratios off 1
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.critic))
+
+
+@pytest.mark.parametrize("variant", ["sharded", "microbatched"])
+def test_brace_sharded_and_microbatched_equal_unsharded(brace_reference, variant):
+    ref, ref_m = brace_reference
+    if variant == "sharded":
+        learner, state = _setup(_brace_config(), Sharder(build_mesh((2, 2, 2, 1))))
+    else:
+        learner, state = _setup(_brace_config(microbatches=2))
+    state, metrics = _steps(learner, state, 3, max_lag=4)
+    got = jax.tree.map(np.asarray, state)
+    _assert_close(got.policy, ref.policy)
+    _assert_close(got.critic, ref.critic)
+    m = reduce_metrics(metrics)
+    for name in ("critic/target_shift", "critic/target_trace"):
+        assert m[name] == pytest.approx(ref_m[name], abs=1e-5), name
+
+
+def test_brace_target_equals_lambda_on_policy_and_moves_on_stale_data(default, brace):
+    """rl.critic_target='brace' (sao_jax/rl/critic_targets.py): on a batch whose recorded
+    log-probs are the learner's own (ratio 1) the critic regresses the lambda = 1 returns,
+    so its K steps match the default's; on the synthetic batch's random log-probs (ratios
+    far from 1) the targets move off the Monte-Carlo returns. (value_step: the critic's
+    half of update_step, which reads the same targets.)"""
+    learner, new_state = default
+    brace, _ = brace
+    state = new_state()
+    batch = _batch(seed=5)
+    on_policy = dict(batch, rollout_logp=_logp(learner, state.policy, batch))
+    want, _ = learner.value_step(new_state(), on_policy, jax.random.key(0))
+    got, m = brace.value_step(new_state(), on_policy, jax.random.key(0))
+    _assert_close(got.critic, want.critic, atol=1e-5)
+    m = reduce_metrics(m)
+    assert abs(m["critic/target_shift"]) < 1e-5 and m["critic/target_trace"] == pytest.approx(1.0)
+    _, m = brace.value_step(new_state(), batch, jax.random.key(0))
+    m = reduce_metrics(m)
+    assert abs(m["critic/target_shift"]) > 1e-3 and m["critic/target_trace"] < 0.9

@@ -208,7 +208,8 @@ def update_step_passes(
     backward. policy_first: the policy step, then the K critic steps.
     `separate_v0`: V0 by its own critic forward first (a Learner whose `initial_values` runs it,
     the form before issue 16). `old_logp`: one more policy forward for pi_old (losses
-    that need it, e.g. ppo_clip). `critic_trainable`: what the critic trains during RL
+    that need it, e.g. icepop; `rl.critic_target='brace'` runs the same pass for its ratio,
+    and with both the learner runs it twice). `critic_trainable`: what the critic trains during RL
     (`sao_jax.rl.optim.critic_trainable`; "moe", SAO's default, see model_pass_flops).
     `expert_factor`: see the module docstring. `causal` / `attention_block`: the attention
     scores' count (attention_score_flops).

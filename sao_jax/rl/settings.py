@@ -2,7 +2,7 @@
 
 Its defaults (SAO's, docs/method.md sections 2-5), with a comment per field, are
 `rl_section` in sao_jax/defaults.py; `loss_params` and `estimator_params` read the
-configured loss's and estimator's parameters.
+configured loss's and estimator's parameters, `target_params` the critic target's.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from sao_jax.registry import RegistryError
-from sao_jax.rl import advantages, gae, losses
+from sao_jax.rl import advantages, critic_targets, gae, losses
 from sao_jax.rl.batch import check_divisible
 from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
 
@@ -32,6 +32,14 @@ LOSS_PARAM_RANGES = {
 # Values the estimators' parameters may take (registry parameter name -> choices); a name
 # not listed is checked for its type only (against its default, sao_jax.config.check_fields).
 ESTIMATOR_PARAM_CHOICES = {"impl": ("auto", *gae.GAE_IMPLS)}
+_NUMBER = lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+# Ranges of the critic targets' parameters (registry parameter name -> check, text).
+TARGET_PARAM_RANGES = {
+    "k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
+    "c_bar": (lambda v: _NUMBER(v) and v > 0, "a finite number > 0"),
+    "rho_bar": (lambda v: _NUMBER(v) and v > 0, "a finite number > 0"),
+    "tail": (lambda v: v in critic_targets.TAILS, f"one of {critic_targets.TAILS}"),
+}
 
 
 def loss_params(rl: ConfigDict) -> dict:
@@ -42,6 +50,37 @@ def loss_params(rl: ConfigDict) -> dict:
 def estimator_params(rl: ConfigDict) -> dict:
     """Keyword parameters of the configured advantage estimator."""
     return dict(rl.estimators[rl.advantage]) if rl.advantage in rl.estimators else {}
+
+
+def target_params(rl: ConfigDict) -> dict:
+    """Keyword parameters of the configured critic target."""
+    name = rl.critic_target
+    return dict(rl.critic_targets[name]) if name in rl.critic_targets else {}
+
+
+def _validate_critic_target(rl: ConfigDict) -> None:
+    try:
+        critic_targets.CRITIC_TARGETS.get(rl.critic_target)
+    except RegistryError as e:
+        raise ConfigError(f"config field rl.critic_target: {e}") from None
+    if rl.critic_target != "lambda":  # brace: token-level, observation-skipping, lambda = 1
+        require(
+            rl.advantage == "gae",
+            "rl.critic_target",
+            f"{rl.critic_target!r} replaces the observation-skipping GAE's critic targets: "
+            f"needs rl.advantage='gae', got {rl.advantage!r}",
+        )
+        require(
+            rl.lam_critic == 1.0,
+            "rl.lam_critic",
+            f"must be 1.0 with rl.critic_target={rl.critic_target!r} (its horizon is "
+            f"rl.critic_targets.{rl.critic_target}.k), got {rl.lam_critic}",
+        )
+    for name, params in rl.critic_targets.items():
+        for key, value in params.items():
+            field = f"rl.critic_targets.{name}.{key}"
+            ok, what = TARGET_PARAM_RANGES.get(key, (lambda v: True, ""))
+            require(ok(value), field, f"must be {what}, got {value!r}")
 
 
 @register_validator("rl")
@@ -58,6 +97,7 @@ def _validate_section(config: ConfigDict) -> None:
         "rl.policy_loss",
         f"{rl.policy_loss!r} is a {losses.LOSSES.get(rl.policy_loss).kind} loss, not a policy loss",
     )
+    _validate_critic_target(rl)
     require(rl.k_critic >= 1, "rl.k_critic", f"must be >= 1, got {rl.k_critic}")
     require(rl.order in ORDERS, "rl.order", f"must be one of {ORDERS}, got {rl.order!r}")
     for name in ("gamma", "lam_critic", "lam_fixed"):

@@ -1,7 +1,10 @@
 """The pure SAO update step, `update_step(state, batch, key) -> (state, metrics)`.
 
 One call, with `rl.order == 'critic_first'` (the default):
-  1. V0 = critic(batch); critic targets R = GAE returns at `lam_critic` from V0.
+  1. V0 = critic(batch); critic targets R from V0 (`rl.critic_target`: 'lambda' = GAE
+     returns at `lam_critic`; 'brace' = the anchored Bellman-residual target, which also
+     reads the log ratio of the current policy to the rollout engine: one policy forward
+     without gradient first, sao_jax/rl/critic_targets.py).
   2. K critic optimizer steps on the masked value MSE against R (TTUR; K = rl.k_critic).
      V0 is the first critic step's own forward (same parameters, per microbatch: the
      targets of a row need only that row's values), pulled back with `jax.vjp` once the
@@ -40,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.rl import advantages as adv_lib
-from sao_jax.rl import gae, losses
+from sao_jax.rl import critic_targets, gae, losses
 from sao_jax.rl import metrics as rm
 from sao_jax.rl import passes as P
 from sao_jax.rl.batch import check_batch, check_divisible
@@ -51,7 +54,7 @@ from sao_jax.rl.optim import (
     schedule,
     update_count,
 )
-from sao_jax.rl.settings import estimator_params, loss_params
+from sao_jax.rl.settings import estimator_params, loss_params, target_params
 from sao_jax.rl.state import TrainState, init_state, state_shardings
 from sao_jax.schema import ConfigDict, ConfigError
 
@@ -102,6 +105,8 @@ class Learner:
             )
         self.loss_kwargs = loss_params(rl)
         self.estimator_kwargs = estimator_params(rl)
+        self.target_entry = critic_targets.CRITIC_TARGETS.get(rl.critic_target)
+        self.target_kwargs = target_params(rl)
         critic_shapes = critic_def.shapes() if self.uses_critic else {}
         self.critic_frozen = (
             critic_frozen_labels(critic_shapes, config.optim.critic) if self.uses_critic else None
@@ -241,9 +246,37 @@ class Learner:
         return P.critic_pass(self.critic_def.bind(params), mb)
 
     def _critic_targets(self, mb, values0):
-        """mb with the critic targets R (GAE returns at lam_critic from V0) and V0."""
-        targets = self._advantages(mb, values0, self.rl.lam_critic, None).returns_bt
-        return dict(mb, targets=targets, old_values=values0["values"])
+        """(mb with the critic targets R from V0 and V0 itself, the targets' metrics). R:
+        `rl.critic_target` (sao_jax/rl/critic_targets.py): 'lambda' = the estimator's
+        returns at lam_critic; 'brace' reads mb's `target_log_ratio` (`with_target_inputs`)."""
+        rl = self.rl
+        targets, metrics = critic_targets.critic_targets(
+            rl.critic_target,
+            rewards_bt=mb["rewards"],
+            values_bt=values0["values"],
+            action_mask_bt=mb["action_mask"],
+            log_ratio_bt=mb.get("target_log_ratio"),
+            last_value_b=self._bootstrap(mb, values0),
+            gamma=rl.gamma,
+            lambda_returns=lambda: self._advantages(mb, values0, rl.lam_critic, None).returns_bt,
+            **self.target_kwargs,
+        )
+        return dict(mb, targets=targets, old_values=values0["values"]), metrics
+
+    def policy_logp(self, policy: Params, batch) -> jax.Array:
+        """[B, T] log-probs of the batch's tokens under `policy`, no gradient."""
+        model = self.policy_def.bind(policy)
+        fn = lambda mb: P.policy_pass(model, mb, replay=self.rl.routing_replay)["logp"]
+        out = P.map_microbatches(fn, batch, self.rl.microbatches, self.sharder)
+        return jax.lax.stop_gradient(out)
+
+    def with_target_inputs(self, state: TrainState, batch):
+        """The batch with what the critic target reads beyond it: for 'brace', the log
+        ratio of the policy at the start of the update to the rollout engine, per token."""
+        if not self.target_entry.needs_log_ratio:
+            return batch
+        log_ratio_bt = self.policy_logp(state.policy, batch) - batch["rollout_logp"]
+        return dict(batch, target_log_ratio=jnp.where(batch["action_mask"], log_ratio_bt, 0.0))
 
     def _first_critic_grads(self, params, batch, n_tok):
         """The first critic step's loss, gradients and metrics, and V0 and the targets from
@@ -258,16 +291,17 @@ class Learner:
 
             out, pullback, bootstrap = jax.vjp(forward, params, has_aux=True)
             values0 = jax.lax.stop_gradient(dict(values=out["values"], bootstrap=bootstrap))
-            mb = self._critic_targets(mb, values0)
+            mb, target_metrics = self._critic_targets(mb, values0)
             (loss, metrics), d_out = jax.value_and_grad(
                 lambda o: self._critic_loss(o, mb, n_tok), has_aux=True
             )(out)
-            return (loss, pullback(d_out)[0], metrics), (values0, mb["targets"])
+            sums = (loss, pullback(d_out)[0], metrics, target_metrics)
+            return sums, (values0, mb["targets"])
 
         num = self.rl.microbatches
         if num == 1:
-            (loss, grads, metrics), (values0, targets) = one(batch)
-            return loss, grads, metrics, values0, targets
+            (loss, grads, metrics, target_metrics), (values0, targets) = one(batch)
+            return loss, grads, metrics, target_metrics, values0, targets
 
         def body(acc, mb):
             sums, per_mb = one(mb)
@@ -275,11 +309,11 @@ class Learner:
 
         mbs = P.split_microbatches(batch, num, self.sharder)
         shapes = jax.eval_shape(lambda: one(jax.tree.map(lambda x: x[0], mbs))[0])
-        (loss, grads, metrics), per_mb = jax.lax.scan(
+        (loss, grads, metrics, target_metrics), per_mb = jax.lax.scan(
             body, jax.tree.map(jnp.zeros_like, shapes), mbs
         )
         values0, targets = P.merge_microbatches(per_mb, self.sharder)
-        return loss, grads, metrics, values0, targets
+        return loss, grads, metrics, target_metrics, values0, targets
 
     def _critic_update(self, params, opt, loss, grads, metrics):
         updates, opt = self.critic_tx.update(grads, opt, params)
@@ -310,7 +344,8 @@ class Learner:
             return (params, opt), (ok, metrics)
 
         if values0 is None:
-            loss, grads, metrics, values0, targets = self._first_critic_grads(critic, batch, n_tok)
+            out = self._first_critic_grads(critic, batch, n_tok)
+            loss, grads, metrics, target_metrics, values0, targets = out
             critic, copt, ok, metrics = self._critic_update(critic, copt, loss, grads, metrics)
             mb_batch = dict(batch, targets=targets, old_values=values0["values"])
             (critic, copt), rest = jax.lax.scan(
@@ -319,7 +354,7 @@ class Learner:
             stack = lambda a, b: jnp.concatenate([a[None], b])
             oks, per_step = jax.tree.map(stack, (ok, metrics), rest)
         else:
-            mb_batch = self._critic_targets(batch, values0)
+            mb_batch, target_metrics = self._critic_targets(batch, values0)
             targets = mb_batch["targets"]
             (critic, copt), (oks, per_step) = jax.lax.scan(
                 lambda c, _: one_step(c, mb_batch), (critic, copt), None, length=rl.k_critic
@@ -328,6 +363,7 @@ class Learner:
         first = jax.tree.map(lambda x: x[0], per_step)
         last = jax.tree.map(lambda x: x[-1], per_step)
         metrics = {**rm.prefixed("critic_first", first), **rm.prefixed("critic", last)}
+        metrics |= rm.prefixed("critic", target_metrics)
         return critic, copt, jnp.all(oks), metrics, targets, values0
 
     def policy_step(self, state: TrainState, batch, advantages_bt, n_tok, key):
@@ -347,15 +383,7 @@ class Learner:
         staleness = jnp.maximum(state.step - batch["versions"], 0)
         mb_batch["staleness"] = jnp.where(batch["action_mask"], staleness, 0)
         if self.loss_entry.needs_old_logp:  # pi_old = the policy at the start of the step
-            old_model = self.policy_def.bind(state.policy)
-            mb_batch["old_logp"] = jax.lax.stop_gradient(
-                P.map_microbatches(
-                    lambda mb: P.policy_pass(old_model, mb, replay=rl.routing_replay)["logp"],
-                    batch,
-                    rl.microbatches,
-                    self.sharder,
-                )
-            )
+            mb_batch["old_logp"] = self.policy_logp(state.policy, batch)
         if rl.ppo_epochs * rl.minibatches == 1:
             policy, opt, ok, metrics = self._policy_update(
                 state.policy, state.policy_opt, mb_batch, n_tok
@@ -422,7 +450,11 @@ class Learner:
         lr_metrics = {"policy/lr": rm.one(self.policy_lr(update_count(state.policy_opt)))}
         if self.uses_critic:  # K critic steps; V0 from the first one's forward
             critic_run = self.critic_steps(
-                critic, copt, batch, self.initial_values(critic, batch), n_tok
+                critic,
+                copt,
+                self.with_target_inputs(state, batch),
+                self.initial_values(critic, batch),
+                n_tok,
             )
             values = critic_run[-1]
             lr_metrics["critic/lr"] = rm.one(self.critic_lr(update_count(state.critic_opt)))
@@ -467,7 +499,7 @@ class Learner:
         mc_bt = gae.monte_carlo_returns(batch["rewards"], batch["action_mask"], self.rl.gamma)
         lr = rm.one(self.critic_lr(update_count(state.critic_opt)))
         critic, copt, ok, metrics, _, values = self.critic_steps(
-            state.critic, state.critic_opt, batch, values, n_tok
+            state.critic, state.critic_opt, self.with_target_inputs(state, batch), values, n_tok
         )
         metrics["critic/lr"] = lr
         metrics["critic/ev_pre_update"] = self._honest_ev(values, mc_bt, batch)
