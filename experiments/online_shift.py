@@ -287,9 +287,11 @@ def family(scores: dict[str, dict[int, float | None]]) -> dict[tuple[str, str], 
     """The report's tested differences, paired by seed, keyed (row, reference): every row
     minus SAO (the table's Δ column), then each `PAIRS` entry not among them (the
     synchronous pair: synchronous moving average minus synchronous SAO). One Holm family."""
-    keys = [(v, "sao") for v in scores if v != "sao" and "sao" in scores]
+    keys = [(v, "sao") for v in scores if v != "sao"]  # no SAO run: n/a, not in the family
     keys += [k for k in PAIRS if k not in keys and k[0] in scores and k[1] in scores]
-    return {(row, ref): compare.paired_difference(scores[row], scores[ref]) for row, ref in keys}
+    return {
+        (row, ref): compare.paired_difference(scores[row], scores.get(ref, {})) for row, ref in keys
+    }
 
 
 def pairs_text(

@@ -123,6 +123,9 @@ def test_pairs_text_has_one_paired_verdict_per_pair_that_ran():
             assert f"({100 * -mean:+.1f} ± {100 * se:.1f} points" in line
         else:
             assert f"{100 * abs(mean):.1f} ± {100 * se:.1f} points above" in line
+    no_sao = shift.family({"moving_average": scores["moving_average"]})  # --rows without SAO
+    assert no_sao[("moving_average", "sao")].n == 0
+    assert math.isnan(compare.holm_family(no_sao)[("moving_average", "sao")])
     only_async = {k: scores[k] for k in ("sao", "moving_average")}
     assert shift.pairs_text(only_async).count("\n") == 1
     assert shift.pairs_text({"sao": scores["sao"]}) == ""
