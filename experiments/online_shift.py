@@ -13,6 +13,8 @@ The trainer moves the task's StyleSchedule to the policy step after every update
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from absl import app
 
@@ -180,13 +182,16 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
     headers += [
         f"mean reward % {style}, steps {a}-{b - 1}" for style, a, b in phases(switches, total)
     ]
-    headers += ["score: mean reward % after the switches", "Δ vs SAO (paired)", "verdict"]
-    headers += [f"steps to recover after {s}" for s in switches]
-    headers += ["lowest reward % after a switch (mean over switches)"]
     scores = {
         rs[0].point.variant: {r.point.seed: recovery_score(r.history, switches, total) for r in rs}
         for rs in rows.values()
     }
+    diffs = family(scores)
+    holm = compare.holm_family(diffs)
+    headers += ["score: mean reward % after the switches", "Δ vs SAO (paired, ± SE [95% CI])"]
+    headers += [f"test (Holm over {len(diffs)})", "verdict"]
+    headers += [f"steps to recover after {s}" for s in switches]
+    headers += ["lowest reward % after a switch (mean over switches)"]
     ref = scores.get("sao", {})
     body = []
     for row, rs in rows.items():
@@ -198,10 +203,10 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
             line.append(compare.fmt_mean_se([p[i] for p in per_phase]))
         line.append(compare.fmt_mean_se(list(scores[variant].values())))
         if variant == "sao":
-            line += ["(reference)", "-"]
+            line += ["(reference)", "-", "-"]
         else:
-            d = compare.paired_difference(scores[variant], ref)
-            line += [compare.fmt_difference(d), compare.verdict(d)]
+            d, p = diffs[(variant, "sao")], holm[(variant, "sao")]
+            line += [compare.fmt_difference(d), compare.fmt_test(d, p), compare.verdict(d, p)]
         dips = []
         for i, s in enumerate(switches):
             until = switches[i + 1] if i + 1 < len(switches) else None
@@ -249,7 +254,12 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
         f"switches (steps {switches[0]}-{total}): the area under the reward curve while the "
         "policy chases a new target; mean ± standard error over seeds. Δ vs SAO: paired by "
         f"seed (same seed = same warm start and prompt stream), d = row - SAO, SE = std(d) / "
-        f"sqrt(n), {n_seeds} seeds.\n"
+        f"sqrt(n), {n_seeds} seeds, with its 95% Student t interval (n - 1 degrees of "
+        "freedom). test: t = Δ / SE, two-sided p, and the p Holm-adjusted over the family "
+        f"of this report's {len(diffs)} paired differences (every row minus SAO, and each "
+        "pair below that is not among them: the synchronous moving average minus "
+        "*synchronous* SAO); a verdict or a pair's answer calls a difference only at Holm "
+        f"p < {compare.ALPHA:g}.\n"
         f"- steps to recover: from the switch to the first logged step where the training "
         f"reward, after dropping below {RECOVER_FRACTION:g} x its mean over the {window} "
         "steps before the switch, is back above it, within the same phase (records before "
@@ -263,7 +273,7 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
         "old style (here 128 rewards = 2 batches). The paper gives no number for the gap. "
         "GRPO cannot run here (one trajectory per prompt).\n"
     )
-    text += pairs_text(scores)
+    text += pairs_text(scores, holm)
     text += critic_text(rows, switches, total)
     text += signal_text(rows, switches, total)
     text += "\n" + table.mechanisms_text(rows, labels=LABELS)
@@ -273,45 +283,66 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
     return text
 
 
-def pairs_text(scores: dict[str, dict[int, float | None]]) -> str:
-    """One verdict line per `PAIRS` entry whose two rows ran (row - reference, paired)."""
+def family(scores: dict[str, dict[int, float | None]]) -> dict[tuple[str, str], compare.Difference]:
+    """The report's tested differences, paired by seed, keyed (row, reference): every row
+    minus SAO (the table's Δ column), then each `PAIRS` entry not among them (the
+    synchronous pair: synchronous moving average minus synchronous SAO). One Holm family."""
+    keys = [(v, "sao") for v in scores if v != "sao"]  # no SAO run: n/a, not in the family
+    keys += [k for k in PAIRS if k not in keys and k[0] in scores and k[1] in scores]
+    return {
+        (row, ref): compare.paired_difference(scores[row], scores.get(ref, {})) for row, ref in keys
+    }
+
+
+def pairs_text(
+    scores: dict[str, dict[int, float | None]], holm: dict[tuple[str, str], float] | None = None
+) -> str:
+    """One verdict line per `PAIRS` entry whose two rows ran (row - reference, paired),
+    read at its Holm-adjusted p over `family(scores)` (computed here when not given)."""
+    holm = compare.holm_family(family(scores)) if holm is None else holm
     out = ""
     for row, ref in PAIRS:
         if row in scores and ref in scores:
             d = compare.paired_difference(scores[row], scores[ref])
-            verdict = shift_verdict(d, sao=IN_PROSE[ref], ma=IN_PROSE[row])
+            verdict = shift_verdict(d, holm[(row, ref)], sao=IN_PROSE[ref], ma=IN_PROSE[row])
             out += f"- {PAIR_QUESTIONS[row]} {verdict}\n"
     return out
 
 
 def shift_verdict(
-    d: compare.Difference | None, *, sao: str = "SAO", ma: str = "the moving average"
+    d: compare.Difference | None,
+    holm_p: float = math.nan,
+    *,
+    sao: str = "SAO",
+    ma: str = "the moving average",
 ) -> str:
     """SAO vs the moving average after the switches (d = moving average - SAO, paired):
-    yes / the opposite / not shown at compare.Z SE, with what the design detects.
+    yes / the opposite / not shown at Holm-adjusted p < compare.ALPHA (the unadjusted p
+    when `holm_p` is NaN), with the 95% t interval and what the design detects.
     `sao` / `ma` name the two rows (e.g. their synchronous versions)."""
     if d is None or d.n < 2 or d.se != d.se:
         return "**Not decidable**: fewer than two paired seeds."
-    if d.diff <= -compare.Z * d.se:
+    p, which = (holm_p, "Holm p") if math.isfinite(holm_p) else (d.p, "p")
+    lo, hi = d.interval()  # of ma - sao; sao - ma is [-hi, -lo]
+    test = (
+        f"t {d.t:+.1f} on {d.dof:g} df, {which} {compare.fmt_p(p)}; 95% interval for {sao} "
+        f"minus {ma}: [{100 * -hi:+.1f}, {100 * -lo:+.1f}] points; this design detects "
+        f"differences of {100 * d.mdd:.1f} points or more (80% power)"
+    )
+    if p < compare.ALPHA and d.diff < 0:
         return (
-            f"**Yes**: {sao}'s score is {100 * -d.diff:.1f} ± {100 * d.se:.1f} points above "
-            f"{ma}'s ({-d.z:.1f} SE); this design detects differences of "
-            f"{100 * d.mdd:.1f} points or more."
+            f"**Yes**: {sao}'s score is {100 * -d.diff:.1f} ± {100 * d.se:.1f} points "
+            f"above {ma}'s ({test})."
         )
-    if d.diff >= compare.Z * d.se:
+    if p < compare.ALPHA:
         return (
-            f"**No, the opposite**: {ma} scores {100 * d.diff:.1f} ± "
-            f"{100 * d.se:.1f} points above {sao} ({d.z:.1f} SE, {d.n} seeds; this design "
-            f"detects differences of {100 * d.mdd:.1f} points or more). Its {compare.Z:g}-SE "
-            f"interval for {sao} minus {ma}, [{100 * (-d.diff - d.mdd):.1f}, "
-            f"{100 * (-d.diff + d.mdd):.1f}] points, excludes every gain in the "
-            "paper's direction: the claim is absent here, not unmeasured; the tables below "
-            "show why."
+            f"**No, the opposite**: {ma} scores {100 * d.diff:.1f} ± {100 * d.se:.1f} points "
+            f"above {sao} ({test}). The interval excludes every gain in the paper's "
+            "direction: the claim is absent here, not unmeasured; the tables below show why."
         )
     return (
-        f"**Not shown**: the difference ({100 * -d.diff:+.1f} ± {100 * d.se:.1f} points "
-        f"for {sao}) is inside {compare.Z:g} SE; this design detects differences of "
-        f"{100 * d.mdd:.1f} points or more."
+        f"**Not shown**: the difference ({100 * -d.diff:+.1f} ± {100 * d.se:.1f} points for "
+        f"{sao}) is not significant ({test})."
     )
 
 

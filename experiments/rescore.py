@@ -12,10 +12,13 @@ sampling key its own evaluation used, so the rows of a seed stay paired; the SAO
 step-0 checkpoint (the shared warm start) gives the starting point. A run's own
 evaluation (`env.eval_size` prompts, 512 in full mode) has a binomial SE of ~2 points per
 score; on 2048 prompts it is ~1. Writes `<out_dir>/<table report>_rescored.md`: per row
-held-out success (sampled and greedy) on the rescored set, its paired difference from SAO
-with SE, verdict and detectable difference, beside the same seeds' difference on the
-runs' own evaluation. Scores are kept beside each run (`<run>/rescore/heldout=<n>,step=<s>.json`)
-and reused, so adding seeds scores only the new runs. Flags: see experiments/ablations.py.
+held-out success on the rescored set (primary: the levels weighted alike, as the training
+stream draws them, where the task has levels; the raw held-out mix and greedy beside it),
+its paired difference from SAO with SE, 95% t interval, Holm-adjusted test over the
+table's rows, verdict and detectable difference, beside the same seeds' difference on the
+runs' own evaluation (docs/experiments.md, "Statistics"). Scores are kept beside each
+run (`<run>/rescore/heldout=<n>,step=<s>.json`) and reused, so adding seeds scores only
+the new runs. Flags: see experiments/ablations.py.
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def level_text(rescored, order: list[str], labels: dict[str, str]) -> str:
                 d = compare.paired_difference(
                     per_seed(rescored, row, m), per_seed(rescored, "sao", m)
                 )
-                cell += f"; Δ {compare.fmt_difference(d)}"
+                cell += f"; Δ {compare.fmt_difference(d)}, p {compare.fmt_p(d.p)}"
             line.append(cell)
         body.append(line)
     headers = ["row", *(f"{name} %" for _, name in metrics)]
@@ -113,49 +116,71 @@ def level_text(rescored, order: list[str], labels: dict[str, str]) -> str:
         "\n## By difficulty level\n\n"
         + tables.markdown_table(headers, body)
         + "\n- Each cell: sampled success on the prompts of that level, mean ± SE over seeds, "
-        "and its paired difference from SAO. 'levels weighted alike': the mean of the "
-        "per-level successes (the mix the training stream draws); the table above weights "
-        "levels by their share of the rescored prompts.\n"
+        "and its paired difference from SAO (± SE [95% t interval], unadjusted p: these "
+        "cells are descriptive, not a tested family). 'levels weighted alike': the mean of "
+        "the per-level successes, the mix the training stream draws.\n"
     )
 
 
 def report(exp, spec, results, rescored, step: int, heldout: int, wall_s: float) -> str:
-    """Markdown: rows x (rescored sampled, greedy, Δ vs SAO) and the runs' own Δ."""
+    """Markdown: rows x (rescored sampled on the training mix, raw, greedy, Δ vs SAO with
+    t interval and Holm-adjusted p) and the runs' own Δ."""
     _, title, paper = TABLES[TABLE.value]
     rows = by_row(results)
     paper0 = {k: v[0] for k, v in paper.items()}
-
-    ref = per_seed(rescored, "sao", table.METRIC)
-    sft = per_seed(rescored, SFT, table.METRIC)
+    leveled = any(UNIFORM in v for v in rescored.values())
+    primary = UNIFORM if leveled else table.METRIC  # the training stream's mix where known
+    ref = per_seed(rescored, "sao", primary)
+    sft = per_seed(rescored, SFT, primary)
     gain = compare.paired_difference(ref, sft).diff if ref and sft else float("nan")
-    headers = ["row", "runs", f"success % @{step} ({heldout} prompts)", "greedy %"]
-    headers += ["Δ vs SAO (paired)", "verdict", "own eval: Δ vs SAO (same seeds)"]
+    variants = {row: rows[row][0].point.variant for row in rows}
+    diffs = {
+        v: compare.paired_difference(per_seed(rescored, v, primary), ref)
+        for v in variants.values()
+        if v != "sao"
+    }  # the family: every row's difference from SAO on the primary metric
+    holm = compare.holm_family(diffs)
+    what = "levels weighted alike (the training mix)" if leveled else "the rescored prompts"
+    headers = ["row", "runs", f"success % @{step}, {what} (primary)", "Δ vs SAO (paired)"]
+    headers += [f"test (Holm over {len(diffs)} rows)", "verdict", "gain over start (share)"]
+    headers += ["paper: share of SAO's gain"]
+    if leveled:
+        headers += ["success %, raw held-out mix", "Δ vs SAO, raw mix"]
+    headers += ["greedy %", "own eval: Δ vs SAO (same seeds)"]
     body, mdds = [], []
     for row in [SFT, *rows]:
-        variant = row if row == SFT else rows[row][0].point.variant
+        variant = row if row == SFT else variants[row]
         label = "SFT warm start (step 0)" if row == SFT else table.LABELS.get(variant, row)
-        line = [label, len(per_seed(rescored, row, table.METRIC))]
-        line += [
-            compare.fmt_mean_se(list(per_seed(rescored, row, m).values()))
-            for m in (table.METRIC, table.GREEDY)
-        ]
+        line = [label, len(per_seed(rescored, variant, primary))]
+        line.append(compare.fmt_mean_se(list(per_seed(rescored, variant, primary).values())))
         if variant == "sao":
-            line += ["(reference)", "-", "(reference)"]
+            line += ["(reference)", "-", "-", "-", "-"]
+        elif row == SFT:
+            d = compare.paired_difference(per_seed(rescored, SFT, primary), ref)
+            line += [compare.fmt_difference(d), compare.fmt_test(d)]
+            line += ["SAO's gain (not in the family)", "-", "-"]
         else:
-            d = compare.paired_difference(per_seed(rescored, row, table.METRIC), ref)
-            gap = (
-                float("nan")
-                if row == SFT
-                else -compare.paper_gap(paper0, variant, "sao", "sft", gain)
-            )
-            line += [compare.fmt_difference(d), compare.verdict(d, gap)]
-            if row != SFT:
-                mdds.append(d.mdd)
-                own = table.final_by_seed(rows[row], table.METRIC, step)
-                own_ref = table.final_by_seed(rows["sao"], table.METRIC, step)
-                line.append(compare.fmt_difference(compare.paired_difference(own, own_ref)))
-            else:
-                line.append("-")
+            d = diffs[variant]
+            mdds.append(d.mdd)
+            line += [compare.fmt_difference(d), compare.fmt_test(d, holm[variant])]
+            line.append(compare.verdict(d, holm[variant]))
+            own_gain = compare.paired_difference(per_seed(rescored, variant, primary), sft)
+            line.append(table.fmt_gain(own_gain.diff, gain))
+            share = compare.paper_share(paper0, variant, "sao", "sft")
+            line.append("-" if share != share else f"{100 * share:.0f}%")
+        if leveled:
+            raw = per_seed(rescored, variant, table.METRIC)
+            line.append(compare.fmt_mean_se(list(raw.values())))
+            raw_ref = per_seed(rescored, "sao", table.METRIC)
+            d_raw = compare.paired_difference(raw, raw_ref)
+            line.append("-" if variant == "sao" else compare.fmt_difference(d_raw))
+        line.append(compare.fmt_mean_se(list(per_seed(rescored, variant, table.GREEDY).values())))
+        if row in (SFT, "sao") or variant == "sao":
+            line.append("-" if row == SFT else "(reference)")
+        else:
+            own = table.final_by_seed(rows[row], table.METRIC, step)
+            own_ref = table.final_by_seed(rows["sao"], table.METRIC, step)
+            line.append(compare.fmt_difference(compare.paired_difference(own, own_ref)))
         body.append(line)
     machine = machine_of(results)
     text = (
@@ -166,28 +191,35 @@ def report(exp, spec, results, rescored, step: int, heldout: int, wall_s: float)
         "runs' step 0 (the shared warm start); nothing trained\n"
         f"- wall time of this invocation: {wall_s / 60:.1f} min (scores cached beside the "
         "runs are reused)\n"
-        f"- machine of the runs: {machine}\n\n"
+        f"- machine of the runs: {machine}\n"
     )
-    text += tables.markdown_table(headers, body)
+    if leveled:
+        text += (
+            "- the training stream draws the levels alike, the held-out split does not (it "
+            "holds fewer of the easy levels the larger it is), so the primary score weights "
+            "the levels alike and the raw held-out mix is beside it\n"
+        )
+    text += "\n" + tables.markdown_table(headers, body)
     text += (
         "\n- success: held-out pass@1 sampled at temperature 1 on the rescored prompts (the "
         "seed's held-out split; its first prompts are the ones the run's own evaluation "
-        "scored), mean ± SE over seeds; greedy: the same prompts decoded greedily.\n"
+        "scored), mean ± SE over seeds; greedy: the same prompts decoded greedily (raw mix).\n"
         "- Δ vs SAO: paired by seed (rows of a seed share warm start, prompts and sampling "
-        "keys), SE = std(d) / sqrt(n); verdict at 2 SE with the paper-sized gap and the "
-        "power to see it (docs/experiments.md). own eval Δ: the same difference on the "
-        "runs' own evaluation at the same step and seeds, for comparison.\n"
+        "keys), SE = std(d) / sqrt(n), [95% t interval]; test: t on n - 1 df, two-sided p, "
+        f"Holm-adjusted over the family of the {len(diffs)} rows' differences from SAO on the "
+        f"primary score; verdict at Holm p < {compare.ALPHA:g}. gain over start: the row's "
+        "own gain over the warm start and its share of SAO's, beside the paper's same share "
+        "(docs/experiments.md). own eval Δ: the same difference on the runs' own evaluation "
+        "(raw mix) at the same step and seeds, for comparison.\n"
     )
     if mdds:
         text += (
-            f"- Smallest difference this design can detect at {compare.Z:g} SE: "
-            f"{100 * min(mdds):.1f} to {100 * max(mdds):.1f} points (median "
-            f"{100 * float(np.median(mdds)):.1f}).\n"
+            "- True differences this design detects with 80% power (two-sided t, alpha "
+            f"{compare.ALPHA:g}): {100 * min(mdds):.1f} to {100 * max(mdds):.1f} points "
+            f"(median {100 * float(np.median(mdds)):.1f}).\n"
         )
     labels = {SFT: "SFT warm start (step 0)"}
-    labels.update(
-        {rs[0].point.variant: table.LABELS.get(rs[0].point.variant, r) for r, rs in rows.items()}
-    )
+    labels.update({v: table.LABELS.get(v, r) for r, v in variants.items()})
     return text + level_text(rescored, list(labels), labels)
 
 

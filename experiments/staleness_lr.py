@@ -70,6 +70,19 @@ def cell(rs: Sequence[sweep.PointResult]) -> list[str]:
     ]
 
 
+def dis_difference(index, s, lr) -> compare.Difference:
+    """Held-out success of DIS minus no DIS in grid cell (s, lr), paired by seed."""
+    after = {
+        v: {
+            r.point.seed: tables.finite((r.summary or {}).get("after", {}).get(table.METRIC))
+            for r in index.get((v, s, lr), [])
+            if r.status == "done"
+        }
+        for v in ROWS
+    }
+    return compare.paired_difference(after["sao"], after["vanilla_vapo"])
+
+
 def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> str:
     index = collections.defaultdict(list)
     for r in results:
@@ -86,8 +99,17 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
             f"{name}: keep rate % (min)",
             f"{name}: staleness mean / max (seed {spec.seeds[0]})",
         ]
+    headers += ["held-out: DIS - no DIS (paired) [95% CI]", f"test (Holm over {len(grid)} cells)"]
+    diffs = {(s, lr): dis_difference(index, s, lr) for s, lr in grid}
+    holm = compare.holm_family(diffs)
     body = [
-        [s, f"{lr:g}", *[x for v in ROWS for x in cell(index.get((v, s, lr), []))]]
+        [
+            s,
+            f"{lr:g}",
+            *[x for v in ROWS for x in cell(index.get((v, s, lr), []))],
+            compare.fmt_difference(diffs[(s, lr)]),
+            compare.fmt_test(diffs[(s, lr)], holm[(s, lr)]),
+        ]
         for s, lr in grid
     ]
     total = spec.fixed["train.total_steps"]
@@ -105,6 +127,9 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
         "mean ± SE over seeds, with the lowest logged value. 100% means the mechanism never "
         "fired at that staleness and learning rate.\n"
         "- cells are mean ± SE over seeds; collapse: runs collapsed / runs.\n"
+        "- DIS - no DIS: held-out success of the DIS row minus the no-DIS row of the same "
+        "cell, paired by seed, ± SE [95% t interval]; test: t on n - 1 df, two-sided p, "
+        "Holm-adjusted over the family of the grid's cells (one test per cell).\n"
     )
     text += "\n" + table.definitions_text(f"budget: {total} RL steps; held-out success at the end.")
     text += "\n## Plots\n\n"

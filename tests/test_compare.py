@@ -36,8 +36,14 @@ def test_paired_difference_by_hand():
     assert d.paired and d.n == 5
     assert d.diff == pytest.approx(0.04)
     assert d.se == pytest.approx(math.sqrt(0.00075 / 5))
-    assert d.z == pytest.approx(0.04 / 0.0122474, rel=1e-5)
-    assert d.mdd == pytest.approx(2 * 0.0122474, rel=1e-5)
+    assert d.t == pytest.approx(0.04 / 0.0122474, rel=1e-5) and d.dof == 4
+    # t = 3.266 on 4 df: two-sided p = 0.0308 (scipy-free check: between the table's
+    # 0.05 at 2.776 and 0.02 at 3.747)
+    assert 0.02 < d.p < 0.05 and d.p == pytest.approx(0.03089, abs=2e-4)
+    lo, hi = d.interval()
+    half = 2.776445 * math.sqrt(0.00075 / 5)
+    assert (lo, hi) == pytest.approx((0.04 - half, 0.04 + half), abs=1e-7)
+    assert d.mdd == pytest.approx((2.776445 + 0.940965) * 0.0122474, rel=1e-5)
     # Unpaired on the same numbers is far less precise: the seeds' shared luck stays in.
     u = compare.unpaired_difference(list(row.values()), [ref[s] for s in row])
     assert u.diff == pytest.approx(0.04) and not u.paired
@@ -54,26 +60,45 @@ def test_paired_difference_missing_values():
     assert compare.verdict(d).startswith("not decidable")
 
 
-def test_power_and_paper_gap():
-    d = compare.Difference(diff=0.01, se=0.02, n=5, paired=True)
-    assert d.mdd == pytest.approx(0.04)
-    # a true gap of 2 SE is detected half the time; 3 SE: Phi(1) = 0.8413
-    assert d.power(0.04) == pytest.approx(0.5)
-    assert d.power(-0.06) == pytest.approx(0.841345, rel=1e-5)
-    # paper: sao 97.3, moving average 79.8, sft 80.4 -> gap share 17.5 / 16.9; ours: SAO
-    # gains 0.20 over its warm start -> paper-sized gap 0.20 * 17.5 / 16.9 = 0.2071
+def test_unpaired_difference_uses_welch_df():
+    u = compare.unpaired_difference([1.0, 2.0, 3.0], [1.0, 3.0, 5.0, 7.0])
+    # SEs sqrt(1/3) and sqrt(20/3)/2; df = (1/3 + 5/3)^2 / ((1/3)^2 / 2 + (5/3)^2 / 3)
+    assert u.dof == pytest.approx(4 / (1 / 18 + 25 / 27))
+
+
+def test_gain_shares():
+    # paper: sao 97.3, moving average 79.8, sft 80.4: the moving average lost 0.6 points,
+    # -0.6 / 16.9 = -3.6% of SAO's gain
     paper = {"sao": 97.3, "moving_average": 79.8, "sft": 80.4}
-    gap = compare.paper_gap(paper, "moving_average", "sao", "sft", 0.20)
-    assert gap == pytest.approx(0.20 * 17.5 / 16.9)
-    assert math.isnan(compare.paper_gap(paper, "grpo", "sao", "sft", 0.2))
+    assert compare.paper_share(paper, "moving_average", "sao", "sft") == pytest.approx(-0.6 / 16.9)
+    assert math.isnan(compare.paper_share(paper, "grpo", "sao", "sft"))
+    assert compare.gain_share(0.12, 0.15) == pytest.approx(0.8)
+    assert math.isnan(compare.gain_share(0.1, 0.0))
+
+
+def test_holm_family_and_pooling():
+    a = compare.Difference(0.03, 0.01, 5, True)  # t 3: p 0.0399
+    b = compare.Difference(0.01, 0.01, 5, True)  # t 1: p 0.373
+    holm = compare.holm_family({"a": a, "b": b})
+    assert holm["a"] == pytest.approx(2 * a.p) and holm["b"] == pytest.approx(max(2 * a.p, b.p))
+    iv, eq = compare.pooled([compare.Difference(0.027, 0.008, 5, True),
+                             compare.Difference(0.012, 0.017, 5, True)])  # fmt: skip
+    assert iv.diff == pytest.approx(0.0242805, abs=1e-6) and iv.se == pytest.approx(
+        0.0072385, abs=1e-6
+    )
+    assert eq.diff == pytest.approx(0.0195) and iv.n == 10 and iv.paired
 
 
 def test_verdict_text():
     hit = compare.Difference(diff=-0.10, se=0.02, n=5, paired=True)
-    assert compare.verdict(hit) == "lower than the reference at 5.0 SE"
-    assert compare.fmt_difference(hit) == "-10.0 ± 2.0 (z -5.0)"
+    assert compare.verdict(hit).startswith("lower than the reference (p 0.00")
+    assert compare.verdict(hit, 0.04) == "lower than the reference (Holm p 0.040)"
+    assert compare.fmt_difference(hit) == "-10.0 ± 2.0 [-15.6, -4.4]"
+    assert compare.fmt_test(hit, 0.04) == f"t -5.0, p {compare.fmt_p(hit.p)}, Holm p 0.040"
     miss = compare.Difference(diff=-0.01, se=0.02, n=5, paired=True)
-    text = compare.verdict(miss, gap=-0.10)
-    assert text.startswith("no difference at 2 SE (detectable: >= 4.0)")
-    assert "paper-sized gap 10.0: powered (power 100%)" in text
-    assert "underpowered (power 16%)" in compare.verdict(miss, gap=0.02)
+    text = compare.verdict(miss)
+    assert text.startswith("no difference shown (p 0.64")
+    assert f"detectable with 80% power: {100 * miss.mdd:.1f})" in text
+    # at 2 SE with 5 seeds: p 0.116, no verdict (the old rule called it)
+    assert compare.verdict(compare.Difference(0.04, 0.02, 5, True)).startswith("no difference")
+    assert compare.fmt_p(0.0004) == "< 0.001" and compare.fmt_p(math.nan) == "n/a"

@@ -4,8 +4,10 @@ import itertools
 import math
 
 import numpy as np
+import pytest
 
 from experiments import online_shift as shift
+from sao_jax.report import compare
 
 SWITCHES, TOTAL = (20, 40), 60
 
@@ -50,12 +52,23 @@ def test_phase_means_and_score_match_a_loop():
 def test_verdict_states_direction_interval_and_power():
     from sao_jax.report.compare import Difference
 
-    # d = moving average - SAO, in reward fractions.
-    opposite = shift.shift_verdict(Difference(0.060, 0.023, 5, True))
-    assert opposite.startswith("**No, the opposite**")
-    assert "[-10.6, -1.4] points" in opposite and "detects differences of 4.6" in opposite
+    # d = moving average - SAO, in reward fractions; 5 seeds: t on 4 df, t_0.975 = 2.776445.
+    opposite = shift.shift_verdict(
+        Difference(0.060, 0.012, 5, True)
+    )  # t 5.0, p 0.0074 (closed form, df 4)
+    assert opposite.startswith("**No, the opposite**") and "p 0.007;" in opposite
+    half = 2.776445 * 1.2  # 95% interval of SAO - MA: -6.0 -+ 3.33 points
+    assert f"[{-6.0 - half:+.1f}, {-6.0 + half:+.1f}] points" == "[-9.3, -2.7] points"
+    assert "[-9.3, -2.7] points" in opposite
+    assert f"detects differences of {(2.776445 + 0.940965) * 1.2:.1f}" in opposite
     yes = shift.shift_verdict(Difference(-0.05, 0.01, 5, True))
     assert yes.startswith("**Yes**") and "5.0 ± 1.0" in yes
+    # 2.6 SE on 5 seeds was 'the opposite' under the old 2-SE rule; t: p 0.0595 (closed form, df 4)
+    old = shift.shift_verdict(Difference(0.060, 0.023, 5, True))
+    assert old.startswith("**Not shown**") and "p 0.060;" in old
+    # the Holm-adjusted p decides when given
+    assert shift.shift_verdict(Difference(-0.05, 0.01, 5, True), 0.2).startswith("**Not shown")
+    assert "Holm p 0.200" in shift.shift_verdict(Difference(-0.05, 0.01, 5, True), 0.2)
     assert shift.shift_verdict(Difference(0.01, 0.02, 5, True)).startswith("**Not shown**")
     assert shift.shift_verdict(Difference(0.01, math.nan, 1, True)).startswith("**Not decidable")
     assert shift.shift_verdict(None).startswith("**Not decidable")
@@ -87,14 +100,32 @@ def test_pairs_text_has_one_paired_verdict_per_pair_that_ran():
     assert lines[0].startswith("- does laptop scale reproduce the paper's claim?")
     assert lines[1].startswith("- with the staleness confound removed")
     assert "synchronous SAO" in lines[1] and "synchronous SAO" not in lines[0]
+    fam = shift.family(scores)
+    # the family: every row minus SAO, then the synchronous pair (not among them)
+    assert list(fam) == [(v, "sao") for v in shift.shift_cfg.VARIANTS if v != "sao"] + [
+        ("moving_average_sync", "sao_sync")
+    ]
     for line, (row, ref) in zip(lines, shift.PAIRS, strict=True):
         d = [scores[row][s] - scores[ref][s] for s in seeds]  # literal paired difference
         mean = sum(d) / len(d)
         se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
-        if abs(mean) < 2 * se:
+        assert fam[(row, ref)].diff == pytest.approx(mean) and fam[(row, ref)].se == pytest.approx(
+            se
+        )
+        p = [fam[k].p for k in fam]  # literal Holm: sorted p_(j) x (m - j + 1), running max
+        order = sorted(range(len(p)), key=p.__getitem__)
+        adj, run = {}, 0.0
+        for j, i in enumerate(order):
+            run = max(run, min(1.0, (len(p) - j) * p[i]))
+            adj[list(fam)[i]] = run
+        assert f"Holm p {compare.fmt_p(adj[(row, ref)])}" in line
+        if adj[(row, ref)] >= 0.05:
             assert f"({100 * -mean:+.1f} ± {100 * se:.1f} points" in line
         else:
             assert f"{100 * abs(mean):.1f} ± {100 * se:.1f} points above" in line
+    no_sao = shift.family({"moving_average": scores["moving_average"]})  # --rows without SAO
+    assert no_sao[("moving_average", "sao")].n == 0
+    assert math.isnan(compare.holm_family(no_sao)[("moving_average", "sao")])
     only_async = {k: scores[k] for k in ("sao", "moving_average")}
     assert shift.pairs_text(only_async).count("\n") == 1
     assert shift.pairs_text({"sao": scores["sao"]}) == ""
@@ -104,8 +135,8 @@ def test_pairs_text_has_one_paired_verdict_per_pair_that_ran():
 def test_verdict_names_the_rows_it_compares():
     from sao_jax.report.compare import Difference
 
-    text = shift.shift_verdict(Difference(0.06, 0.02, 5, True), sao="S", ma="M")
-    assert "M scores 6.0 ± 2.0 points above S" in text and "interval for S minus M" in text
+    text = shift.shift_verdict(Difference(0.06, 0.01, 5, True), sao="S", ma="M")
+    assert "M scores 6.0 ± 1.0 points above S" in text and "interval for S minus M" in text
     assert "S's score is 5.0" in shift.shift_verdict(Difference(-0.05, 0.01, 5, True), sao="S")
 
 

@@ -65,7 +65,25 @@ _TEMPLATES = (
 )
 
 
-class StyleSchedule:
+class SharedStep:
+    """The training step a run's envs judge at: `set_step` by the trainer after each
+    update, `step` read by every env of the run (from sampler threads, hence the lock)."""
+
+    def __init__(self) -> None:
+        self._step = 0
+        self._lock = threading.Lock()
+
+    def set_step(self, step: int) -> None:
+        with self._lock:
+            self._step = int(step)
+
+    @property
+    def step(self) -> int:
+        with self._lock:
+            return self._step
+
+
+class StyleSchedule(SharedStep):
     """Target style by training step; `set_step` is called by the trainer, read by envs."""
 
     def __init__(
@@ -81,18 +99,8 @@ class StyleSchedule:
             switch_steps and switch_steps[0] < 0
         ):
             raise ValueError(f"StyleSchedule switch_steps={switch_steps}: must be >= 0, increasing")
+        super().__init__()
         self.styles, self.switch_steps = styles, switch_steps
-        self._step = 0
-        self._lock = threading.Lock()
-
-    def set_step(self, step: int) -> None:
-        with self._lock:
-            self._step = int(step)
-
-    @property
-    def step(self) -> int:
-        with self._lock:
-            return self._step
 
     def style_at(self, step: int) -> str:
         return self.styles[bisect.bisect_right(self.switch_steps, step)]
@@ -228,21 +236,39 @@ class StyleEnv:
         if self._prompt is None:
             raise RuntimeError("style env: step() before reset() or after the episode ended")
         prompt, self._prompt = self._prompt, None
-        text = action_text if isinstance(action_text, str) else repr(action_text)
-        text = text.removesuffix("\n")
         step, style = self.schedule.current()
         info: dict[str, Any] = {"turn": 1, "style": style, "step": step, "truncated": False}
-        if len(text) > self.max_turn_chars:
-            info.update(success=False, r_quality=0.0, r_style=0.0, error="text too long")
+        scores = judge_turn(self.judge, prompt, action_text, style, self.max_turn_chars, info)
+        if scores is None:
             return StepResult("", 0.0, True, info)
-        try:
-            r_quality, r_style = self.judge.score(prompt, text, style)
-        except Exception as e:  # JudgeError or a judge bug: drop, never crash the sampler
-            info.update(success=False, dropped=True, error=f"{type(e).__name__}: {e}")
-            return StepResult("", 0.0, True, info)
-        reward = float(r_quality) * float(r_style)
-        info.update(success=reward == 1.0, r_quality=float(r_quality), r_style=float(r_style))
+        reward = scores[0] * scores[1]
+        info.update(success=reward == 1.0, r_quality=scores[0], r_style=scores[1])
         return StepResult("", reward, True, info)
+
+
+def judge_turn(
+    judge: Judge, prompt: Prompt, action_text: Any, style: str, max_turn_chars: int, info
+) -> tuple[float, float] | None:
+    """(r_quality, r_style) of one model line (its trailing newline dropped) under the
+    target `style`: (0, 0) for a line over `max_turn_chars` (info['error'] says so);
+    None when the judge failed, with the drop recorded in `info` (success False, dropped,
+    error): a judge error never crashes the sampler."""
+    text = action_text if isinstance(action_text, str) else repr(action_text)
+    text = text.removesuffix("\n")
+    if len(text) > max_turn_chars:
+        info["error"] = "text too long"
+        return 0.0, 0.0
+    try:
+        r_quality, r_style = judge.score(prompt, text, style)
+    except Exception as e:  # JudgeError or a judge bug: drop, never crash the sampler
+        info.update(success=False, dropped=True, error=f"{type(e).__name__}: {e}")
+        return None
+    return float(r_quality), float(r_style)
+
+
+def make_judge(cfg: Any) -> Judge:
+    """'lexicon' (the offline LexiconJudge) or a dict for the LLM judge client."""
+    return LexiconJudge() if cfg == "lexicon" else judge_from_config(dict(cfg))
 
 
 # ------------------------------------------------------------------------------ the task
@@ -263,8 +289,7 @@ def task_setup(params: dict[str, Any]) -> tuple[dict[str, Any], Callable]:
     judge from params['judge']: 'lexicon' or a dict for the LLM judge client."""
     params = dict(params)
     schedule = StyleSchedule(params.pop("styles", STYLES), params.pop("switch_steps", (150, 300)))
-    judge_cfg = params.pop("judge", "lexicon")
-    judge = LexiconJudge() if judge_cfg == "lexicon" else judge_from_config(dict(judge_cfg))
+    judge = make_judge(params.pop("judge", "lexicon"))
     return {**params, "schedule": schedule, "judge": judge}, schedule.set_step
 
 

@@ -6,6 +6,7 @@ scripts share its pieces (`fmt_run_means`, `mechanisms_text`, `definitions_text`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -87,7 +88,9 @@ def ablation_report(
 ) -> str:
     """Markdown (and plots) of a rows x seeds sweep: held-out success at each budget
     (mean ± SE), each row's paired difference from SAO at the last budget with its SE,
-    the minimum detectable difference, the paper-sized gap and the power to see it."""
+    95% t interval, p-value and Holm-adjusted p over the table's rows (one family), the
+    difference the design detects, and each row's gain over its start as a share of
+    SAO's beside the paper's same share."""
     rows, steps = by_row(results), eval_steps(spec)
     done = {row: [r for r in rs if r.status == "done"] for row, rs in rows.items()}
     cols = [0, *steps]  # step 0: the shared SFT warm start, before RL
@@ -99,16 +102,23 @@ def ablation_report(
     paper0 = {k: v[0] for k, v in paper.items()}
     if paper_base is not None:
         paper0.setdefault("sft", paper_base)
+    diffs = {
+        v: compare.paired_difference(f, ref) for v, f in finals.items() if v != "sao"
+    }  # the family: every row's difference from SAO at the last budget
+    holm = compare.holm_family(diffs)
     headers = ["row", "runs", *(f"success % @{s}" for s in cols)]
-    headers += [f"greedy % @{last}", f"Δ vs SAO @{last} (paired)", "paper-sized Δ", "verdict"]
-    headers += ["collapse", *(f"paper {c}" for c in paper_columns)]
+    headers += [f"greedy % @{last}", f"Δ vs SAO @{last} (paired, ± SE [95% CI])"]
+    headers += [f"test (Holm over {len(diffs)} rows)", "verdict"]
+    headers += ["gain over start (share of SAO's)"]
+    headers += ["paper: share of SAO's gain", "collapse", *(f"paper {c}" for c in paper_columns)]
     if paper_collapse is not None:
         headers.append("paper collapse")
-    body, means, diffs = [], {}, {}
+    body, means = [], {}
     if sft:
         line = ["SFT warm start (step 0)", len(sft), compare.fmt_mean_se(list(sft.values()))]
         d = compare.paired_difference(sft, ref)
-        line += ["-"] * len(steps) + ["-", compare.fmt_difference(d), "-", "-", "-"]
+        line += ["-"] * len(steps) + ["-", compare.fmt_difference(d), compare.fmt_test(d)]
+        line += ["SAO's gain (not in the family)", "-", "-", "-"]
         line += [f"{x}" for x in paper.get("sft", ("-",) * len(paper_columns))]
         line += ["-"] if paper_collapse is not None else []
         body.append(line)
@@ -123,12 +133,12 @@ def ablation_report(
         if variant == "sao":
             line += ["(reference)", "-", "-"]
         else:
-            d = compare.paired_difference(finals[variant], ref)
-            gap = -compare.paper_gap(paper0, variant, "sao", "sft", gain)
-            diffs[variant] = (d, gap)
-            line.append(compare.fmt_difference(d))
-            line.append("n/a" if gap != gap else f"{100 * gap:+.1f}")
-            line.append(compare.verdict(d, gap))
+            d = diffs[variant]
+            line += [compare.fmt_difference(d), compare.fmt_test(d, holm[variant])]
+            line.append(compare.verdict(d, holm[variant]))
+        line.append(fmt_gain(compare.paired_difference(finals[variant], sft).diff, gain))
+        share = compare.paper_share(paper0, variant, "sao", "sft")
+        line.append("-" if share != share else f"{100 * share:.0f}%")
         collapses = [tables.detect_collapse(r.history, error=r.error) for r in rs]
         line.append(tables.fmt_collapses(collapses))
         line += [f"{x}" for x in paper.get(variant, ("-",) * len(paper_columns))]
@@ -215,39 +225,60 @@ def mechanisms_text(
     return "\n".join(lines) + "\n"
 
 
+def fmt_gain(gain: float, ref_gain: float) -> str:
+    """'+12.3 (84%)': a row's gain over its start, in points, and as a share of SAO's."""
+    if not math.isfinite(gain):
+        return "n/a"
+    share = compare.gain_share(gain, ref_gain)
+    return f"{100 * gain:+.1f}" + ("" if share != share else f" ({100 * share:.0f}%)")
+
+
 def design_text(
-    diffs: Mapping[str, tuple[compare.Difference, float]], gain: float, n_ref: int, spec
+    diffs: Mapping[str, compare.Difference], gain: float, n_ref: int, spec, *, what: str = ""
 ) -> str:
-    """What differences this design can see: the minimum detectable difference per row."""
+    """What differences this design can see, the family its Holm adjustment covers, and
+    how to read the gain shares."""
     lines = ["## What this design can detect", ""]
-    mdds = [d.mdd for d, _ in diffs.values() if d.n > 1 and d.se == d.se]
+    mdds = [d.mdd for d in diffs.values() if d.n > 1 and d.se == d.se]
     eval_size = spec.fixed.get("env.eval_size", "?")
     lines.append(
         f"- {n_ref} seeds; each run is scored on {eval_size} held-out prompts (one sampled "
         "rollout each). Rows of one seed share the SFT warm start, the prompt stream, the "
         "held-out prompts and the sampling keys (common random numbers: where two rows' "
         "policies differ little they draw mostly the same tokens), so each row's difference "
-        "from SAO is paired by seed: d_s = row_s - SAO_s, SE = std(d) / sqrt(n). This is why "
+        "from SAO is paired by seed: d_s = row_s - SAO_s, SE = std(d) / sqrt(n), read with "
+        "Student's t on n - 1 degrees of freedom (95% interval, two-sided p). This is why "
         "the paired SEs are far below the spread over seeds."
+    )
+    lines.append(
+        f"- The family: the {len(diffs)} differences from SAO in this table ("
+        + (what or ", ".join(LABELS.get(k, k) for k in diffs))
+        + f"); each p is Holm-adjusted over them, and a verdict says 'higher'/'lower' only "
+        f"when its Holm p < {compare.ALPHA:g}. The SFT row (SAO's own gain) is not in it."
     )
     if mdds:
         lines.append(
-            f"- Smallest difference this table can detect at {compare.Z:g} SE: "
-            f"{100 * min(mdds):.1f} to {100 * max(mdds):.1f} points (median "
-            f"{100 * float(np.median(mdds)):.1f}), from the observed SEs of the paired "
-            "differences."
+            f"- True differences this table detects with 80% power (two-sided t, alpha "
+            f"{compare.ALPHA:g}, unadjusted): {100 * min(mdds):.1f} to {100 * max(mdds):.1f} "
+            f"points (median {100 * float(np.median(mdds)):.1f}), from the observed SEs."
         )
     if gain == gain:
         lines.append(
-            f"- SAO's gain over its warm start: {100 * gain:+.1f} points. The paper-sized Δ "
-            "of a row is the paper's gap to SAO as a share of the paper's SAO gain over its "
-            "SFT start, times ours (sao_jax/report/compare.py); 'powered' means it is at least the "
-            f"detectable difference, power = P(a true gap that size reaches {compare.Z:g} SE)."
+            f"- SAO's gain over its warm start: {100 * gain:+.1f} points. 'gain over start' "
+            "is each row's own gain over the same warm start (its step 0), with its share of "
+            "SAO's; the paper's column is the same share of the paper's rows (their gain over "
+            "the paper's SFT start, as a share of SAO's). A share below 0 is a row that lost "
+            "ground."
+            + (
+                " The paper's moving average (79.8) sits below its SFT start (80.4): its gap "
+                "to SAO is more than SAO's whole gain and is no yardstick for ours."
+                if "moving_average" in diffs
+                else ""
+            )
         )
     lines.append(
-        "- A row with 'no difference' and 'underpowered' is not evidence of no effect: the "
-        "design could not have seen the paper's gap. 'no difference' and 'powered' is a "
-        "negative result at this scale."
+        "- 'no difference shown' is not evidence of no effect unless the detectable "
+        "difference is small next to the effect in question."
     )
     return "\n".join(lines) + "\n"
 
@@ -272,8 +303,8 @@ def ordering_text(ours: Mapping[str, float], paper: Mapping[str, float], column:
         pairs = "; ".join(f"{LABELS.get(a, a)} > {LABELS.get(b, b)}" for a, b in bad)
         lines.append(f"- **No**: the paper has {pairs}; ours does not (or ties).")
     lines.append(
-        "- An ordering is evidence only where the paired difference is at least 2 SE (the "
-        "table's verdict column); see 'What this design can detect'."
+        "- An ordering is evidence only where the table's verdict calls the difference (Holm "
+        "p < 0.05); see 'What this design can detect'."
     )
     return "\n".join(lines) + "\n"
 

@@ -1,4 +1,4 @@
-"""Comparing table rows with a reference row: standard errors, paired differences, power.
+"""Comparing table rows with a reference row: standard errors, paired differences, tests.
 
 Every experiment table reports each row as mean ± standard error over seeds and its
 difference from the reference row (SAO) with the standard error of that difference.
@@ -7,30 +7,34 @@ Rows of one seed share the SFT warm start, the prompt stream and the held-out pr
 shared luck cancels. Where rows do not share seeds, the unpaired (Welch) form is used.
 
   SE(x)             = std(x, ddof=1) / sqrt(n)
-  paired:   diff    = mean_s (row_s - ref_s),   SE = std(d, ddof=1) / sqrt(n)
-  unpaired: diff    = mean(row) - mean(ref),    SE = sqrt(SE(row)^2 + SE(ref)^2)
-  minimum detectable difference (MDD) at z SE = z * SE(diff)        (z = 2)
-  power for a true gap g (one-sided, normal) = Phi(|g| / SE - z)
-  paper-sized gap = (paper[ref] - paper[row]) / (paper[ref] - paper[base])
-                    * (ours[ref] - ours[base])
+  paired:   diff    = mean_s (row_s - ref_s),   SE = std(d, ddof=1) / sqrt(n),  df = n - 1
+  unpaired: diff    = mean(row) - mean(ref),    SE = sqrt(SE(row)^2 + SE(ref)^2),
+                      df = Welch-Satterthwaite
+  t = diff / SE; two-sided p, the 95% interval and the difference detectable with 80%
+  power: Student's t on df (sao_jax/report/stats.py)
+  the differences of one table are one family: Holm-adjusted p-values (`holm_family`);
+  a difference counts when its Holm-adjusted p < alpha (0.05)
+  gain share = (row - start) / (SAO - start): a row's gain over its own starting point
+               as a share of SAO's, comparable with the paper's same share
 
-The paper-sized gap translates the paper's row gap to this task: the same fraction of the
-reference row's gain over the starting point (`base`, the SFT warm start), since the
-paper's accuracies are on another benchmark at another scale.
+The gain share replaces the earlier "paper-sized gap" (the paper's row gap scaled by the
+ratio of SAO's gains), whose yardstick for the moving average was a paper row that sits
+below the paper's own SFT start (79.8 vs 80.4: a baseline that learned nothing).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from sao_jax.report import stats
 from sao_jax.report.tables import finite, fmt_spread
 
-Z = 2.0  # a difference counts when |diff| >= Z * SE(diff)
+ALPHA = stats.ALPHA  # a difference counts when its (Holm-adjusted) p < ALPHA
 
 
 def _finite(values: Sequence[Any]) -> np.ndarray:
@@ -53,27 +57,39 @@ def fmt_mean_se(values: Sequence[Any], *, scale: float = 100.0, digits: int = 1)
 
 @dataclasses.dataclass(frozen=True)
 class Difference:
-    """row - reference: mean, its standard error, the seeds (or runs) used."""
+    """row - reference: mean, its standard error, the seeds (or runs) used, and the
+    degrees of freedom of the SE (NaN: n - 1)."""
 
     diff: float
     se: float
     n: int
     paired: bool
+    df: float = math.nan
 
     @property
-    def z(self) -> float:
+    def dof(self) -> float:
+        return self.df if math.isfinite(self.df) else float(self.n - 1)
+
+    @property
+    def t(self) -> float:
         return self.diff / self.se if self.se > 0 else math.nan
 
     @property
-    def mdd(self) -> float:
-        """The smallest |difference| this design calls real: Z * SE."""
-        return Z * self.se
+    def p(self) -> float:
+        """Two-sided p-value of 'no difference' (Student's t on `dof`)."""
+        return stats.two_sided_p(self.t, self.dof)
 
-    def power(self, gap: float) -> float:
-        """Probability that a true difference of |gap| reaches Z SE (one-sided, normal)."""
-        if not (self.se > 0 and math.isfinite(gap)):
-            return math.nan
-        return 0.5 * (1.0 + math.erf((abs(gap) / self.se - Z) / math.sqrt(2.0)))
+    def interval(self, alpha: float = ALPHA) -> tuple[float, float]:
+        """The two-sided 1 - alpha t interval of the difference."""
+        return stats.t_interval(self.diff, self.se, self.dof, alpha)
+
+    @property
+    def mdd(self) -> float:
+        """The true |difference| this design detects with 80% power at alpha (unadjusted)."""
+        return stats.detectable(self.se, self.dof)
+
+    def estimate(self) -> stats.Estimate:
+        return stats.Estimate(self.diff, self.se, self.dof)
 
 
 def paired_difference(row: Mapping[int, Any], ref: Mapping[int, Any]) -> Difference:
@@ -83,50 +99,95 @@ def paired_difference(row: Mapping[int, Any], ref: Mapping[int, Any]) -> Differe
     if d.size == 0:
         return Difference(math.nan, math.nan, 0, True)
     se = float(np.std(d, ddof=1) / math.sqrt(d.size)) if d.size > 1 else math.nan
-    return Difference(float(np.mean(d)), se, int(d.size), True)
+    return Difference(float(np.mean(d)), se, int(d.size), True, float(d.size - 1))
 
 
 def unpaired_difference(row: Sequence[Any], ref: Sequence[Any]) -> Difference:
-    """Welch: mean(row) - mean(ref), SE = sqrt(SE_row^2 + SE_ref^2)."""
+    """Welch: mean(row) - mean(ref), SE = sqrt(SE_row^2 + SE_ref^2), Welch df."""
     m1, s1, n1 = mean_se(row)
     m0, s0, n0 = mean_se(ref)
-    return Difference(m1 - m0, math.sqrt(s1**2 + s0**2), min(n1, n0), False)
+    return Difference(
+        m1 - m0, math.sqrt(s1**2 + s0**2), min(n1, n0), False, stats.welch_df(s1, n1, s0, n0)
+    )
 
 
 def _ok(x: Any) -> bool:
     return not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x)
 
 
-def paper_gap(paper: Mapping[str, float], row: str, ref: str, base: str, ours_gain: float) -> float:
-    """The paper's ref - row gap as a share of ref's gain over `base`, times ours_gain
-    (our ref's gain over our base). NaN when a number is missing or the paper's gain is 0."""
-    if not all(k in paper for k in (row, ref, base)) or not math.isfinite(ours_gain):
+def holm_family(diffs: Mapping[Hashable, Difference]) -> dict[Hashable, float]:
+    """Holm-adjusted p of each difference of one family (NaN where no p)."""
+    return stats.holm({k: d.p for k, d in diffs.items()})
+
+
+def pooled(diffs: Sequence[Difference]) -> tuple[Difference, Difference]:
+    """(inverse-variance, equal-weight) pooled difference of independent estimates of one
+    difference (e.g. two machines' runs of the same seeds), df by Welch-Satterthwaite."""
+    ok = [d for d in diffs if d.n > 1 and d.se > 0]
+    n = sum(d.n for d in ok)
+    iv = stats.pool_inverse_variance([d.estimate() for d in ok])
+    eq = stats.pool_equal_weight([d.estimate() for d in ok])
+    paired = all(d.paired for d in ok)
+    iv_d = Difference(iv.mean, iv.se, n, paired, iv.df)
+    return iv_d, Difference(eq.mean, eq.se, n, paired, eq.df)
+
+
+def gain_share(gain: float, ref_gain: float) -> float:
+    """A row's gain over its own start as a share of the reference row's (NaN when the
+    reference gained nothing or a number is missing)."""
+    if not (math.isfinite(gain) and math.isfinite(ref_gain)) or ref_gain == 0:
         return math.nan
-    gain = paper[ref] - paper[base]
-    return (paper[ref] - paper[row]) / gain * ours_gain if gain else math.nan
+    return gain / ref_gain
+
+
+def paper_share(paper: Mapping[str, float], row: str, ref: str, base: str) -> float:
+    """The paper's (row - base) / (ref - base): its row's gain over the start as a share
+    of its reference's (NaN when a number is missing)."""
+    if not all(k in paper for k in (row, ref, base)):
+        return math.nan
+    return gain_share(paper[row] - paper[base], paper[ref] - paper[base])
+
+
+def fmt_p(p: float) -> str:
+    """'0.012', '< 0.001', 'n/a'."""
+    if not math.isfinite(p):
+        return "n/a"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def fmt_difference(d: Difference, *, scale: float = 100.0, digits: int = 1) -> str:
-    """'+1.2 ± 0.8 (z 1.5)'; 'n/a' when nothing was compared."""
+    """'+1.2 ± 0.8 [-1.0, +3.4]': the difference, its SE and its 95% t interval; 'n/a'
+    when nothing was compared."""
     if d.n == 0 or not math.isfinite(d.diff):
         return "n/a"
     if not math.isfinite(d.se):
         return f"{scale * d.diff:+.{digits}f} (n={d.n}, no SE)"
-    return f"{scale * d.diff:+.{digits}f} ± {scale * d.se:.{digits}f} (z {d.z:+.1f})"
+    lo, hi = d.interval()
+    return (
+        f"{scale * d.diff:+.{digits}f} ± {scale * d.se:.{digits}f} "
+        f"[{scale * lo:+.{digits}f}, {scale * hi:+.{digits}f}]"
+    )
+
+
+def fmt_test(d: Difference, holm_p: float = math.nan) -> str:
+    """'t +2.9, p 0.044, Holm p 0.13': the test of one difference (and its adjustment)."""
+    if d.n < 2 or not math.isfinite(d.t):
+        return "n/a"
+    text = f"t {d.t:+.1f}, p {fmt_p(d.p)}"
+    return text + (f", Holm p {fmt_p(holm_p)}" if math.isfinite(holm_p) else "")
 
 
 def verdict(
-    d: Difference, gap: float = math.nan, *, scale: float = 100.0, higher: str = "higher"
+    d: Difference, holm_p: float = math.nan, *, scale: float = 100.0, higher: str = "higher"
 ) -> str:
-    """One plain sentence: a difference at >= Z SE, or none, and whether the design had
-    the power to see a gap of `gap` (the paper-sized one)."""
+    """One plain sentence: a difference at Holm-adjusted p < ALPHA (the unadjusted p when
+    no family is given), or none, with the difference the design detects (80% power)."""
     if d.n < 2 or not math.isfinite(d.se):
         return "not decidable (fewer than 2 paired seeds)"
-    if abs(d.diff) >= Z * d.se:
-        return f"{higher if d.diff > 0 else 'lower'} than the reference at {abs(d.z):.1f} SE"
-    text = f"no difference at {Z:g} SE (detectable: >= {scale * d.mdd:.1f})"
-    if math.isfinite(gap):
-        pw = d.power(gap)
-        powered = "powered" if abs(gap) >= d.mdd else "underpowered"
-        text += f"; paper-sized gap {scale * abs(gap):.1f}: {powered} (power {100 * pw:.0f}%)"
-    return text
+    p = holm_p if math.isfinite(holm_p) else d.p
+    which = "Holm p" if math.isfinite(holm_p) else "p"
+    if p < ALPHA:
+        return f"{higher if d.diff > 0 else 'lower'} than the reference ({which} {fmt_p(p)})"
+    return (
+        f"no difference shown ({which} {fmt_p(p)}; detectable with 80% power: {scale * d.mdd:.1f})"
+    )

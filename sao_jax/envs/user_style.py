@@ -1,0 +1,236 @@
+"""Per-user style shift: each user wants its own style and switches it at its own steps.
+
+An online-learning task where a critic can beat a moving average (issue 28), registered as
+`user_style`; configs/online_shift.py does not use it yet (its default is still the
+global switch of sao_jax/envs/style.py). Single turn, as sao_jax/envs/style.py, whose
+judge, lexicons and demonstrations it uses; the prompt names a user and one or two topics:
+```
+u3:moon tea\\n                                   prompt (context)
+verily the moon and tea hath doom~\\n           model turn (stop string "\\n" or EOS) -> done
+```
+What differs from the global switch of sao_jax/envs/style.py, and why:
+- **The target is predictable from the state.** User u wants STYLES[(u + k) % 3] in its
+  k-th phase and moves on at its own `switch_steps[u]`; users' switches are staggered, so
+  at any step some users have just switched and the others have not. A critic that reads
+  the user tag can track each user's current target; a global reward average cannot
+  tell users apart.
+- **A quality factor that varies by prompt and not with style.** A correct line pays
+  `payouts[u]` (e.g. 1.0, 0.75, 0.5, 0.25): reward = payout x r_quality x r_style, so
+  the expected reward of a prompt differs per user whatever the style; `success` is
+  r_quality x r_style = 1 (the line is right), which the tables score.
+- **The current target as privileged input for a critic only.** Every verdict carries
+  `info["critic_hint"] = (":", HINTS[style])`: the character a ceiling row's critic would
+  read in place of the prompt's first ":" (the policy always reads ":"). Nothing reads it
+  yet: the ceiling row is not wired on this branch.
+- **What the tables would read.** `info["log"]` holds the line's success under three
+  names by where the user stands when it is judged: `success_initial` (before the user's
+  first switch), `success_recovering` (within `recovery_steps` steps after a switch) or
+  `success_settled` (later), and under `success_since_switch_<k>`, the bin of
+  `bin_steps` steps since the switch. The trainer does not log `info["log"]` yet.
+
+The schedule is shared by every env of a run and moved by the trainer (`set_step`), as
+the style task's is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from sao_jax.envs import style
+from sao_jax.envs.base import Prompt, StepResult
+from sao_jax.envs.registry import register_task
+
+STYLES = style.STYLES
+HINT_AT = ":"  # the prompt character the critic of the ceiling row reads replaced
+HINTS = {"cute": "!", "chuunibyou": "?", "classical": "."}  # judged style -> what it reads
+USER_TAG = "u"
+
+
+def staggered(
+    users: int, first: int, stagger: int, period: int, switches: int = 2
+) -> tuple[tuple[int, ...], ...]:
+    """Per user u, `switches` switch steps: first + u * stagger, then every `period`."""
+    if users < 1 or switches < 0 or first < 0 or stagger < 0 or period < 1:
+        raise ValueError(
+            f"staggered(users={users}, first={first}, stagger={stagger}, period={period}, "
+            f"switches={switches}): need users, period >= 1 and the rest >= 0"
+        )
+    return tuple(
+        tuple(first + u * stagger + k * period for k in range(switches)) for u in range(users)
+    )
+
+
+class UserSchedule(style.SharedStep):
+    """Each user's target style by training step; `set_step` by the trainer, read by envs.
+
+    User u's k-th phase (k switches passed) wants STYLES[(u + k) % len(STYLES)].
+    """
+
+    def __init__(self, switch_steps: Sequence[Sequence[int]]) -> None:
+        self.switch_steps = tuple(tuple(int(s) for s in user) for user in switch_steps)
+        if not self.switch_steps:
+            raise ValueError("UserSchedule switch_steps: need at least one user")
+        for u, steps in enumerate(self.switch_steps):
+            if any(b <= a for a, b in itertools.pairwise(steps)) or (steps and steps[0] < 1):
+                raise ValueError(
+                    f"UserSchedule switch_steps[{u}]={steps}: must be >= 1 and increasing"
+                )
+        super().__init__()
+
+    @property
+    def users(self) -> int:
+        return len(self.switch_steps)
+
+    def phase(self, user: int, step: int) -> int:
+        """Switches user `user` has passed at `step`."""
+        return bisect.bisect_right(self.switch_steps[user], step)
+
+    def style_at(self, user: int, step: int) -> str:
+        return STYLES[(user + self.phase(user, step)) % len(STYLES)]
+
+    def since_switch(self, user: int, step: int) -> int | None:
+        """Steps since the user's last switch at `step` (None before its first)."""
+        k = self.phase(user, step)
+        return None if k == 0 else step - self.switch_steps[user][k - 1]
+
+
+def make_prompt(user: int, topics: Sequence[str]) -> Prompt:
+    """uid `user_style:u<user>:<topics sorted, joined by +>`, text `u<user>:<topics>\\n`."""
+    topics = tuple(sorted(topics))
+    return Prompt(
+        uid=f"user_style:{USER_TAG}{user}:" + "+".join(topics),
+        text=f"{USER_TAG}{user}{HINT_AT}{' '.join(topics)}\n",
+        meta={"topics": topics, "user": user},
+    )
+
+
+def sample_prompt(
+    rng: np.random.Generator, users: int = 6, n_topics: tuple[int, int] = (1, 2)
+) -> Prompt:
+    """A user drawn uniformly, then topics as the style task draws them."""
+    user = int(rng.integers(users))
+    topics = style.sample_prompt(rng, n_topics).meta["topics"]
+    return make_prompt(user, topics)
+
+
+def success_bin(since: int, bin_steps: int) -> str:
+    """`success_since_switch_<lo>` of the bin holding `since` (e.g. 00, 05, 10, ...)."""
+    lo = since // bin_steps * bin_steps
+    return f"success_since_switch_{lo:02d}"
+
+
+class UserStyleEnv:
+    """One turn; reward = payout[user] x r_quality x r_style of the user's current style."""
+
+    stop_strings = style.STOP_STRINGS
+    max_turns = 1
+
+    def __init__(
+        self,
+        *,
+        schedule: UserSchedule,
+        payouts: Sequence[float],
+        judge: style.Judge | None = None,
+        recovery_steps: int = 20,
+        bin_steps: int = 5,
+        max_turn_chars: int = 256,
+    ) -> None:
+        if len(payouts) != schedule.users or not all(0 < p <= 1 for p in payouts):
+            raise ValueError(
+                f"user_style payouts={tuple(payouts)}: one value in (0, 1] per user "
+                f"({schedule.users} users)"
+            )
+        if recovery_steps < 1 or bin_steps < 1:
+            raise ValueError("user_style recovery_steps and bin_steps: must be >= 1")
+        self.schedule, self.payouts = schedule, tuple(float(p) for p in payouts)
+        self.judge = style.LexiconJudge() if judge is None else judge
+        self.recovery_steps, self.bin_steps = recovery_steps, bin_steps
+        self.max_turn_chars = max_turn_chars
+        self._prompt: Prompt | None = None
+
+    def set_step(self, step: int) -> None:
+        self.schedule.set_step(step)
+
+    def reset(self, prompt: Prompt) -> str:
+        user = prompt.meta.get("user")
+        if not isinstance(user, int) or not 0 <= user < self.schedule.users:
+            raise ValueError(
+                f"user_style prompt {prompt.uid!r}: meta user {user!r} is not one of the "
+                f"{self.schedule.users} users"
+            )
+        self._prompt = prompt
+        return prompt.text
+
+    def step(self, action_text: str) -> StepResult:
+        if self._prompt is None:
+            raise RuntimeError("user_style env: step() before reset() or after the episode ended")
+        prompt, self._prompt = self._prompt, None
+        user = prompt.meta["user"]
+        step = self.schedule.step
+        target = self.schedule.style_at(user, step)
+        since = self.schedule.since_switch(user, step)
+        info: dict[str, Any] = {
+            "turn": 1, "user": user, "style": target, "step": step, "since_switch": since,
+            "truncated": False, "critic_hint": (HINT_AT, HINTS[target]),
+        }  # fmt: skip
+        scores = style.judge_turn(
+            self.judge, prompt, action_text, target, self.max_turn_chars, info
+        )
+        if scores is None:
+            return StepResult("", 0.0, True, info)
+        correct = scores[0] * scores[1]
+        info.update(success=correct == 1.0, r_quality=scores[0], r_style=scores[1])
+        info["log"] = self._log(correct, since)
+        return StepResult("", self.payouts[user] * correct, True, info)
+
+    def _log(self, correct: float, since: int | None) -> dict[str, float]:
+        if since is None:
+            return {"success_initial": correct}
+        kind = "recovering" if since < self.recovery_steps else "settled"
+        return {f"success_{kind}": correct, success_bin(since, self.bin_steps): correct}
+
+
+# ------------------------------------------------------------------------------ the task
+
+
+def task_prompts(**params: Any):
+    """`sample(rng)` of user-style prompts; params: users, n_topics."""
+    unknown = set(params) - {"users", "n_topics"}
+    if unknown:
+        raise ValueError(f"prompt_source: unknown user_style parameters {sorted(unknown)}")
+    users = int(params.get("users", 6))
+    n_topics = tuple(params.get("n_topics", (1, 2)))
+    if users < 1:
+        raise ValueError(f"user_style users={users}: need >= 1")
+    sample_prompt(np.random.default_rng(0), users, n_topics)  # validates n_topics
+    return functools.partial(sample_prompt, users=users, n_topics=n_topics)
+
+
+def task_setup(params: dict[str, Any]) -> tuple[dict[str, Any], Callable]:
+    """One UserSchedule shared by every env of the run (moved by the returned hook); a
+    judge from params['judge']: 'lexicon' or a dict for the LLM judge client."""
+    params = dict(params)
+    schedule = UserSchedule(params.pop("switch_steps"))
+    judge = style.make_judge(params.pop("judge", "lexicon"))
+    return {**params, "schedule": schedule, "judge": judge}, schedule.set_step
+
+
+def _demonstration(prompt, rng, *, error_rate: float = 0.0):
+    """A line in a style drawn uniformly (not the user's): RL learns who wants what."""
+    del error_rate
+    return style.demonstration(prompt, rng)
+
+
+register_task(
+    "user_style",
+    env=UserStyleEnv,
+    prompts=task_prompts,
+    demonstrations=_demonstration,
+    setup=task_setup,
+)
