@@ -16,6 +16,7 @@ from sao_jax.envs.answer import PYTHON_TOOL, AnswerEnv
 from sao_jax.envs.base import Prompt
 from sao_jax.sampling.engine import Engine, EngineConfig
 from sao_jax.sampling.generate import DecodeOut
+from sao_jax.sampling.page_pool import KVLayout
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.text import chat_template as C
 from sao_jax.text.tokenizer import CharTokenizer, HFTokenizer
@@ -127,16 +128,17 @@ class ScriptedFns:
         self.num_slots, self.max_len, self.steps = 1, max_len, 1
         self.model_cfg = types.SimpleNamespace(vocab_size=vocab_size)
         self.record_routing, self.routing_shape = False, None
+        self.per_token_keys, self.layout = False, KVLayout()  # one key per step, dense cache
         self._tokens = list(tokens)
         self.fed: list[int] = []
 
     def init_cache(self, params):
         return None
 
-    def prefill(self, params, cache, tokens_sc, positions_sc, spans=None):
+    def prefill(self, params, cache, tokens_sc, positions_sc, spans=None, *, block_table=None):
         return cache, None
 
-    def decode(self, params, cache, tokens_s, positions_s, key, sampling, spans=None):
+    def decode(self, params, cache, tokens_s, positions_s, key, sampling, spans=None, **_):
         self.fed.append(int(tokens_s[0]))
         token = self._tokens.pop(0)
         zeros = np.zeros((1, 1), np.float32)

@@ -382,7 +382,10 @@ class GenerateFns:
         return dict(lane_rows_r=rows, span=spans.span, lane_span=spans.lane_span)
 
     def _rows(self, x, dtype=jnp.int32):
-        """A host array [S, ...] on the mesh, its slot axis split like the cache's."""
+        """A host array [S, ...] on the mesh, its slot axis split like the cache's (a traced
+        one, under a caller's jit or export, keeps the shardings the caller gave it)."""
+        if isinstance(x, jax.core.Tracer):
+            return x.astype(dtype)
         x = np.array(x, dtype)  # a copy: the host may change its array while a call runs
         sharding = self.sharder.named(("batch",) + (None,) * (x.ndim - 1), x.shape)
         return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding)
