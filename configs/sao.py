@@ -13,8 +13,9 @@ the expected reward differs per prompt and changes mid-episode (docs/experiments
   python -m experiments.train --config=configs/sao.py --workdir=workdirs/sao
   python -m experiments.train --config=configs/sao.py:smoke --workdir=/tmp/sao_smoke
 
-Variants (`:a,b=1`): smoke (a run of seconds for tests), sync (deterministic rollouts),
-seed=N, calculator (the previous task: one problem format, sao_jax/envs/arithmetic.py).
+Variants (`:a,b=1`): smoke (a run of seconds for tests), sync (deterministic rollouts, in
+RL and in value pretraining), seed=N, calculator (the previous task: one problem format,
+sao_jax/envs/arithmetic.py).
 """
 
 from sao_jax.config import ConfigDict, parse_arg
@@ -56,6 +57,7 @@ def get_config(arg=None):
     c.train.eval_every = 20
     c.train.checkpoint_every = 20
     c.train.rollouts = "sync" if arg.sync else "async"
+    c.value_pretrain.sampler = "sync" if arg.sync else "async"  # both stages deterministic
 
     if arg.smoke:
         c.model.update(hidden_size=32, num_hidden_layers=2, mlp_only_layers=(0,), num_experts=4)
