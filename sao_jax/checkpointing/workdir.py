@@ -73,6 +73,11 @@ def flatten_config(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _flat_json(config_dict: dict) -> dict[str, Any]:
+    """A config as config.json stores it (encoded, through JSON), flattened."""
+    return flatten_config(json.loads(json.dumps(encode_meta(dict(config_dict), "config"))))
+
+
 def config_differences(
     old: dict,
     new: dict,
@@ -86,7 +91,7 @@ def config_differences(
     later, left at its default, does not block resuming an older run (new fields default to
     the behaviour that existed before them)."""
     a, b = flatten_config(old), flatten_config(new)
-    base = flatten_config(json.loads(json.dumps(encode_meta(dict(defaults or {}), "config"))))
+    base = _flat_json(defaults or {})
     blocking, allowed = [], []
     for name in sorted(set(a) | set(b)):
         before = a.get(name, base.get(name, _ABSENT))
@@ -144,7 +149,7 @@ def check_workdir_config(
             _write_json(path, new)
         elif blocking:
             name = blocking[0]
-            base = flatten_config(defaults or {})
+            base = _flat_json(defaults or {})
             absent = f"(absent: default {base[name]!r})" if name in base else "(absent)"
             before = flatten_config(old).get(name, absent)
             after = flatten_config(new).get(name, "(absent)")
