@@ -1,99 +1,236 @@
-r"""Online learning with a moving target (docs/method.md section 6) on the embedded style task.
+r"""Online learning with a moving target (docs/method.md section 6).
 
-One judged line per prompt (single turn, one trajectory per prompt: GRPO cannot run
-here); reward = r_quality * r_style from the offline lexicon judge, whose target style
-switches cute -> chuunibyou -> classical at `env.params.switch_steps` (the paper: ~150
-and 300; here scaled to the laptop budget). The next style is reachable from a policy
-trained on the current one: consecutive styles share 3 of their 12 marker words, so
-about one line in eight of the old style already scores under the new one, and the SFT
-warm start imitates all three styles. Rows: sao (configs/sao.py's algorithm) and
-moving_average (rl.advantage = 'moving_average', R - mean of the last 128 rewards, no
-critic); nothing else differs. sao_sync and moving_average_sync are the same two rows
-with synchronous rollouts (train.rollouts = 'sync': every batch sampled from the current
-policy, staleness 0), which removes the staleness confound of the async pair (SAO's
-slower steps train on staler rollouts); the sweep runs them in full mode only. Every
-seed's rows share the warm start (and its pretrained critic), so the table's differences
-from SAO are paired by seed.
+Default design, `user_style` (sao_jax/envs/user_style.py): the prompt names a user and one
+or two topics; the model writes one judged line (single turn, one trajectory per prompt:
+GRPO cannot run here). User u wants its own style and switches it at its own steps
+(`staggered`: users' switches are spread over the run), and a correct line pays the
+user's own payout, so the current target and the expected reward are predictable from the
+prompt: a critic can track them per user, a global reward average cannot. The warm start
+(SFT) writes each user's initial style half the time (`sft.error_rate` 0.5: the other
+half in another style), so the trunk the critic is copied from reads the user tag.
+Value pretraining has its own lr and clip (`value_pretrain.lr`, `.max_grad_norm`), so the
+rows that change the RL critic's lr or clip start from the seed's shared critic.
+
+Rows (`VARIANTS`; every row is `sao` with only the fields its name says changed):
+  sao                       SAO (configs/sao.py's algorithm)
+  moving_average            R - mean of the last 128 rewards (the paper's window; 2 steps
+                            at batch 64), no critic
+  moving_average_w<N>       the same with a window of N steps of rewards (N x batch)
+  sao_lambda1               policy lambda 1 (no bootstrapping from a possibly stale critic)
+  sao_policy_first          rl.order = 'policy_first' (advantages before the critic steps)
+  ceiling                   the critic reads the user's current target in place of the
+                            prompt's ':' (rl.privileged_critic): what tracking could give
+  track_<factors>           the critic-tracking sweep: a half fraction (I = ABCD) of critic
+                            lr x4, K = 4, trained attention, no critic clip
+The previous design (one global style switch, sao_jax/envs/style.py) is the variant
+`global_style` with its rows sao, moving_average, sao_sync, moving_average_sync.
 
   python -m experiments.online_shift --mode=quick
-  python -m experiments.train --config=configs/online_shift.py:moving_average \
-      --workdir=workdirs/shift_ma
+  python -m experiments.train --config=configs/online_shift.py:moving_average_w8 \
+      --workdir=workdirs/shift_ma8
 
-Variant keys (`:a,b=1`): sao | moving_average | sao_sync | moving_average_sync, smoke,
-sync, seed=N.
-`get_sweep('mode=smoke|quick|full')` is the experiment's sao_jax.sweep.SweepSpec.
+Variant keys (`:a,b=1`): one row name, global_style, smoke, sync, seed=N.
+`get_sweep('table=main|tracking,mode=smoke|quick|full,design=user|global')` is the
+experiment's sao_jax.sweep.SweepSpec.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from sao_jax.config import ConfigDict, ConfigError, parse_arg
 from sao_jax.configs import sao
+from sao_jax.envs.user_style import BIN_STEPS, RECOVERY_STEPS, staggered
 from sao_jax.sweep import SweepSpec, set_field
 
-VARIANTS: dict[str, dict[str, Any]] = {
+PAPER_WINDOW = 128  # rewards in the paper's moving average (its batch: 128 prompts)
+WINDOW_STEPS = (1, 4, 8, 16, 32)  # other windows, in steps of rewards (x rl.batch_size)
+USERS = 6
+PAYOUTS = (1.0, 0.75, 0.5, 0.5, 0.75, 1.0)  # the quality factor of user u (style-free)
+
+# The critic-tracking factors: level 'high' of each (SAO's own level is 'low').
+TRACK_FACTORS = {
+    "lr": {"optim.critic.lr": 4e-3},  # x4 (value pretraining keeps its own lr)
+    "k": {"rl.k_critic": 4},
+    "attn": {"optim.critic.freeze_attention": False},
+    "noclip": {"optim.critic.max_grad_norm": 0.0},  # 1.0 throttled critics elsewhere
+}
+
+
+def _track_cells() -> dict[str, dict[str, Any]]:
+    """The half fraction I = ABCD of the 2^4 design: every cell with an even number of
+    factors at 'high' (SAO, with none, is the all-low cell), so main effects are clear of
+    two-factor interactions."""
+    out = {}
+    for k in (2, 4):
+        for names in itertools.combinations(TRACK_FACTORS, k):
+            out["track_" + "_".join(names)] = {
+                f: v for n in names for f, v in TRACK_FACTORS[n].items()
+            }
+    return out
+
+
+TRACK_CELLS = _track_cells()
+
+
+def _window(steps: int):
+    return lambda c: steps * c.rl.batch_size
+
+
+USER_VARIANTS: dict[str, dict[str, Any]] = {
+    "sao": {},
+    "moving_average": {"rl.advantage": "moving_average", "rl.moving_average_window": PAPER_WINDOW},
+    **{
+        f"moving_average_w{n}": {
+            "rl.advantage": "moving_average",
+            "rl.moving_average_window": _window(n),
+        }
+        for n in WINDOW_STEPS
+    },
+    "sao_lambda1": {"rl.lam_mode": "fixed", "rl.lam_fixed": 1.0},
+    "sao_policy_first": {"rl.order": "policy_first"},
+    "ceiling": {"rl.privileged_critic": True},
+    **TRACK_CELLS,
+}
+GLOBAL_VARIANTS: dict[str, dict[str, Any]] = {
     "sao": {},
     "moving_average": {"rl.advantage": "moving_average"},
     "sao_sync": {"train.rollouts": "sync"},
     "moving_average_sync": {"rl.advantage": "moving_average", "train.rollouts": "sync"},
 }
-# Rows each mode runs: the synchronous pair only in full mode (quick keeps its budget).
-MODE_VARIANTS = {
-    "smoke": ("sao", "moving_average"),
-    "quick": ("sao", "moving_average"),
-    "full": tuple(VARIANTS),
-}
+VARIANTS = {**GLOBAL_VARIANTS, **USER_VARIANTS}
+MAIN_ROWS = (
+    "sao",
+    "moving_average",
+    *(f"moving_average_w{n}" for n in WINDOW_STEPS),
+    "sao_lambda1",
+    "sao_policy_first",
+    "ceiling",
+)
+TABLES = {"main": MAIN_ROWS, "tracking": ("sao", *TRACK_CELLS)}
 MODES = ("smoke", "quick", "full")
-# Per mode: seeds, RL steps and the two switch steps of the target style. Phases of 50
-# steps: at 30, no row got back to its pre-switch reward within a phase (results/full of
-# the previous task). Full: 5 seeds x (a 600-step style SFT + four runs of 150 steps: SAO,
-# moving average and their synchronous pair); docs/experiments.md, "Budgets", has the times.
-BUDGETS = {
-    "smoke": dict(seeds=(0,), steps=4, switch_steps=(1, 2)),
-    "quick": dict(seeds=(0, 1), steps=90, switch_steps=(30, 60)),
-    "full": dict(seeds=(0, 1, 2, 3, 4), steps=150, switch_steps=(50, 100)),
-}
+DESIGNS = ("user", "global")
+
+# Per mode (user design): rows, seeds, RL steps and the staggered schedule (first switch,
+# stagger between users, period between a user's two switches). Full: the main table at
+# 10 seeds (the pre-registered family needs them), the tracking half fraction at 5 (each
+# main effect averages 4 cells against 4: 20 runs a side).
+USER_BUDGETS = {
+    "smoke": dict(
+        seeds=(0,), tracking_seeds=(0,), steps=4, first=1, stagger=1, period=2, users=2,
+        rows=("sao", "moving_average", "ceiling"), tracking_rows=("sao", "track_lr_k"),
+    ),
+    "quick": dict(
+        seeds=(0, 1), tracking_seeds=(0,), steps=100, first=30, stagger=6, period=40,
+        users=USERS, rows=("sao", "moving_average", "moving_average_w32", "ceiling"),
+        tracking_rows=("sao", "track_lr_k"),
+    ),
+    "full": dict(
+        seeds=tuple(range(10)), tracking_seeds=tuple(range(5)), steps=160, first=40,
+        stagger=8, period=60, users=USERS, rows=MAIN_ROWS, tracking_rows=TABLES["tracking"],
+    ),
+}  # fmt: skip
+# The previous design: phases of 50 steps (docs/experiments.md, "Budgets").
+GLOBAL_BUDGETS = {
+    "smoke": dict(seeds=(0,), steps=4, switch_steps=(1, 2), rows=("sao", "moving_average")),
+    "quick": dict(seeds=(0, 1), steps=90, switch_steps=(30, 60), rows=("sao", "moving_average")),
+    "full": dict(
+        seeds=tuple(range(5)), steps=150, switch_steps=(50, 100), rows=tuple(GLOBAL_VARIANTS)
+    ),
+}  # fmt: skip
+
+
+def schedule(mode: str) -> tuple[tuple[int, ...], ...]:
+    """Each user's switch steps in `mode` (user design)."""
+    b = USER_BUDGETS[mode]
+    return staggered(b["users"], b["first"], b["stagger"], b["period"])
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, smoke=False, sync=False, seed=0, **dict.fromkeys(VARIANTS, False))
+    arg = parse_arg(
+        arg, smoke=False, sync=False, seed=0, global_style=False, **dict.fromkeys(VARIANTS, False)
+    )
     chosen = [v for v in VARIANTS if arg[v]]
     if len(chosen) > 1:
         raise ConfigError(f"configs/online_shift.py: pick one row, got {chosen}")
+    rows = GLOBAL_VARIANTS if arg.global_style else USER_VARIANTS
+    row = chosen[0] if chosen else "sao"
+    if row not in rows:
+        design = "global_style" if arg.global_style else "the per-user design (default)"
+        raise ConfigError(f"configs/online_shift.py: row {row!r} is not a row of {design}")
     c = sao.get_config(f"smoke={arg.smoke},sync={arg.sync},seed={arg.seed}")
-    c.env.name = "style"
-    c.env.params = ConfigDict(
-        dict(switch_steps=BUDGETS["full"]["switch_steps"])  # target style by step
-    )
-    c.env.prompts = ConfigDict(dict(n_topics=(1, 2)))  # one or two topics per prompt
-    c.env.eval_size = 8 if arg.smoke else 40  # the held-out split has ~45 prompts
-    c.sft.steps = 4 if arg.smoke else 600  # 200 left ~2% reward: too sparse to learn from
     c.sampling.max_turn_tokens = 64  # one line of up to ~60 characters
     c.sampling.max_len = 96
-    c.train.total_steps = 4 if arg.smoke else BUDGETS["full"]["steps"]
-    c.train.log_every = 1 if arg.smoke else 2  # reward curve resolution
-    c.train.eval_every = 0  # held-out eval only before/after (the style moves)
-    for field, value in VARIANTS[chosen[0] if chosen else "sao"].items():
-        set_field(c, field, value)
+    c.sft.steps = 4 if arg.smoke else 600  # 200 left ~2% reward: too sparse to learn from
+    c.train.eval_every = 0  # held-out eval only before/after (the target moves)
+    if arg.global_style:
+        c.env.name = "style"
+        c.env.params = ConfigDict(dict(switch_steps=GLOBAL_BUDGETS["full"]["switch_steps"]))
+        c.env.prompts = ConfigDict(dict(n_topics=(1, 2)))  # one or two topics per prompt
+        c.env.eval_size = 8 if arg.smoke else 40  # the held-out split has ~45 prompts
+        c.train.total_steps = 4 if arg.smoke else GLOBAL_BUDGETS["full"]["steps"]
+        c.train.log_every = 1 if arg.smoke else 2  # reward curve resolution
+    else:
+        mode = "smoke" if arg.smoke else "full"
+        b = USER_BUDGETS[mode]
+        c.env.name = "user_style"
+        c.env.params = ConfigDict(
+            dict(
+                switch_steps=schedule(mode),  # per user, staggered
+                payouts=PAYOUTS[: b["users"]],
+                recovery_steps=RECOVERY_STEPS,
+                bin_steps=BIN_STEPS,
+            )
+        )
+        c.env.prompts = ConfigDict(dict(users=b["users"], n_topics=(1, 2)))
+        c.env.eval_size = 8 if arg.smoke else 48
+        c.sft.error_rate = 0.5  # demos: the user's initial style half the time
+        c.value_pretrain.lr = c.optim.critic.lr  # its own: the tracking rows change RL's
+        c.value_pretrain.max_grad_norm = c.optim.critic.max_grad_norm
+        c.train.total_steps = b["steps"]
+        c.train.log_every = 1  # per-step records: the recovery bins pool exact counts
+    for field, value in rows[row].items():
+        set_field(c, field, value(c) if callable(value) else value)
     return c
 
 
 def get_sweep(arg=None) -> SweepSpec:
-    arg = parse_arg(arg, mode="quick")
+    arg = parse_arg(arg, mode="quick", table="main", design="user")
     if arg.mode not in MODES:
         raise ConfigError(f"get_sweep mode={arg.mode!r}: one of {MODES}")
-    b = BUDGETS[arg.mode]
+    if arg.design not in DESIGNS:
+        raise ConfigError(f"get_sweep design={arg.design!r}: one of {DESIGNS}")
+    common = "smoke" if arg.mode == "smoke" else ""
+    if arg.design == "global":
+        g = GLOBAL_BUDGETS[arg.mode]
+        return SweepSpec(
+            name="online_shift",
+            config="configs/online_shift.py",
+            variants=g["rows"],
+            seeds=g["seeds"],
+            fixed={
+                "train.total_steps": g["steps"],
+                "train.checkpoint_every": g["steps"],
+                "env.params.switch_steps": g["switch_steps"],
+                "train.progress": False,
+            },
+            common_arg=",".join(a for a in (common, "global_style") if a),
+        )
+    if arg.table not in TABLES:
+        raise ConfigError(f"get_sweep table={arg.table!r}: one of {sorted(TABLES)}")
+    b = USER_BUDGETS[arg.mode]
+    tracking = arg.table == "tracking"
     return SweepSpec(
-        name="online_shift",
+        name=f"online_shift_{arg.table}",
         config="configs/online_shift.py",
-        variants=MODE_VARIANTS[arg.mode],
-        seeds=b["seeds"],
+        variants=b["tracking_rows" if tracking else "rows"],
+        seeds=b["tracking_seeds" if tracking else "seeds"],
         fixed={
             "train.total_steps": b["steps"],
             "train.checkpoint_every": b["steps"],
-            "env.params.switch_steps": b["switch_steps"],
+            "env.params.switch_steps": schedule(arg.mode),
             "train.progress": False,
         },
-        common_arg="smoke" if arg.mode == "smoke" else "",
+        common_arg=common,
     )

@@ -14,6 +14,7 @@ is their main (`table_main`); the report is sao_jax/report/ablations.py.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import shlex
 import sys
@@ -24,6 +25,7 @@ from absl import app, flags
 from sao_jax import cli, sweep
 from sao_jax.configs import ablations as ablations_cfg
 from sao_jax.report import ablations as report
+from sao_jax.report import audit
 from sao_jax.report.experiment import Experiment
 
 MODE = flags.DEFINE_enum("mode", "quick", ["smoke", "quick", "full"], "Experiment size.")
@@ -36,6 +38,12 @@ LAUNCHER = flags.DEFINE_enum("launcher", "local", sweep.LAUNCHERS, "Where runs a
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the runs' commands, run nothing.")
 SEEDS = flags.DEFINE_list(
     "seeds", None, "Seeds to run instead of the mode's (e.g. 0,1,2); the report says which."
+)
+FROM_RUNS = flags.DEFINE_string(
+    "from_runs",
+    None,
+    "Write the table again from a committed <name>_runs.jsonl (sao_jax/report/audit.py) "
+    "instead of running: the same runs and settings, nothing trained.",
 )
 ROWS = flags.DEFINE_list(
     "rows",
@@ -82,11 +90,22 @@ def table_main(name: str, sweep_of: Callable[[str], sweep.SweepSpec], write: Rep
     def main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        if FROM_RUNS.value:  # the committed runs, nothing trained
+            results, header = audit.read_runs(FROM_RUNS.value)
+            exp = dataclasses.replace(experiment(), **header.settings)
+            spec = exp.chosen(sweep_of(exp.mode))
+            exp.write(name, write(exp, spec, results, header.wall_s))
+            return
         exp = experiment()
         spec = exp.chosen(sweep_of(exp.mode))
         results, wall_s = exp.run(spec)
         if not exp.dry_run:
-            exp.write(name, write(exp, spec, results, wall_s))
+            recorder = audit.Recorder()
+            exp.write(name, write(exp, spec, recorder.wrap(results), wall_s))
+            path = audit.write_runs(
+                audit.runs_path(exp.out_path, name), results, recorder, wall_s, exp.settings()
+            )
+            print(f"wrote {path}")
 
     return main
 

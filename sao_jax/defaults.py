@@ -119,6 +119,9 @@ def rl_section() -> ConfigDict:
     c.lam_fixed = 0.95  # policy lambda when lam_mode == 'fixed'
     c.whiten_advantages = False  # masked whitening over action tokens [open]
     c.value_clip = 0.0  # value-loss clipping around the pre-update values; 0 = off [open]
+    c.privileged_critic = False  # the critic reads the task's hint (info['critic_hint'],
+    # e.g. the current target of a moving reward) in place of the prompt text it names:
+    # a ceiling row for what a critic could do if it saw that, never a method to deploy
     c.critic_only_steps = 0  # critic warm-up read as N critic-only updates (policy frozen)
     c.ppo_epochs = 1  # passes of the policy over each batch (SAO/DIS: 1; PPO rows: more)
     c.minibatches = 1  # policy OPTIMIZER steps per epoch, each on batch_size / minibatches
@@ -284,8 +287,10 @@ def value_pretrain_section() -> ConfigDict:
     c.patience = 5  # stop after this many evaluations without a held-out EV gain of at
     c.min_delta = 0.005  # least min_delta over the best so far (patience 0 = never stop)
     c.trainable = "all"  # trained leaves: 'all' | 'all_but_attention' | 'moe' (rl/optim.py)
-    c.lr = 0.0  # peak AdamW lr; 0 = optim.critic.lr (b1, b2, eps, weight decay and
-    # clipping always come from optim.critic; warm-up and schedule are its own)
+    c.lr = 0.0  # peak AdamW lr; 0 = optim.critic.lr (b1, b2, eps and weight decay always
+    # come from optim.critic; warm-up and schedule are its own)
+    c.max_grad_norm = -1.0  # global-norm clip; -1 = optim.critic.max_grad_norm, 0 = none
+    # (its own value lets the RL critic's clip vary while the pretrained critic is shared)
     c.warmup_steps = 10  # linear lr warm-up over the first pretraining steps
     c.sampler = "async"  # 'async': the async sampler runs ahead of the critic steps |
     # 'sync': the engine generates each batch in turn (deterministic with any worker count)

@@ -57,7 +57,13 @@ from sao_jax.run.sft import SFTTrainer, demo_batches
 from sao_jax.run.streams import stream_seed
 from sao_jax.sampling.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.sampling.sampler import configs_from_section
-from sao_jax.sampling.trajectory import Trajectory, pack_batch, pad_batch, round_up
+from sao_jax.sampling.trajectory import (
+    Trajectory,
+    pack_batch,
+    pad_batch,
+    privileged_tokens,
+    round_up,
+)
 from sao_jax.schema import ConfigDict, ConfigError
 
 log = logging.getLogger("sao_jax")
@@ -306,6 +312,8 @@ class Run:
             with_groups=for_learner and self.learner.estimator.needs_groups,
             with_routing=cfg.rl.routing_replay,
         )
+        if cfg.rl.privileged_critic:  # what a ceiling row's critic reads
+            kw["critic_tokens"] = [privileged_tokens(t, self.tokenizer.encode) for t in trajs]
         if cfg.train.pack:  # model passes on packed rows (sao_jax/rl/packing.py)
             batch, _ = pack_batch(
                 trajs,
@@ -490,6 +498,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
     log.info("RL: at step %d of %d, %d trajectories a step", int(state.step), t.total_steps, b)
     acc = metrics.MetricAccumulator()
     host: list[dict[str, float]] = []
+    env_log = acct.EnvLog()
     start = min(int(state.step), t.total_steps)
     progress = Progress(t.total_steps, initial=start, enabled=t.progress)
     tokens, t_log = 0, time.time()
@@ -504,6 +513,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
             batch = r._batch(trajs)
             version = int(state.step)
             host.append(acct.host_stats(trajs, version))
+            env_log.add(trajs)
             tokens += int(batch["action_mask"].sum())
             if int(state.updates) < cfg.rl.critic_only_steps:
                 state, m = learner.value_step(state, batch, r._key(state))  # critic warm-up
@@ -520,7 +530,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
             if step % t.log_every == 0 or step == t.total_steps:
                 learner.raise_if_diverged(state)
                 now = time.time()
-                scalars = {**acc.result(), **acct.mean_rows(host)}
+                scalars = {**acc.result(), **acct.mean_rows(host), **env_log.scalars()}
                 scalars["perf/action_tokens_per_s"] = tokens / max(now - t_log, 1e-9)
                 scalars["train/skipped_steps"] = float(state.skipped_steps)
                 scalars.update(acct.sampler_scalars(source.stats(), counters))

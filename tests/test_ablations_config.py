@@ -74,38 +74,61 @@ def test_bad_variant_args_are_refused():
         online_shift.get_sweep("mode=huge")
 
 
-def test_online_shift_rows_differ_only_in_the_estimator():
-    a = _flat(online_shift.get_config("sao"))
-    b = _flat(online_shift.get_config("moving_average"))
-    assert _differing(a, b) == {"rl.advantage"}
-    assert a["env.name"] == "style" and a["env.group_size"] == 1
-    config_lib.validate(online_shift.get_config("moving_average,smoke"))
+def test_online_shift_rows_change_only_the_fields_their_names_say():
+    base = _flat(online_shift.get_config("sao"))
+    assert base["env.name"] == "user_style" and base["env.group_size"] == 1
+    expect = {
+        "moving_average": {"rl.advantage"},  # the default window is the paper's 128
+        "moving_average_w8": {"rl.advantage", "rl.moving_average_window"},
+        "sao_lambda1": {"rl.lam_mode", "rl.lam_fixed"},
+        "sao_policy_first": {"rl.order"},
+        "ceiling": {"rl.privileged_critic"},
+        "track_lr_k": {"optim.critic.lr", "rl.k_critic"},
+        "track_attn_noclip": {"optim.critic.freeze_attention", "optim.critic.max_grad_norm"},
+        "track_lr_k_attn_noclip": {
+            "optim.critic.lr", "rl.k_critic", "optim.critic.freeze_attention",
+            "optim.critic.max_grad_norm",
+        },
+    }  # fmt: skip
+    for row, fields in expect.items():
+        assert _differing(base, _flat(online_shift.get_config(row))) == fields, row
+    assert _flat(online_shift.get_config("moving_average"))["rl.moving_average_window"] == 128
+    w8 = online_shift.get_config("moving_average_w8")
+    assert w8.rl.moving_average_window == 8 * w8.rl.batch_size  # 8 steps of rewards
+    assert online_shift.get_config("moving_average_w8,smoke").rl.moving_average_window == 8 * 8
+    config_lib.validate(online_shift.get_config("ceiling,smoke"))
+    with pytest.raises(ConfigError, match="ceiling.*global_style"):
+        online_shift.get_config("ceiling,global_style")
 
 
-@pytest.mark.parametrize(
-    ("row", "base"), [("sao_sync", "sao"), ("moving_average_sync", "moving_average")]
-)
-def test_online_shift_sync_rows_differ_only_in_the_rollout_mode(row, base):
+def test_online_shift_tracking_cells_are_the_half_fraction():
+    cells = online_shift.TRACK_CELLS
+    assert len(cells) == 7  # 2^(4-1) cells, SAO being the eighth (every factor low)
+    for name in cells:
+        assert len(name.split("_")[1:]) % 2 == 0, name  # I = ABCD: an even number high
+    # each factor high in exactly 4 of the 8 cells (SAO included): balanced main effects
+    for factor in online_shift.TRACK_FACTORS:
+        assert sum(factor in n.split("_") for n in cells) == 4
+
+
+def test_online_shift_rows_share_the_pretrained_critic_except_the_ceiling():
     from sao_jax.sweep.runner import shares_critic
 
-    a, b = online_shift.get_config(base), online_shift.get_config(row)
-    assert _differing(_flat(a), _flat(b)) == {"train.rollouts"}
-    assert a.train.rollouts == "async" and b.train.rollouts == "sync"
-    # the row = the base under configs/sao.py's :sync, except that :sync also makes value
-    # pretraining deterministic (its sampler sync); the rows keep the base's pretraining
-    row_smoke, sync_smoke = (
-        _flat(online_shift.get_config(v)) for v in (f"{row},smoke", f"{base},smoke,sync")
-    )
-    assert _differing(row_smoke, sync_smoke) == {"value_pretrain.sampler"}
-    if row == "sao_sync":  # the pair starts from the seed's shared pretrained critic
-        assert shares_critic(a, b)
+    sao = online_shift.get_config("sao")
+    for row in (*online_shift.TRACK_CELLS, "sao_lambda1", "sao_policy_first"):
+        assert shares_critic(sao, online_shift.get_config(row)), row
+    assert not shares_critic(sao, online_shift.get_config("ceiling"))  # it pretrains its own
 
 
-def test_online_shift_runs_the_synchronous_pair_in_full_mode_only():
-    variants = {m: sweep.expand(online_shift.get_sweep(f"mode={m}")) for m in online_shift.MODES}
-    assert {p.variant for p in variants["full"]} == set(online_shift.VARIANTS)
-    for mode in ("smoke", "quick"):
-        assert {p.variant for p in variants[mode]} == {"sao", "moving_average"}
+def test_online_shift_previous_design_rows():
+    a = _flat(online_shift.get_config("global_style,sao"))
+    b = _flat(online_shift.get_config("global_style,moving_average"))
+    assert _differing(a, b) == {"rl.advantage"}
+    assert a["env.name"] == "style"
+    sync = _flat(online_shift.get_config("global_style,sao_sync"))
+    assert _differing(a, sync) == {"train.rollouts"}
+    full = sweep.expand(online_shift.get_sweep("design=global,mode=full"))
+    assert {p.variant for p in full} == set(online_shift.GLOBAL_VARIANTS)
 
 
 def _point_config(point: sweep.Point):
@@ -115,7 +138,10 @@ def _point_config(point: sweep.Point):
 
 
 SWEEPS = [(ablations, f"table={t},mode={m}") for t in ablations.TABLES for m in ablations.MODES] + [
-    (online_shift, f"mode={m}") for m in online_shift.MODES
+    (online_shift, f"table={t},mode={m},design={d}")
+    for t in online_shift.TABLES
+    for m in online_shift.MODES
+    for d in online_shift.DESIGNS
 ]
 
 
@@ -139,6 +165,7 @@ def test_full_tables_have_five_seeds_and_share_sao_runs():
     shift = online_shift.get_sweep("mode=full")
     for spec in (t4, gae, grid, shift):
         assert len(spec.seeds) >= 5, spec.name
+    assert len(shift.seeds) >= 10  # the online shift's pre-registered family
     assert t4.seeds == gae.seeds == grid.seeds  # one warm start per seed serves all three
     sao4 = {p.name: p for p in sweep.expand(t4) if p.variant == "sao"}
     sao5 = {p.name: p for p in sweep.expand(gae) if p.variant == "sao"}

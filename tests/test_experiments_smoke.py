@@ -80,14 +80,40 @@ def test_ablations_gae_and_staleness_share_one_sweep(tmp_path):
     assert "Δ vs SAO" in text and "## By difficulty level" in text
 
 
-def test_online_shift_with_chosen_seeds(tmp_path):
-    _experiment("online_shift", tmp_path / "sweep", tmp_path / "results", "--seeds=1")
-    text = _check_report(tmp_path / "results", "online_shift", ["SAO", "moving-average baseline"])
-    assert "steps to recover after 1" in text and "steps to recover after 2" in text
-    assert "## The critic around the switches" in text and "## Do the mechanisms fire?" in text
-    assert "## The policy signal around the switches" in text
+def test_online_shift_tables_and_their_runs_files(tmp_path):
+    sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
+    _experiment("online_shift", sweep_dir, out, "--seeds=1")
+    ma = "moving average, 128 rewards (the paper's)"
+    text = _check_report(
+        out, "online_shift_main", ["SAO", ma, "ceiling: critic sees the current target"]
+    )
+    for section in ("## The pre-registered family", "## The moving average's window"):
+        assert section in text
+    assert "## Recovery curves" in text and "## Do the mechanisms fire?" in text
     assert "- mode: smoke; seeds: 1\n" in text  # --seeds replaces the mode's seed 0
     assert "online_shift__sao__seed=1" in text and "seed=0" not in text
+    # The runs file holds what the table reads: the table comes back without training.
+    runs = out / "online_shift_main_runs.jsonl"
+    regen = tmp_path / "regen"
+    _experiment("online_shift", tmp_path / "no_sweep", regen, f"--from_runs={runs}")
+    assert (regen / "online_shift_main.md").read_text() == text
+    assert not (tmp_path / "no_sweep").exists()  # nothing ran
+
+    log = _experiment("online_shift", sweep_dir, out, "--seeds=1", "--table=tracking")
+    assert "start online_shift__sao__seed=1" not in log  # the main table's SAO run is reused
+    text = _check_report(out, "online_shift_tracking", ["SAO", "tracking: lr + k"])
+    assert "## Main effects on recovering success" in text
+
+
+def test_online_shift_previous_design_is_a_variant(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.online_shift", "--mode=smoke", "--design=global",
+         "--dry_run", f"--sweep_dir={tmp_path}"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--config=configs/online_shift.py:sao,smoke,global_style" in proc.stdout
+    assert "online_shift__moving_average__seed=0" in proc.stdout
 
 
 def _dry_run(*extra: str) -> subprocess.CompletedProcess:

@@ -6,8 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from experiments import online_shift as shift
+from sao_jax.configs import online_shift as shift_cfg
 from sao_jax.report import compare
+from sao_jax.report import style_shift as shift
 
 SWITCHES, TOTAL = (20, 40), 60
 
@@ -93,7 +94,7 @@ def test_window_mean_and_signal_windows_match_a_loop():
 def test_pairs_text_has_one_paired_verdict_per_pair_that_ran():
     rng = np.random.default_rng(2)
     seeds = range(5)
-    scores = {v: {s: float(rng.uniform()) for s in seeds} for v in shift.shift_cfg.VARIANTS}
+    scores = {v: {s: float(rng.uniform()) for s in seeds} for v in shift_cfg.GLOBAL_VARIANTS}
     text = shift.pairs_text(scores)
     lines = text.splitlines()
     assert len(lines) == 2
@@ -102,7 +103,7 @@ def test_pairs_text_has_one_paired_verdict_per_pair_that_ran():
     assert "synchronous SAO" in lines[1] and "synchronous SAO" not in lines[0]
     fam = shift.family(scores)
     # the family: every row minus SAO, then the synchronous pair (not among them)
-    assert list(fam) == [(v, "sao") for v in shift.shift_cfg.VARIANTS if v != "sao"] + [
+    assert list(fam) == [(v, "sao") for v in shift_cfg.GLOBAL_VARIANTS if v != "sao"] + [
         ("moving_average_sync", "sao_sync")
     ]
     for line, (row, ref) in zip(lines, shift.PAIRS, strict=True):
@@ -129,7 +130,7 @@ def test_pairs_text_has_one_paired_verdict_per_pair_that_ran():
     only_async = {k: scores[k] for k in ("sao", "moving_average")}
     assert shift.pairs_text(only_async).count("\n") == 1
     assert shift.pairs_text({"sao": scores["sao"]}) == ""
-    assert set(shift.IN_PROSE) == set(shift.LABELS) == set(shift.shift_cfg.VARIANTS)
+    assert set(shift.IN_PROSE) == set(shift.LABELS) == set(shift_cfg.GLOBAL_VARIANTS)
 
 
 def test_verdict_names_the_rows_it_compares():
@@ -141,6 +142,6 @@ def test_verdict_names_the_rows_it_compares():
 
 
 def test_every_row_has_a_label_and_every_pair_names_rows():
-    assert set(shift.LABELS) == set(shift.shift_cfg.VARIANTS)
+    assert set(shift.LABELS) == set(shift_cfg.GLOBAL_VARIANTS)
     for row, ref in shift.PAIRS:
-        assert {row, ref} <= set(shift.shift_cfg.VARIANTS) and row in shift.PAIR_QUESTIONS
+        assert {row, ref} <= set(shift_cfg.GLOBAL_VARIANTS) and row in shift.PAIR_QUESTIONS

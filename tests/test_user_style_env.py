@@ -38,7 +38,15 @@ def test_reward_is_payout_times_a_correct_line_of_the_current_target():
     assert prompt.text == "u1:moon tea\n" and prompt.uid == "user_style:u1:moon+tea"
     for step, target, log in (
         (0, "chuunibyou", {"success_initial": 1.0}),
-        (22, "classical", {"success_recovering": 1.0, "success_since_switch_00": 1.0}),
+        (
+            22,
+            "classical",
+            {
+                "success_recovering": 1.0,
+                "success_recovering_u1": 1.0,
+                "success_since_switch_00": 1.0,
+            },
+        ),
         (31, "classical", {"success_settled": 1.0, "success_since_switch_10": 1.0}),
     ):
         env.set_step(step)

@@ -1,9 +1,10 @@
 """Per-user style shift: each user wants its own style and switches it at its own steps.
 
-An online-learning task where a critic can beat a moving average (issue 28), registered as
-`user_style`; configs/online_shift.py does not use it yet (its default is still the
-global switch of sao_jax/envs/style.py). Single turn, as sao_jax/envs/style.py, whose
-judge, lexicons and demonstrations it uses; the prompt names a user and one or two topics:
+An online-learning task where a critic can beat a moving average, registered as
+`user_style`: the default design of configs/online_shift.py (the global switch of
+sao_jax/envs/style.py is its `global_style` variant). Single turn, as sao_jax/envs/style.py,
+whose judge, lexicons and demonstrations it uses; the prompt names a user and one or two
+topics:
 ```
 u3:moon tea\\n                                   prompt (context)
 verily the moon and tea hath doom~\\n           model turn (stop string "\\n" or EOS) -> done
@@ -19,14 +20,16 @@ What differs from the global switch of sao_jax/envs/style.py, and why:
   the expected reward of a prompt differs per user whatever the style; `success` is
   r_quality x r_style = 1 (the line is right), which the tables score.
 - **The current target as privileged input for a critic only.** Every verdict carries
-  `info["critic_hint"] = (":", HINTS[style])`: the character a ceiling row's critic would
-  read in place of the prompt's first ":" (the policy always reads ":"). Nothing reads it
-  yet: the ceiling row is not wired on this branch.
+  `info["critic_hint"] = (":", HINTS[style])`: the character a ceiling row's critic reads
+  in place of the prompt's first ":" (`rl.privileged_critic`,
+  sao_jax/sampling/trajectory.py privileged_tokens); the policy always reads ":".
 - **What the tables would read.** `info["log"]` holds the line's success under three
   names by where the user stands when it is judged: `success_initial` (before the user's
   first switch), `success_recovering` (within `recovery_steps` steps after a switch) or
-  `success_settled` (later), and under `success_since_switch_<k>`, the bin of
-  `bin_steps` steps since the switch. The trainer does not log `info["log"]` yet.
+  `success_settled` (later), a recovering line also as `success_recovering_u<user>`,
+  and every line after a switch under `success_since_switch_<k>`, the bin of `bin_steps`
+  steps since the switch. The trainer logs them as `env/<name>` with their counts
+  (sao_jax/run/accounting.py EnvLog); sao_jax/report/user_shift.py reads them.
 
 The schedule is shared by every env of a run and moved by the trainer (`set_step`), as
 the style task's is.
@@ -47,6 +50,8 @@ from sao_jax.envs.base import Prompt, StepResult
 from sao_jax.envs.registry import register_task
 
 STYLES = style.STYLES
+RECOVERY_STEPS = 20  # default: a user's first 20 steps after a switch are 'recovering'
+BIN_STEPS = 5  # default: success since a switch in bins of 5 steps
 HINT_AT = ":"  # the prompt character the critic of the ceiling row reads replaced
 HINTS = {"cute": "!", "chuunibyou": "?", "classical": "."}  # judged style -> what it reads
 USER_TAG = "u"
@@ -137,8 +142,8 @@ class UserStyleEnv:
         schedule: UserSchedule,
         payouts: Sequence[float],
         judge: style.Judge | None = None,
-        recovery_steps: int = 20,
-        bin_steps: int = 5,
+        recovery_steps: int = RECOVERY_STEPS,
+        bin_steps: int = BIN_STEPS,
         max_turn_chars: int = 256,
     ) -> None:
         if len(payouts) != schedule.users or not all(0 < p <= 1 for p in payouts):
@@ -186,14 +191,19 @@ class UserStyleEnv:
             return StepResult("", 0.0, True, info)
         correct = scores[0] * scores[1]
         info.update(success=correct == 1.0, r_quality=scores[0], r_style=scores[1])
-        info["log"] = self._log(correct, since)
+        info["log"] = self._log(correct, since, user)
         return StepResult("", self.payouts[user] * correct, True, info)
 
-    def _log(self, correct: float, since: int | None) -> dict[str, float]:
+    def _log(self, correct: float, since: int | None, user: int) -> dict[str, float]:
         if since is None:
             return {"success_initial": correct}
-        kind = "recovering" if since < self.recovery_steps else "settled"
-        return {f"success_{kind}": correct, success_bin(since, self.bin_steps): correct}
+        if since < self.recovery_steps:
+            return {
+                "success_recovering": correct,
+                f"success_recovering_u{user}": correct,
+                success_bin(since, self.bin_steps): correct,
+            }
+        return {"success_settled": correct, success_bin(since, self.bin_steps): correct}
 
 
 # ------------------------------------------------------------------------------ the task
@@ -221,10 +231,22 @@ def task_setup(params: dict[str, Any]) -> tuple[dict[str, Any], Callable]:
     return {**params, "schedule": schedule, "judge": judge}, schedule.set_step
 
 
+def initial_style(user: int) -> str:
+    """The style user `user` wants before its first switch (UserSchedule's phase 0)."""
+    return STYLES[user % len(STYLES)]
+
+
 def _demonstration(prompt, rng, *, error_rate: float = 0.0):
-    """A line in a style drawn uniformly (not the user's): RL learns who wants what."""
-    del error_rate
-    return style.demonstration(prompt, rng)
+    """A line in the user's initial style, or with probability `error_rate`
+    (sft.error_rate) in one of the other styles, uniformly: the warm start knows who
+    wanted what before any switch only partly (error_rate 2/3: not at all), so the trunk
+    the critic is copied from already reads the user tag, and RL has the rest to learn."""
+    if not 0.0 <= error_rate <= 1.0:
+        raise ValueError(f"user_style demonstrations: error_rate={error_rate} not in [0, 1]")
+    own = initial_style(prompt.meta["user"])
+    others = [s for s in STYLES if s != own]
+    pick = others[int(rng.integers(len(others)))] if rng.random() < error_rate else own
+    return style.demonstration(prompt, rng, style=pick)
 
 
 register_task(

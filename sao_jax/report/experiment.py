@@ -9,6 +9,7 @@ import dataclasses
 import pathlib
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from sao_jax import sweep
 from sao_jax.report import tables
@@ -28,6 +29,13 @@ class Experiment:
     seeds: Sequence[str] | None = None  # seeds instead of the mode's (as given)
     rows: Sequence[str] | None = None  # rows (the sweep's variants) instead of all
     command: str = ""  # the invocation, as the report header shows it
+
+    def settings(self) -> dict[str, Any]:
+        """What decides the sweep and the report's text: mode, seeds, rows, command (a
+        table regenerated from its runs file takes these back: sao_jax/report/audit.py)."""
+        seeds = None if self.seeds is None else list(self.seeds)
+        rows = None if self.rows is None else list(self.rows)
+        return dict(mode=self.mode, seeds=seeds, rows=rows, command=self.command)
 
     @property
     def sweep_path(self) -> pathlib.Path:

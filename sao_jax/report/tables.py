@@ -312,6 +312,7 @@ def plot_curves(
     *,
     vlines: Sequence[int] = (),
     vline_label: str = "",
+    xlabel: str = "step",
 ) -> None:
     """Mean lines with +/- std bands against the step; dashed vertical lines at `vlines`."""
     fig, ax = _figure()
@@ -325,7 +326,39 @@ def plot_curves(
         ax.axvline(
             x, color="gray", linestyle="--", linewidth=1, label=vline_label if i == 0 else None
         )
-    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"Software": None})
+
+
+def plot_window(
+    path: str | pathlib.Path,
+    title: str,
+    ylabel: str,
+    points: Mapping[float, tuple[float, float]],
+    references: Mapping[str, tuple[float, float]],
+    *,
+    marker: float,
+    marker_label: str,
+) -> None:
+    """A quantity against a window (log2 x axis): {window: (mean, SE)} as points with
+    error bars; each reference (mean, SE) a horizontal line with its band; a dashed
+    vertical line at `marker`."""
+    fig, ax = _figure()
+    xs = sorted(points)
+    ax.errorbar(
+        xs, [points[x][0] for x in xs], yerr=[points[x][1] for x in xs], marker="o",
+        capsize=3, label="moving average",
+    )  # fmt: skip
+    for name, (mean, se) in references.items():
+        line = ax.axhline(mean, linestyle="-.", linewidth=1.2, label=name)
+        if math.isfinite(se):
+            ax.axhspan(mean - se, mean + se, color=line.get_color(), alpha=0.12)
+    ax.axvline(marker, color="gray", linestyle="--", linewidth=1, label=marker_label)
+    ax.set_xscale("log", base=2)
+    ax.set(title=title, xlabel="window (steps of rewards)", ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="x-small")
     fig.tight_layout()

@@ -30,6 +30,7 @@ BATCH_FIELDS: dict[str, tuple[int, str, bool]] = {
     "turn_ids": (2, "i", True),  # [B, T] model-turn index of action tokens, -1 elsewhere
     "group_ids": (1, "i", False),  # [B] prompt group for GRPO-style estimators
     "forced_experts": (4, "i", False),  # [B, T, L_moe, k] recorded routing (replay)
+    "critic_tokens": (2, "i", False),  # [B, T] what the critic reads instead (privileged)
     "pack_row": (1, "i", False),  # [B] packed row of the trajectory, within its microbatch
     "pack_start": (1, "i", False),  # [B] its first column in that row
 }
@@ -39,6 +40,7 @@ PACKED_FIELDS: dict[str, tuple[int, str, bool]] = {
     "packed_positions": (2, "i", True),  # [R, Lp] restart at 0 per trajectory
     "packed_segment_ids": (2, "i", True),  # [R, Lp] 1.. per trajectory in the row, 0 = pad
     "packed_forced_experts": (4, "i", False),  # [R, Lp, L_moe, k] routing replay
+    "packed_critic_tokens": (2, "i", False),  # [R, Lp] critic_tokens packed likewise
 }
 _PACK_INDEX = ("pack_row", "pack_start")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
 
@@ -19,6 +20,16 @@ def masked_sum_count(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Arra
 def one(x) -> tuple[jax.Array, jax.Array]:
     """The pair of one value (count 1)."""
     return jnp.asarray(x, jnp.float32), jnp.ones((), jnp.float32)
+
+
+def step_metrics(loss, grads, max_norm: float) -> Metrics:
+    """One optimizer step's `loss`, gradient global norm `grad_norm`, and `grad_clipped`:
+    1 when the norm exceeds `max_norm` (the optimizer's global-norm clip binds and scales
+    the step by max_norm / norm), else 0, and always 0 without a clip (`max_norm` 0). Its
+    mean over steps is the clip fraction."""
+    norm = optax.tree.norm(grads)
+    clipped = (norm > max_norm) if max_norm > 0 else jnp.zeros((), bool)
+    return dict(loss=one(loss), grad_norm=one(norm), grad_clipped=one(clipped))
 
 
 def prefixed(prefix: str, metrics: Metrics) -> Metrics:

@@ -20,20 +20,23 @@ import jax.numpy as jnp
 
 Batch = dict[str, jax.Array]
 
-PACKED_FIELDS = ("packed_tokens", "packed_positions", "packed_segment_ids")
-
 
 def is_packed(batch: Batch) -> bool:
     return "packed_tokens" in batch
 
 
-def model_inputs(batch: Batch, *, replay: bool = False):
-    """(tokens, positions, segment_ids, forced experts or None) of the rows the model runs."""
-    if is_packed(batch):
-        forced = batch.get("packed_forced_experts") if replay else None
-        return (*(batch[k] for k in PACKED_FIELDS), forced)
-    forced = batch.get("forced_experts") if replay else None
-    return batch["tokens"], batch["positions"], batch["segment_ids"], forced
+def model_inputs(batch: Batch, *, replay: bool = False, critic: bool = False):
+    """(tokens, positions, segment_ids, forced experts or None) of the rows the model runs.
+
+    `critic`: the critic's tokens, i.e. `critic_tokens` (`packed_critic_tokens`) where the
+    batch has them (a privileged critic, `rl.privileged_critic`), else the same tokens."""
+    packed = is_packed(batch)
+    prefix = "packed_" if packed else ""
+    tokens = batch[f"{prefix}tokens"]
+    if critic:
+        tokens = batch.get(f"{prefix}critic_tokens", tokens)
+    forced = batch.get(f"{prefix}forced_experts") if replay else None
+    return tokens, batch[f"{prefix}positions"], batch[f"{prefix}segment_ids"], forced
 
 
 def _columns_nt(batch: Batch) -> jax.Array:

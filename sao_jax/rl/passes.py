@@ -73,8 +73,9 @@ def policy_pass(policy, batch: Batch, *, replay: bool) -> dict[str, jax.Array]:
 
 
 def critic_pass(critic, batch: Batch) -> dict[str, jax.Array]:
-    """values [B, T] (aligned), bootstrap value [B] of the last state, MoE aux loss."""
-    tokens, positions, segment_ids, _ = packing.model_inputs(batch)
+    """values [B, T] (aligned), bootstrap value [B] of the last state, MoE aux loss. The
+    critic reads the batch's `critic_tokens` when it has them (a privileged critic)."""
+    tokens, positions, segment_ids, _ = packing.model_inputs(batch, critic=True)
     out = critic(tokens, positions, segment_ids)
     if packing.is_packed(batch):
         bootstrap_b = packing.at_last_token(batch, out.out)

@@ -107,6 +107,12 @@ def _validate_section(config: ConfigDict) -> None:
     require(rl.lam_alpha > 0, "rl.lam_alpha", f"must be > 0, got {rl.lam_alpha}")
     require(rl.value_clip >= 0, "rl.value_clip", f"must be >= 0, got {rl.value_clip}")
     require(rl.critic_only_steps >= 0, "rl.critic_only_steps", "must be >= 0")
+    require(isinstance(rl.privileged_critic, bool), "rl.privileged_critic", "must be True or False")
+    require(
+        not rl.privileged_critic or advantages.estimator(rl.advantage).needs_values,
+        "rl.privileged_critic",
+        f"needs a critic, but rl.advantage={rl.advantage!r} uses none",
+    )
     require(rl.microbatches >= 1, "rl.microbatches", f"must be >= 1, got {rl.microbatches}")
     require(rl.ppo_epochs >= 1, "rl.ppo_epochs", f"must be >= 1, got {rl.ppo_epochs}")
     require(rl.minibatches >= 1, "rl.minibatches", f"must be >= 1, got {rl.minibatches}")

@@ -116,6 +116,8 @@ class Learner:
         self.critic_tx = make_optimizer(
             config.optim.critic, frozen=self.critic_frozen, every=rl.k_critic
         )
+        self.policy_clip = config.optim.policy.max_grad_norm  # 0: no clip
+        self.critic_clip = config.optim.critic.max_grad_norm
         self.policy_lr = schedule(config.optim.policy)
         self.critic_lr = schedule(config.optim.critic, every=rl.k_critic)
         self.init_state = functools.partial(
@@ -319,7 +321,7 @@ class Learner:
         updates, opt = self.critic_tx.update(grads, opt, params)
         params = apply_updates(params, updates, self.critic_frozen)
         ok = jnp.isfinite(loss) & _all_finite(grads)
-        metrics = dict(metrics, grad_norm=rm.one(optax.tree.norm(grads)), loss=rm.one(loss))
+        metrics = dict(metrics, **rm.step_metrics(loss, grads, self.critic_clip))
         return params, opt, ok, metrics
 
     def critic_steps(self, critic, copt, batch, values0, n_tok):
@@ -439,7 +441,7 @@ class Learner:
         updates, opt = self.policy_tx.update(grads, opt, params)
         params = optax.apply_updates(params, updates)
         ok = jnp.isfinite(loss) & _all_finite(grads)
-        metrics = dict(metrics, grad_norm=rm.one(optax.tree.norm(grads)), loss=rm.one(loss))
+        metrics = dict(metrics, **rm.step_metrics(loss, grads, self.policy_clip))
         return params, opt, ok, metrics
 
     def _update_step(self, state: TrainState, batch, key):

@@ -34,6 +34,40 @@ def host_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
     }
 
 
+ENV_PREFIX = "env/"  # the tasks' own per-episode metrics (EnvLog)
+
+
+class EnvLog:
+    """The tasks' own per-episode metrics between two log steps, as host (sum, count).
+
+    An env may put `info["log"] = {name: value}` in the info of an episode's last turn
+    (e.g. the user-style task's success by where its user stands in its switch schedule,
+    sao_jax/envs/user_style.py); names differ between episodes. `scalars()` gives, per
+    name, `env/<name>` = the mean over the episodes that logged it and
+    `env/<name>/count` = how many did, so pooled means over steps are exact
+    (sum = mean x count), then starts a new window.
+    """
+
+    def __init__(self) -> None:
+        self._totals: dict[str, list[float]] = {}
+
+    def add(self, trajs: list[Trajectory]) -> None:
+        for t in trajs:
+            turns = t.info.get("turn_infos") or [{}]
+            for name, value in (turns[-1].get("log") or {}).items():
+                acc = self._totals.setdefault(name, [0.0, 0.0])
+                acc[0] += float(value)
+                acc[1] += 1.0
+
+    def scalars(self) -> dict[str, float]:
+        out = {}
+        for name, (s, c) in sorted(self._totals.items()):
+            out[f"{ENV_PREFIX}{name}"] = s / c
+            out[f"{ENV_PREFIX}{name}/count"] = c
+        self._totals = {}
+        return out
+
+
 def wall_time(extra: dict) -> float:
     """Wall time of the whole run: earlier segments (before a resume) + this one."""
     return extra["prior_wall_time"] + time.time() - extra["t_start"]

@@ -28,12 +28,12 @@ WARM_START_CRITIC_SUBDIR = "warm_start_critic"  # <workdir>/...: a run's pretrai
 PRETRAIN_READS = (
     "value_pretrain.",
     "rl.gamma",
+    "rl.privileged_critic",
     "rl.microbatches",
     "optim.critic.b1",
     "optim.critic.b2",
     "optim.critic.eps",
     "optim.critic.weight_decay",
-    "optim.critic.max_grad_norm",
     "optim.critic.frozen_patterns",
     "sampling.",
     "env.",
@@ -58,9 +58,12 @@ PRETRAIN_IGNORES = (
 def pretraining_fields(config: ConfigDict) -> dict[str, Any]:
     """The flattened config fields value pretraining reads (PRETRAIN_READS); equal for two
     configs iff they pretrain the same critic from the same warm start. optim.critic.lr
-    is read only when value_pretrain.lr is 0."""
+    is read only when value_pretrain.lr is 0, optim.critic.max_grad_norm only when
+    value_pretrain.max_grad_norm is -1."""
     flat = _flatten(config.to_dict() if isinstance(config, ConfigDict) else config)
     reads = PRETRAIN_READS + (("optim.critic.lr",) if not flat["value_pretrain.lr"] else ())
+    if flat.get("value_pretrain.max_grad_norm", -1.0) < 0:  # absent: a run from before it
+        reads += ("optim.critic.max_grad_norm",)
     keep = lambda k: any(k == r or (r.endswith(".") and k.startswith(r)) for r in reads)
     out = {k: v for k, v in sorted(flat.items()) if keep(k) and k not in PRETRAIN_IGNORES}
     return json.loads(json.dumps(out))  # tuples as lists: as a checkpoint's meta has them
@@ -174,6 +177,11 @@ def _check_value_pretrain(config: ConfigDict) -> None:
         f"must be one of {TRAINABLE_SETS}, got {v.trainable!r}",
     )
     require(v.lr >= 0, "value_pretrain.lr", f"must be >= 0 (0 = optim.critic.lr), got {v.lr}")
+    require(
+        v.max_grad_norm == -1 or v.max_grad_norm >= 0,
+        "value_pretrain.max_grad_norm",
+        f"must be -1 (optim.critic.max_grad_norm) or >= 0 (0 = no clip), got {v.max_grad_norm}",
+    )
     require(v.warmup_steps >= 0, "value_pretrain.warmup_steps", "must be >= 0")
     require(
         v.sampler in ROLLOUT_MODES,

@@ -40,7 +40,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sao_jax import checkpointing
@@ -49,6 +48,7 @@ from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.rl import losses
+from sao_jax.rl import metrics as rm
 from sao_jax.rl import passes as P
 from sao_jax.rl.gae import monte_carlo_returns
 from sao_jax.rl.optim import (
@@ -70,12 +70,15 @@ STEP_KEY = f"{PREFIX}/step"
 
 
 def optimizer_config(config: ConfigDict) -> ConfigDict:
-    """The pretraining AdamW: optim.critic's b1, b2, eps, weight decay and clipping, with
-    value_pretrain's lr (0: optim.critic.lr) and warm-up, then a constant lr."""
+    """The pretraining AdamW: optim.critic's b1, b2, eps and weight decay, with
+    value_pretrain's lr (0: optim.critic.lr), clipping (-1: optim.critic's) and warm-up,
+    then a constant lr."""
     vp = config.value_pretrain
     c = config.optim.critic.copy_and_resolve_references()
     c.unlock()
     c.lr = vp.lr if vp.lr > 0 else config.optim.critic.lr
+    if vp.max_grad_norm >= 0:
+        c.max_grad_norm = vp.max_grad_norm
     c.warmup_steps = vp.warmup_steps
     c.decay = "constant"
     return c
@@ -93,6 +96,7 @@ class ValuePretrainer:
         opt_cfg = optimizer_config(config)
         self.tx = make_optimizer(opt_cfg, frozen=self.frozen)
         self.lr = schedule(opt_cfg)
+        self.max_grad_norm = opt_cfg.max_grad_norm
         self.traces = {"step": 0, "evaluate": 0}
         critic_sh = critic_def.shardings(sharder)
         opt_sh = optimizer_shardings(
@@ -150,12 +154,8 @@ class ValuePretrainer:
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
         one = lambda x: (jnp.asarray(x, jnp.float32), jnp.ones((), jnp.float32))
         out = {f"batch/{k}": v for k, v in metrics.items()}
-        out |= dict(
-            loss=one(loss),
-            grad_norm=one(optax.tree.norm(grads)),
-            lr=one(lr),
-            skipped=one(~ok),
-        )
+        out |= rm.step_metrics(loss, grads, self.max_grad_norm)
+        out |= dict(lr=one(lr), skipped=one(~ok))
         return keep(new_critic, critic), keep(new_opt, opt), out
 
     def _evaluate(self, critic: Params, batch):

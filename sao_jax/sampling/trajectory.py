@@ -180,6 +180,46 @@ def _place(batch, tr: Trajectory, row: int, start: int, segment: int) -> None:
         )
 
 
+def privileged_tokens(tr: Trajectory, encode) -> np.ndarray:
+    """[n] the tokens a privileged critic reads: `tr.tokens` with the hint of the task
+    applied, `info["turn_infos"][-1]["critic_hint"] = (text, replacement)`: the first
+    occurrence of `encode(text)` before the first action token (in the prompt) replaced by
+    `encode(replacement)`, of the same token length, so positions stay aligned. A task
+    gives the hint to let a ceiling row's critic see what the policy cannot (e.g. the
+    current target of a moving reward); raises ValueError naming the trajectory when the
+    hint is missing or does not apply."""
+    turns = tr.info.get("turn_infos") or [{}]
+    hint = turns[-1].get("critic_hint")
+    where = f"trajectory {tr.prompt_uid!r}"
+    if hint is None:
+        raise ValueError(
+            f"rl.privileged_critic: {where} has no info['critic_hint'] (the task gives none)"
+        )
+    text, replacement = hint
+    old, new = np.asarray(encode(text), np.int32), np.asarray(encode(replacement), np.int32)
+    if len(old) != len(new) or not len(old):
+        raise ValueError(
+            f"rl.privileged_critic: {where}: hint {text!r} -> {replacement!r} must encode to "
+            f"the same number of tokens (got {len(old)} and {len(new)})"
+        )
+    prompt = tr.tokens[: int(np.argmax(tr.action_mask))]
+    starts = [
+        i for i in range(len(prompt) - len(old) + 1) if (prompt[i : i + len(old)] == old).all()
+    ]
+    if not starts:
+        raise ValueError(f"rl.privileged_critic: {where}: hint text {text!r} is not in its prompt")
+    out = tr.tokens.copy()
+    out[starts[0] : starts[0] + len(old)] = new
+    return out
+
+
+def _check_critic_tokens(trajs: list[Trajectory], critic_tokens: list[np.ndarray]) -> None:
+    if len(critic_tokens) != len(trajs) or any(
+        len(c) != t.length for c, t in zip(critic_tokens, trajs, strict=False)
+    ):
+        raise ValueError("critic_tokens: one array per trajectory, of its length")
+
+
 def _group_ids(trajs: list[Trajectory]) -> np.ndarray:
     ids: dict[str, int] = {}
     return np.array([ids.setdefault(t.prompt_uid, len(ids)) for t in trajs], np.int32)
@@ -193,6 +233,7 @@ def pad_batch(
     num_rows: int | None = None,
     with_routing: bool = False,
     with_groups: bool = False,
+    critic_tokens: list[np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """One trajectory per row, right-padded: the rl/batch.py dict as numpy arrays.
 
@@ -200,6 +241,8 @@ def pad_batch(
     `length_bucket` (few shapes -> few compilations of the update step). Rows beyond the
     trajectories (up to `num_rows`) are all padding. `with_groups` adds group_ids: one
     id per distinct prompt uid, in order of first appearance (GRPO-style estimators).
+    `critic_tokens` (one [n_i] array per trajectory, `privileged_tokens`) adds the
+    `critic_tokens` field the critic reads instead of `tokens`.
     """
     t = _row_length(trajs, length, length_bucket)
     b = len(trajs) if num_rows is None else num_rows
@@ -208,6 +251,11 @@ def pad_batch(
     batch = _empty(b, t, _routing_shape(trajs, with_routing))
     for row, tr in enumerate(trajs):
         _place(batch, tr, row, 0, 1)
+    if critic_tokens is not None:
+        _check_critic_tokens(trajs, critic_tokens)
+        batch["critic_tokens"] = batch["tokens"].copy()
+        for row, ids in enumerate(critic_tokens):
+            batch["critic_tokens"][row, : len(ids)] = ids
     if with_groups:
         groups = np.full((b,), -1, np.int32)
         groups[: len(trajs)] = _group_ids(trajs)
@@ -246,6 +294,7 @@ def pack_batch(
     packed_rows: int | None = None,
     with_routing: bool = False,
     with_groups: bool = False,
+    critic_tokens: list[np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[Placement]]:
     """`pad_batch`'s per-trajectory [N, T] batch plus the same tokens packed into rows.
 
@@ -271,6 +320,7 @@ def pack_batch(
         length_bucket=length_bucket,
         num_rows=num_rows,
         with_groups=with_groups,
+        critic_tokens=critic_tokens,
     )
     n, t = batch["tokens"].shape
     lp = t if row_length is None else row_length
@@ -299,6 +349,8 @@ def pack_batch(
         "packed_positions": np.zeros((groups * r_g, lp), np.int32),
         "packed_segment_ids": np.zeros((groups * r_g, lp), np.int32),
     }
+    if critic_tokens is not None:
+        packed["packed_critic_tokens"] = np.zeros((groups * r_g, lp), np.int32)
     if routing is not None:
         l_moe, k = routing  # unrecorded routing -> experts 0..k-1, as in pad_batch
         packed["packed_forced_experts"] = np.broadcast_to(
@@ -313,6 +365,8 @@ def pack_batch(
             for seg, i in enumerate(row_members, start=1):
                 tr, sl = trajs[i], slice(start, start + trajs[i].length)
                 packed["packed_tokens"][row, sl] = tr.tokens
+                if critic_tokens is not None:
+                    packed["packed_critic_tokens"][row, sl] = critic_tokens[i]
                 packed["packed_positions"][row, sl] = np.arange(tr.length)
                 packed["packed_segment_ids"][row, sl] = seg
                 if routing is not None:

@@ -1,0 +1,189 @@
+"""Auditable results: each table's runs, trimmed to what its report reads, in one file.
+
+A table script writes `<out_dir>/<name>.md` from its sweep's runs (sao_jax.sweep
+PointResult: the run's `summary.json` and `metrics.jsonl` history). `Recorder` hands the
+report the same results with every summary and history record wrapped so that the keys
+the report reads are noted; `write_runs` then keeps, per run, only those keys (the step of
+each record, the summary's noted top-level entries whole) in `<out_dir>/<name>_runs.jsonl`:
+one JSON object per line, the first the invocation's header (`wall_s`), then one per run.
+`read_runs` gives the results back, so a reader recomputes every cell of the table
+without rerunning anything (`python -m experiments.<script> --from_runs=<file>`), and
+tests/test_audit.py checks that the table regenerated from the file is the same text.
+
+A report that iterates over a record's keys (rather than reading named ones) marks that
+kind of record as read whole, so nothing it could have used is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from sao_jax.schema import ConfigError
+from sao_jax.sweep.results import PointResult
+from sao_jax.sweep.spec import Point
+
+RUNS_SUFFIX = "_runs.jsonl"
+ALL = "*"  # a record kind read whole (its keys were iterated)
+STEP = "step"  # every history record keeps its step
+
+
+class _Noted(dict):
+    """A dict that notes which of its keys are read (into the shared set `used`)."""
+
+    def __init__(self, data: dict, used: set[str]):
+        super().__init__(data)
+        self._used = used
+
+    def __getitem__(self, key):
+        self._used.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._used.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self._used.add(key)
+        return super().__contains__(key)
+
+    def _all(self):
+        self._used.add(ALL)
+
+    def keys(self):
+        self._all()
+        return super().keys()
+
+    def items(self):
+        self._all()
+        return super().items()
+
+    def values(self):
+        self._all()
+        return super().values()
+
+    def __iter__(self):
+        self._all()
+        return super().__iter__()
+
+
+class Recorder:
+    """Wraps results so that the summary and history keys a report reads are noted."""
+
+    def __init__(self) -> None:
+        self.summary_keys: set[str] = set()
+        self.history_keys: set[str] = set()
+
+    def wrap(self, results: Sequence[PointResult]) -> list[PointResult]:
+        return [
+            dataclasses.replace(
+                r,
+                summary=None if r.summary is None else _Noted(r.summary, self.summary_keys),
+                history=[_Noted(rec, self.history_keys) for rec in r.history],
+            )
+            for r in results
+        ]
+
+
+def _trim(record: dict | None, keys: set[str], always: tuple[str, ...] = ()) -> dict | None:
+    if record is None:
+        return None
+    if ALL in keys:
+        return dict(dict.items(record))
+    return {k: v for k, v in dict.items(record) if k in keys or k in always}
+
+
+def runs_path(out_dir: str | os.PathLike, name: str) -> pathlib.Path:
+    return pathlib.Path(out_dir) / f"{name}{RUNS_SUFFIX}"
+
+
+class Header(NamedTuple):
+    """The first line of a runs file: the invocation's wall time and settings."""
+
+    wall_s: float
+    settings: dict[str, Any]  # sao_jax.report.experiment.Experiment.settings()
+
+
+def write_runs(
+    path: str | os.PathLike,
+    results: Sequence[PointResult],
+    recorder: Recorder,
+    wall_s: float,
+    settings: dict[str, Any],
+) -> pathlib.Path:
+    """`<out_dir>/<name>_runs.jsonl`: the header, then each run trimmed to the noted keys
+    (history records that keep nothing but their step are dropped)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"wall_s": wall_s, "settings": settings})]
+    for r in results:
+        history = [_trim(rec, recorder.history_keys, (STEP,)) for rec in r.history]
+        lines.append(
+            json.dumps(
+                {
+                    "point": dataclasses.asdict(r.point),
+                    "workdir": str(r.workdir),
+                    "status": r.status,
+                    "summary": _trim(r.summary, recorder.summary_keys),
+                    "history": [h for h in history if set(h) - {STEP}],
+                    "error": r.error,
+                    "reused": r.reused,
+                }
+            )
+        )
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _point(d: dict[str, Any]) -> Point:
+    as_pairs = lambda items: tuple((k, _tuples(v)) for k, v in items)
+    return Point(
+        d["config"],
+        d["variant"],
+        d["common_arg"],
+        int(d["seed"]),
+        as_pairs(d["overrides"]),
+        as_pairs(d["fixed"]),
+    )
+
+
+def _tuples(x: Any) -> Any:
+    """JSON lists back to the tuples a Point's overrides held."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def read_runs(path: str | os.PathLike) -> tuple[list[PointResult], Header]:
+    """(results, header) from a `write_runs` file; ConfigError naming the file and line
+    when it is not one (the script exits 2 with that line)."""
+    path = pathlib.Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"--from_runs: cannot read {path} ({e.strerror})") from None
+    results, header = [], None
+    for i, line in enumerate(lines, start=1):
+        try:
+            d = json.loads(line)
+            if i == 1:
+                header = Header(float(d["wall_s"]), dict(d["settings"]))
+                continue
+            results.append(
+                PointResult(
+                    _point(d["point"]),
+                    pathlib.Path(d["workdir"]),
+                    d["status"],
+                    d["summary"],
+                    d["history"],
+                    d.get("error", ""),
+                    bool(d.get("reused", False)),
+                )
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"--from_runs: {path}:{i} is not a runs record ({e})") from None
+    if header is None:
+        raise ConfigError(f"--from_runs: {path} is empty")
+    return results, header

@@ -1,0 +1,143 @@
+"""The per-user online shift's numbers (sao_jax/report/user_shift.py, EnvLog) against
+literal loops, its pre-registered verdicts, the tracking main effects, and the audit file
+that regenerates a table without training (sao_jax/report/audit.py)."""
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from sao_jax import sweep
+from sao_jax.report import audit
+from sao_jax.report import user_shift as U
+from sao_jax.report.compare import Difference
+from sao_jax.report.experiment import Experiment
+from sao_jax.run.accounting import EnvLog
+from sao_jax.sampling.trajectory import Trajectory
+from sao_jax.schema import ConfigError
+
+
+def _traj(log: dict | None) -> Trajectory:
+    info = {"turn_infos": [{"log": log}] if log is not None else [{}]}
+    return Trajectory(
+        tokens=np.arange(3, dtype=np.int32), action_mask=np.array([False, True, True]),
+        rollout_logp=np.zeros(3, np.float32), sampled_logp=np.zeros(3, np.float32),
+        versions=np.zeros(3, np.int32), turn_ids=np.array([-1, 0, 0], np.int32),
+        turn_rewards=np.ones(1, np.float32), outcome=1.0, terminated=True, truncated=False,
+        prompt_uid="p", info=info,
+    )  # fmt: skip
+
+
+def test_env_log_pools_sums_and_counts_per_name():
+    log = EnvLog()
+    log.add([_traj({"a": 1.0}), _traj({"a": 0.0, "b": 1.0}), _traj(None)])
+    log.add([_traj({"a": 1.0})])
+    assert log.scalars() == {"env/a": 2 / 3, "env/a/count": 3.0, "env/b": 1.0, "env/b/count": 1.0}
+    assert log.scalars() == {}  # a new window
+
+
+def _records(rng, steps=40, users=3):
+    """Per-step env records as the trainer writes them: a mean and a count per name."""
+    out = []
+    for s in range(steps):
+        rec = {"step": s}
+        for name in ("success_recovering", "success_settled", "success_since_switch_05"):
+            n = int(rng.integers(0, 4))
+            if n:
+                rec[f"env/{name}"], rec[f"env/{name}/count"] = float(rng.integers(0, n + 1)) / n, n
+        for u in range(users):
+            if rng.uniform() < 0.5:
+                rec[f"env/success_recovering_u{u}"] = float(rng.uniform())
+                rec[f"env/success_recovering_u{u}/count"] = int(rng.integers(1, 5))
+        out.append(rec)
+    return out
+
+
+def test_pooled_equal_weight_and_curve_match_loops():
+    hist = _records(np.random.default_rng(0))
+    name = "success_recovering"
+    s = sum(r[f"env/{name}"] * r[f"env/{name}/count"] for r in hist if f"env/{name}" in r)
+    c = sum(r[f"env/{name}/count"] for r in hist if f"env/{name}" in r)
+    assert U.pooled(hist, name) == pytest.approx(s / c, rel=1e-12)
+    assert U.pooled(hist, "never_logged") is None
+    per_user = []
+    for u in range(3):
+        k = f"env/success_recovering_u{u}"
+        rs = [r for r in hist if k in r]
+        per_user.append(sum(r[k] * r[k + "/count"] for r in rs) / sum(r[k + "/count"] for r in rs))
+    assert U.per_user_equal(hist, 3) == pytest.approx(np.mean(per_user), rel=1e-12)
+    bin05 = U.pooled(hist, "success_since_switch_05")
+    assert U.recovery_curve(hist, 40, 5) == {5: pytest.approx(bin05)}
+
+
+def _d(diff, se=0.01, n=10):
+    return Difference(diff, se, n, True, n - 1.0)
+
+
+def test_verdicts_follow_the_preregistered_reading():
+    fam = lambda sao, ceil: {("sao", "moving_average"): sao, ("ceiling", "moving_average"): ceil}
+    holm = lambda diffs: {k: d.p for k, d in diffs.items()}
+    yes = fam(_d(0.05), _d(0.09))
+    assert U.verdict_text(yes, holm(yes)).startswith("**Yes**")
+    null = fam(_d(0.001), _d(0.09))
+    assert U.verdict_text(null, holm(null)).startswith("**Powered null**")
+    blind = fam(_d(0.001), _d(0.002))
+    assert U.verdict_text(blind, holm(blind)).startswith("**The design cannot show the effect**")
+    opposite = fam(_d(-0.05), _d(0.09))
+    assert U.verdict_text(opposite, holm(opposite)).startswith("**No, the opposite**")
+    assert U.verdict_text({}, {}).startswith("**Not decidable**")
+
+
+def test_main_effects_of_the_half_fraction_match_a_loop():
+    rng = np.random.default_rng(1)
+    factors = ("lr", "k", "attn", "noclip")
+    cells = ["sao"] + [
+        "track_" + "_".join(c) for k in (2, 4) for c in itertools.combinations(factors, k)
+    ]
+    primary = {v: {s: float(rng.uniform()) for s in range(5)} for v in cells}
+    assert U.factors_of(cells) == factors
+    got = U.main_effects(primary, factors)
+    for f in factors:
+        high = [v for v in cells if f in v.split("_")[1:]]
+        low = [v for v in cells if v not in high]
+        mean = lambda vs, s: np.mean([primary[v][s] for v in vs])
+        d = [mean(high, s) - mean(low, s) for s in range(5)]
+        assert got[f].diff == pytest.approx(np.mean(d), rel=1e-12)
+        assert got[f].se == pytest.approx(np.std(d, ddof=1) / math.sqrt(5), rel=1e-9)
+        assert len(high) == 4
+
+
+def _results(tmp_path):
+    spec = sweep.SweepSpec(
+        name="t", config="configs/online_shift.py", variants=("sao", "moving_average"),
+        seeds=(0, 1, 2), fixed={"train.total_steps": 40, "env.params.switch_steps": ((5, 25),)},
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    out = []
+    for p in sweep.expand(spec):
+        summary = {"wall_time_s": 60.0, "machine": "m", "after": {"eval/sampled_success": 0.5}}
+        hist = _records(rng, users=1)
+        for r in hist:
+            r["policy/keep_rate"] = 1.0
+            r["junk/not_read"] = 7.0
+        out.append(sweep.PointResult(p, tmp_path / p.name, "done", summary, hist))
+    return spec, out
+
+
+def test_runs_file_keeps_what_the_report_reads_and_regenerates_it(tmp_path):
+    spec, results = _results(tmp_path)
+    exp = Experiment(mode="full", out_dir=str(tmp_path / "out"), command="python -m x")
+    recorder = audit.Recorder()
+    text = U.main_report(exp, spec, recorder.wrap(results), 12.0)
+    path = audit.write_runs(tmp_path / "r.jsonl", results, recorder, 12.0, exp.settings())
+    back, header = audit.read_runs(path)
+    assert header == audit.Header(12.0, exp.settings())
+    assert all("junk/not_read" not in rec for r in back for rec in r.history)  # trimmed
+    assert [r.point for r in back] == [r.point for r in results]
+    exp2 = dataclasses.replace(Experiment(out_dir=str(tmp_path / "again")), **header.settings)
+    assert U.main_report(exp2, spec, back, header.wall_s) == text
+    path.write_text(path.read_text() + "{not json\n")
+    with pytest.raises(ConfigError, match=r"r.jsonl:8 is not a runs record"):
+        audit.read_runs(path)
