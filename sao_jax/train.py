@@ -305,6 +305,8 @@ class Run:
             length_bucket=cfg.train.length_bucket,
             with_groups=for_learner and self.learner.estimator.needs_groups,
             with_routing=cfg.rl.routing_replay,
+            baseline_key=cfg.rl.baseline_key if for_learner else "",
+            num_keys=cfg.rl.moving_average_keys,
         )
         if cfg.train.pack:  # model passes on packed rows (sao_jax/rl/packing.py)
             batch, _ = pack_batch(
