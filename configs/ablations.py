@@ -35,13 +35,12 @@ Why the per-level row keeps a window of 128 per level. The level is what a per-p
 baseline would know here (alone it explains about half the return's variance, README),
 so the mean outcome of the prompt's level is close to the ideal per-prompt baseline a
 critic could learn. The row changes one thing against moving_average, what the window is
-keyed by, and keeps its size: each row's baseline is then a mean of 128 outcomes, as
-noisy as the global one (SE ~0.04 at a success rate of 0.5). The price is staleness: the
-training stream draws the four levels alike, about 16 of a batch of 64 each, so a level's
-window spans about 8 batches against the global window's 2. A window of 32 per level
-would match the global staleness at twice its noise; the 128 of the paper's moving
-average is the one fixed point of both rows. moving_average_160 (2.5 batches) checks how
-much a window that much longer alone changes the global row.
+keyed by, and keeps its size, the paper's 128: each baseline is a mean of 128 outcomes
+(SE at most 0.044, at a success rate of 0.5), like the global one. The price is
+staleness: the training stream draws the four levels alike, about 16 of a batch of 64
+each, so a level's window spans about 8 batches against the global window's 2 (a window
+of 32 per level would match the global staleness at twice the SE). moving_average_160
+(2.5 batches) shows how much a longer global window alone changes the global row.
 """
 
 from __future__ import annotations
