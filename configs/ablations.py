@@ -9,6 +9,12 @@ name says changed (`VARIANTS`; tests/test_ablations_config.py diffs them field b
   vanilla_vapo         rl.policy_loss = 'ppo_clip' (clip vs pi_old = the behaviour policy),
                        PPO's loop: PPO_LOOP (1 epoch x 4 minibatch optimizer steps)
   moving_average       rl.advantage = 'moving_average' (R - mean of last 128; no critic)
+  moving_average_160   the same, rl.moving_average_window = 160 (2.5 batches of 64;
+                       moving_average's 128 is 2 batches)
+  moving_average_per_level  the oracle per-level baseline: the same estimator with one
+                       window of 128 per difficulty level (rl.baseline_key = 'level',
+                       rl.moving_average_keys = 5: levels 1-4 index windows 1-4, window 0
+                       unused); R - mean of the last 128 outcomes of the prompt's level
   grpo                 rl.advantage = 'grpo', rl.policy_loss = 'ppo_clip', 8 x 8 groups,
                        PPO_LOOP
   grpo_dis             rl.advantage = 'grpo', 8 x 8 groups, DIS
@@ -22,8 +28,19 @@ name says changed (`VARIANTS`; tests/test_ablations_config.py diffs them field b
 
 Variant keys (`:a,b=1`): one row name (default sao), smoke, sync, seed=N.
 
-`get_sweep('table=table4|gae|staleness_lr,mode=smoke|quick|full')` returns the
-experiment's sao_jax.sweep.SweepSpec (docs/experiments.md has the budgets).
+`get_sweep('table=table4|gae|staleness_lr|baseline_ceiling,mode=smoke|quick|full')`
+returns the experiment's sao_jax.sweep.SweepSpec (docs/experiments.md has the budgets).
+
+Why the per-level row keeps a window of 128 per level. The level is what a per-prompt
+baseline would know here (alone it explains about half the return's variance, README),
+so the mean outcome of the prompt's level is close to the ideal per-prompt baseline a
+critic could learn. The row changes one thing against moving_average, what the window is
+keyed by, and keeps its size, the paper's 128: each baseline is a mean of 128 outcomes
+(SE at most 0.044, at a success rate of 0.5), like the global one. The price is
+staleness: the training stream draws the four levels alike, about 16 of a batch of 64
+each, so a level's window spans about 8 batches against the global window's 2 (a window
+of 32 per level would match the global staleness at twice the SE). moving_average_160
+(2.5 batches) shows how much a longer global window alone changes the global row.
 """
 
 from __future__ import annotations
@@ -47,6 +64,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no_frozen_attention": {"optim.critic.freeze_attention": False},
     "vanilla_vapo": {"rl.policy_loss": "ppo_clip", **PPO_LOOP},
     "moving_average": {"rl.advantage": "moving_average"},
+    "moving_average_160": {"rl.advantage": "moving_average", "rl.moving_average_window": 160},
+    "moving_average_per_level": {
+        "rl.advantage": "moving_average",
+        "rl.baseline_key": "level",  # sao_jax/envs/levels.py puts 1..4 in the prompt meta
+        "rl.moving_average_keys": 5,  # keys 0..4: the levels 1-4 (0 unused)
+    },
     "grpo": {
         "rl.advantage": "grpo",
         "rl.policy_loss": "ppo_clip",
@@ -71,6 +94,14 @@ TABLES = {
     ),
     "gae": ("sao", "step_mean", "step_last", "cross_observation"),
     "staleness_lr": ("sao", "vanilla_vapo"),  # with DIS / without DIS (PPO clip vs pi_old)
+    # SAO's critic against its ceiling: the global moving average (2 and 2.5 batches) and
+    # the oracle per-level one (experiments/baseline_ceiling.py)
+    "baseline_ceiling": (
+        "sao",
+        "moving_average",
+        "moving_average_160",
+        "moving_average_per_level",
+    ),
 }
 # Smoke mode (the test suite) runs one row per code path: critic + DIS, groups + PPO
 # clip, step-level values.
@@ -78,6 +109,7 @@ SMOKE_ROWS = {
     "table4": ("sao", "grpo"),
     "gae": ("sao", "step_last"),
     "staleness_lr": TABLES["staleness_lr"],
+    "baseline_ceiling": ("sao", "moving_average_per_level"),  # + the keyed baseline
 }
 MODES = ("smoke", "quick", "full")
 
@@ -94,6 +126,12 @@ BUDGETS = {
     "quick": dict(seeds=(0,), steps=40, eval_every=20, eval_size=256),
     "full": dict(seeds=(0, 1, 2, 3, 4), steps=60, eval_every=30, eval_size=512),
 }
+# baseline_ceiling: 10 seeds in full mode (the recovered share is a ratio of two paired
+# differences of ~2 points each: 5 seeds would leave its interval unbounded), at Table
+# 4's steps and eval sizes, so its SAO and moving-average points are Table 4's (reused
+# from the same sweep dir). From scratch on the idle 2-core box a seed costs ~10 min: the
+# warm start ~4, SAO ~1.4, three critic-free rows ~1 each, evaluations ~2: ~1.7 h.
+CEILING_SEEDS = {"smoke": (0,), "quick": (0,), "full": tuple(range(10))}
 # staleness_lr grid: the sampler may run `s` versions ahead (queue of (s + 1) batches)
 # and trajectories more than `s` versions old are dropped (0 = synchronous rollouts);
 # policy lr x 1 (configs/sao.py) and x 10. At the default async settings (staleness ~2)
@@ -140,11 +178,12 @@ def get_sweep(arg=None) -> SweepSpec:
     }
     common = "smoke" if arg.mode == "smoke" else ""
     if arg.table != "staleness_lr":
+        ceiling = arg.table == "baseline_ceiling"
         return SweepSpec(
             name=arg.table,
             config="configs/ablations.py",
             variants=(SMOKE_ROWS if arg.mode == "smoke" else TABLES)[arg.table],
-            seeds=b["seeds"],
+            seeds=CEILING_SEEDS[arg.mode] if ceiling else b["seeds"],
             fixed=fixed,
             common_arg=common,
         )

@@ -38,6 +38,7 @@ from sao_jax.experiments import gae_granularity as gae
 from sao_jax.report import ablations as table
 from sao_jax.report import compare, tables
 from sao_jax.report.experiment import by_row, machine_of
+from sao_jax.report.levels import LEVEL, UNIFORM, is_level, with_uniform
 from sao_jax.run import rescore
 
 TABLE = flags.DEFINE_enum("table", "table4", ["table4", "gae"], "Which table's runs.")
@@ -70,20 +71,6 @@ def scores(
     return out
 
 
-LEVEL = "eval/sampled_success_level"  # + k: success on the level-k prompts (evaluation.py)
-UNIFORM = "eval/sampled_success_level_uniform"  # their mean: every level weighted alike
-
-
-def _is_level(key: str) -> bool:
-    return key.startswith(LEVEL) and key[len(LEVEL) :].isdigit()
-
-
-def with_uniform(scores: dict[str, float]) -> dict[str, float]:
-    """`scores` plus UNIFORM where per-level successes are there (the levels task)."""
-    per = [v for k, v in scores.items() if _is_level(k)]
-    return {**scores, UNIFORM: float(np.mean(per))} if per else scores
-
-
 def per_seed(rescored, row: str, metric: str) -> dict[int, float]:
     """{seed: `metric`} of `row` in `rescored` ((row, seed) -> scores)."""
     return {s: v[metric] for (r, s), v in rescored.items() if r == row and metric in v}
@@ -94,7 +81,7 @@ def level_text(rescored, order: list[str], labels: dict[str, str]) -> str:
     uniformly; the held-out split holds fewer of the easy levels the larger it is), and
     per level, each with its paired difference from SAO."""
     keys = {k for (r, _), v in rescored.items() if r == "sao" for k in v}
-    levels = sorted(int(k[len(LEVEL) :]) for k in keys if _is_level(k))
+    levels = sorted(int(k[len(LEVEL) :]) for k in keys if is_level(k))
     if not levels:
         return ""
     metrics = [(UNIFORM, "levels weighted alike")]

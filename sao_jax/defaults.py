@@ -131,6 +131,11 @@ def rl_section() -> ConfigDict:
     c.max_consecutive_skips = 10  # abort after this many non-finite steps in a row
     c.routing_replay = False  # force the policy's MoE routing recorded at rollout time
     c.moving_average_window = 128  # window of the moving-average baseline
+    c.moving_average_keys = 0  # K >= 2: one window per key (keyed moving average: a row's
+    # baseline is the mean of the last moving_average_window outcomes of its own key);
+    # 0 or 1: one global window
+    c.baseline_key = ""  # the prompt meta field whose int value in [0, K) is a row's key
+    # (e.g. 'level' of the levels task: 1..4, so K = 5); '' = none (global window)
     c.group_eps = 1e-6  # epsilon of group std normalisation (GRPO)
     # Parameters of every policy loss, defaults from the loss registry (one source):
     # dis: keep r in (1 - eps_l, 1 + eps_h) = (0.7, 6.0); ppo_clip: eps_low/eps_high vs

@@ -311,6 +311,8 @@ class Run:
             length_bucket=cfg.train.length_bucket,
             with_groups=for_learner and self.learner.estimator.needs_groups,
             with_routing=cfg.rl.routing_replay,
+            baseline_key=cfg.rl.baseline_key if for_learner else "",
+            num_keys=cfg.rl.moving_average_keys,
         )
         if cfg.rl.privileged_critic:  # what a ceiling row's critic reads
             kw["critic_tokens"] = [privileged_tokens(t, self.tokenizer.encode) for t in trajs]

@@ -167,6 +167,25 @@ class MovingAverageReference:
         return adv, base
 
 
+class KeyedMovingAverageReference:
+    """Per row: R - mean of the last `window` valid outcomes of the row's own key seen
+    before this batch (0 if none); one deque per key, filled row by row after the batch."""
+
+    def __init__(self, window: int):
+        self.history = collections.defaultdict(lambda: collections.deque(maxlen=window))
+
+    def __call__(self, outcome, valid, keys):
+        base = np.zeros(len(outcome))
+        for i, k in enumerate(keys):
+            h = self.history[int(k)]
+            base[i] = sum(h) / len(h) if h else 0.0
+        adv = np.array([outcome[i] - base[i] if valid[i] else 0.0 for i in range(len(outcome))])
+        for i, k in enumerate(keys):
+            if valid[i]:
+                self.history[int(k)].append(float(outcome[i]))
+        return adv, base
+
+
 def dis_reference(logp, rollout_logp, adv, m, eps_l, eps_h, denom):
     """DIS loss and its gradient wrt logp, token by token."""
     loss, grad = 0.0, np.zeros(logp.shape)

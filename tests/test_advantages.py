@@ -134,11 +134,88 @@ def test_moving_average_matches_a_deque_over_several_calls():
         want_b, base = deque_ref(b["outcome_b"], valid)
         want = np.where(b["action_mask_bt"], want_b[:, None], 0.0)
         np.testing.assert_allclose(out.advantages_bt, want, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(out.metrics["baseline"][0], base, rtol=1e-5, atol=1e-6)
+        s, c = out.metrics["baseline"]
+        assert float(c) == valid.sum()
+        np.testing.assert_allclose(float(s), base * valid.sum(), rtol=1e-5, atol=1e-5)
         state = out.baseline_state
     assert int(state.count) == sum(
         int(_batch(50 + c)["action_mask_bt"].any(axis=1).sum()) for c in range(6)
     )
+
+
+def _keyed(state, b, keys, **kw):
+    return adv.compute_advantages(
+        "moving_average", rewards_bt=None, outcome_b=b["outcome_b"],
+        action_mask_bt=b["action_mask_bt"], baseline_state=state, baseline_keys_b=keys, **kw,
+    )  # fmt: skip
+
+
+def test_keyed_moving_average_matches_one_deque_per_key():
+    """K = 3 histories of W = 4: rows of one key in a batch, more than W outcomes of a key
+    in one batch (call 2: every row key 1), keys never seen (key 2 until call 3: empty
+    history, baseline 0), rows without action tokens (p_empty 0.2, ignored whatever key)."""
+    window, k = 4, 3
+    state = adv.init_moving_average_state(window, keys=k)
+    assert state.rewards_w.shape == (k, window) and state.count.shape == (k,)
+    keyed_ref = ref.KeyedMovingAverageReference(window)
+    jitted = jax.jit(chex.assert_max_traces(_keyed, n=1))
+    rng = np.random.default_rng(0)
+    pushed = np.zeros(k, int)
+    for call in range(7):
+        b = _batch(70 + call)
+        keys = rng.integers(0, 2 if call < 3 else k, size=B).astype(np.int32)
+        if call == 2:
+            keys[:] = 1
+        out = jitted(state, b, keys)
+        eager = _keyed(state, b, keys, checked=True)
+        chex.assert_trees_all_close(eager.baseline_state, out.baseline_state)
+        valid = b["action_mask_bt"].any(axis=1)
+        want_b, base_b = keyed_ref(b["outcome_b"], valid, keys)
+        want = np.where(b["action_mask_bt"], want_b[:, None], 0.0)
+        np.testing.assert_allclose(out.advantages_bt, want, rtol=1e-5, atol=1e-6)
+        s, c = out.metrics["baseline"]
+        np.testing.assert_allclose(float(s), np.sum(base_b[valid]), rtol=1e-5, atol=1e-5)
+        assert float(c) == valid.sum()
+        np.add.at(pushed, keys[valid], 1)
+        state = out.baseline_state
+    np.testing.assert_array_equal(np.asarray(state.count), pushed)
+
+
+def test_keyed_moving_average_with_one_key_is_the_global_one():
+    glob, keyed = adv.init_moving_average_state(5), adv.init_moving_average_state(5, keys=2)
+    zeros = np.zeros(B, np.int32)
+    for call in range(4):
+        b = _batch(90 + call)
+        g = adv.compute_advantages(
+            "moving_average", rewards_bt=None, outcome_b=b["outcome_b"],
+            action_mask_bt=b["action_mask_bt"], baseline_state=glob,
+        )  # fmt: skip
+        k = _keyed(keyed, b, zeros)
+        np.testing.assert_array_equal(np.asarray(g.advantages_bt), np.asarray(k.advantages_bt))
+        glob, keyed = g.baseline_state, k.baseline_state
+        np.testing.assert_array_equal(np.asarray(keyed.rewards_w[0]), np.asarray(glob.rewards_w))
+        assert int(keyed.count[0]) == int(glob.count) and int(keyed.count[1]) == 0
+    assert adv.init_moving_average_state(5, keys=1).rewards_w.shape == (5,)  # 0/1: global
+
+
+def test_keyed_moving_average_errors_name_the_argument():
+    b = _batch(0)
+    keyed, glob = adv.init_moving_average_state(4, keys=3), adv.init_moving_average_state(4)
+    keys = np.zeros(B, np.int32)
+    with pytest.raises(ValueError, match="baseline_keys_b: a keyed moving-average state"):
+        _keyed(keyed, b, None)
+    with pytest.raises(ValueError, match="baseline_keys_b: given, but baseline_state is global"):
+        _keyed(glob, b, keys)
+    with pytest.raises(TypeError, match="baseline_keys_b: expected an int"):
+        _keyed(keyed, b, keys * 1.0)
+    with pytest.raises(ValueError, match=r"baseline_keys_b: expected shape \[B\]"):
+        _keyed(keyed, b, keys[:-1])
+    bad = keys.copy()
+    bad[np.flatnonzero(b["action_mask_bt"].any(axis=1))[0]] = 3
+    with pytest.raises(ValueError, match=r"keys of rows with action tokens must be in \[0, 3\)"):
+        _keyed(keyed, b, bad, checked=True)
+    with pytest.raises(ValueError, match="keys: must be an int >= 0"):
+        adv.init_moving_average_state(4, keys=-1)
 
 
 def test_whitening_over_action_tokens():

@@ -185,12 +185,15 @@ def test_train_state_round_trip(sharded, tmp_path):
         assert x.sharding == y.sharding
 
 
-def test_state_without_critic_round_trips(sharded, tmp_path):
+@pytest.mark.parametrize("keys", [0, 5])  # the global window; one window per level
+def test_state_without_critic_round_trips(sharded, tmp_path, keys):
     _, defs, learner, _ = sharded
-    config = _tiny_config(advantage="moving_average")
+    keyed = dict(moving_average_keys=keys, baseline_key="level") if keys else {}
+    config = _tiny_config(advantage="moving_average", **keyed)
     nc = Learner(config, defs[0], None, learner.sharder)
     state = _randomise(nc.new_state(_params(defs[0], learner.sharder, 1), None, seed=3), seed=4)
     assert state.critic == {}
+    assert state.baseline.rewards_w.shape == ((keys, 128) if keys else (128,))
     with _ckpt(tmp_path, async_save=False) as ck:
         ck.save(1, state, {})
         restored, meta = ck.restore(abstract_like(nc.abstract_state, nc.state_shardings))

@@ -102,3 +102,41 @@ def test_verdict_text():
     # at 2 SE with 5 seeds: p 0.116, no verdict (the old rule called it)
     assert compare.verdict(compare.Difference(0.04, 0.02, 5, True)).startswith("no difference")
     assert compare.fmt_p(0.0004) == "< 0.001" and compare.fmt_p(math.nan) == "n/a"
+
+
+def _not_rejected(a, b, grid, alpha=0.05):
+    """Literal, per r of `grid`: the paired t test of a_s - r b_s does not reject 0."""
+    import numpy as np
+    from scipy import stats as scipy_stats
+
+    d = np.asarray(a)[None, :] - grid[:, None] * np.asarray(b)[None, :]  # [R, n]
+    n = d.shape[1]
+    t = d.mean(axis=1) / (d.std(axis=1, ddof=1) / math.sqrt(n))
+    return np.abs(t) <= scipy_stats.t.ppf(1 - alpha / 2, n - 1)
+
+
+def test_paired_ratio_is_fieller_by_a_grid_search():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    b = list(0.05 + 0.02 * rng.normal(size=10))  # the oracle's gain: clearly > 0
+    a = [0.4 * y + 0.01 * rng.normal() for y in b]  # SAO's: about 40% of it
+    r = compare.paired_ratio(dict(enumerate(a)), dict(enumerate(b)))
+    assert r.defined and r.lo < r.ratio < r.hi
+    assert r.ratio == pytest.approx(sum(a) / sum(b))
+    grid = np.linspace(-2, 3, 50001)
+    inside = grid[_not_rejected(a, b, grid)]
+    assert inside.min() == pytest.approx(r.lo, abs=2e-4)
+    assert inside.max() == pytest.approx(r.hi, abs=2e-4)
+    assert compare.fmt_ratio(r) == f"{100 * r.ratio:.0f}% [{100 * r.lo:.0f}%, {100 * r.hi:.0f}%]"
+
+
+def test_paired_ratio_is_undefined_when_the_denominator_is_not_above_zero():
+    a = {0: 0.01, 1: 0.02, 2: 0.0, 3: 0.01}
+    noisy = {0: 0.05, 1: -0.04, 2: 0.03, 3: -0.01}  # mean > 0, p ~0.7
+    for den in (noisy, {s: -abs(v) - 0.01 for s, v in noisy.items()}):  # and mean < 0
+        r = compare.paired_ratio(a, den)
+        assert not r.defined and math.isnan(r.ratio) and math.isnan(r.lo)
+        assert compare.fmt_ratio(r).startswith("undefined: the denominator (")
+    r = compare.paired_ratio({0: 0.1}, {0: 0.2})
+    assert compare.fmt_ratio(r) == "undefined (fewer than 2 paired seeds)"

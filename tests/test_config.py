@@ -71,6 +71,25 @@ def test_estimator_parameters_are_set_from_the_config_like_loss_parameters():
         config_lib.validate(c)
 
 
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        (dict(moving_average_keys=5), r"rl.baseline_key: names no prompt meta field"),
+        (dict(baseline_key="level"), r"rl.moving_average_keys: must be >= 2 .* got 0"),
+        (dict(baseline_key="level", moving_average_keys=5), r"rl.baseline_key: keys the"),
+        (dict(advantage="moving_average", moving_average_keys=-1), r"rl.moving_average_keys"),
+    ],
+)
+def test_the_keyed_moving_average_fields_go_together(fields, error):
+    c = base.get_config()
+    c.rl.update(fields)
+    with pytest.raises(ConfigError, match=f"config field {error}"):
+        config_lib.validate(c)
+    c = base.get_config()
+    c.rl.update(advantage="moving_average", baseline_key="level", moving_average_keys=5)
+    config_lib.validate(c)
+
+
 MY_PARTS = """
 import jax.numpy as jnp
 

@@ -56,6 +56,13 @@ def test_ablations_gae_and_staleness_share_one_sweep(tmp_path):
     assert "start ablations__step_last__seed=0" in log
     _check_report(out, "gae_granularity", ["SAO", "step-level (last)"])
 
+    log = _experiment("baseline_ceiling", sweep_dir, out)  # + the keyed moving average only
+    assert "start ablations__sao__seed=0" not in log
+    assert "start ablations__moving_average_per_level__seed=0" in log
+    oracle = "oracle: per-level moving average, 128 per level"
+    text = _check_report(out, "baseline_ceiling", ["SAO", oracle])
+    assert "## How much of the oracle's gain SAO recovers" in text
+
     _experiment("staleness_lr", sweep_dir, out)
     text = _check_report(out, "staleness_lr", [])
     assert "DIS: collapsed runs" in text and "no DIS: collapsed runs" in text

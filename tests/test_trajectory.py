@@ -1,5 +1,7 @@
 """Trajectory record, padding and packing into the rl/batch.py format."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from sao_jax.sampling.trajectory import (
     pad_batch,
     unpack,
 )
+from sao_jax.schema import ConfigError
 from tests.sampling_support import MODEL
 
 
@@ -103,6 +106,31 @@ def test_pad_batch_routing_and_length_errors():
         pad_batch(trajs, num_rows=1)
     with pytest.raises(ValueError, match="no routing record"):
         pad_batch([make_traj(2, [(2, 0)])], with_routing=True)
+
+
+def test_baseline_keys_come_from_the_prompt_meta_in_pad_and_pack():
+    levels = [3, 1, 4, 1]
+    trajs = [
+        dataclasses.replace(
+            make_traj(2, [(3, 1), (2, 0)], uid=f"levels:{lv}:{i}", seed=i),
+            info={"meta": {"level": lv, "expr": "1+2"}},
+        )
+        for i, lv in enumerate(levels)
+    ]
+    batch = pad_batch(trajs, num_rows=6, baseline_key="level", num_keys=5)
+    check_batch(batch)
+    np.testing.assert_array_equal(batch["baseline_keys"], [3, 1, 4, 1, 0, 0])  # padding: 0
+    assert batch["baseline_keys"].dtype == np.int32
+    packed, _ = pack_batch(trajs, microbatches=2, baseline_key="level", num_keys=5)
+    np.testing.assert_array_equal(packed["baseline_keys"], levels)
+    assert "baseline_keys" not in pad_batch(trajs)  # no key field: no keys
+    with pytest.raises(ConfigError, match=r"rl.baseline_key: prompt 'levels:4:2' has level=4, "):
+        pad_batch(trajs, baseline_key="level", num_keys=4)
+    with pytest.raises(ConfigError, match=r"rl.baseline_key: prompt 'levels:3:0' has no meta "):
+        pad_batch(trajs, baseline_key="user", num_keys=5)
+    bad = [dataclasses.replace(trajs[0], info={"meta": {"level": "3"}})]
+    with pytest.raises(ConfigError, match="level='3', not an int in"):
+        pad_batch(bad, baseline_key="level", num_keys=5)
 
 
 def test_trajectory_rejects_bad_records():

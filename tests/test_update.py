@@ -57,8 +57,11 @@ def default():
     return learner, lambda: learner.new_state(models.policy, models.critic, seed=0)
 
 
-def _batch(seed=0, **kw):
-    return synthetic_batch(B, T, 32, seed=seed, **kw)
+def _batch(seed=0, baseline_keys=None, **kw):
+    batch = synthetic_batch(B, T, 32, seed=seed, **kw)
+    if baseline_keys is not None:  # the keyed moving average's [B] keys
+        batch["baseline_keys"] = baseline_keys
+    return batch
 
 
 def _leaf(tree, path):
@@ -210,7 +213,12 @@ def test_nonfinite_guard_skips_and_aborts(default):
     [  # each compile is expensive on CPU: options that don't interact share a variant
         dict(k_critic=1, order="policy_first", policy_loss="estr", advantage="step_mean"),
         dict(advantage="grpo", policy_loss="ppo_clip"),
-        dict(advantage="moving_average", policy_loss="icepop"),
+        dict(
+            advantage="moving_average",
+            policy_loss="icepop",
+            moving_average_keys=3,
+            baseline_key="level",
+        ),  # keyed: one window per key; the global one is a K = 1
         dict(lam_mode="fixed", whiten_advantages=True, value_clip=0.2),
     ],
     ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()),
@@ -218,12 +226,17 @@ def test_nonfinite_guard_skips_and_aborts(default):
 def test_variants_run(rl):
     learner, state = _setup(_config(**rl))
     kw = {"groups": 2} if rl.get("advantage") == "grpo" else {}
+    keys = np.array([0, 2, 2, 1, 2, 0, 2, 2], np.int32)
+    if rl.get("baseline_key"):
+        with pytest.raises(ConfigError, match="missing field 'baseline_keys'"):
+            learner.check_batch(_batch())
+        kw["baseline_keys"] = keys
     state, metrics = _steps(learner, state, 2, max_lag=2, **kw)
     m = reduce_metrics(metrics)
     assert int(state.step) == 2 and int(state.skipped_steps) == 0
     assert np.isfinite(m["policy/loss"])
     if rl.get("advantage") == "moving_average":
-        assert int(state.baseline.count) == 2 * B
+        np.testing.assert_array_equal(state.baseline.count, 2 * np.bincount(keys))
         assert "critic/value_loss" not in m  # no critic involved
     if rl.get("advantage") == "grpo":
         assert learner.uses_critic is False and state.critic == {}

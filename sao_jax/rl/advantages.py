@@ -2,7 +2,8 @@
 
     compute_advantages(name, *, rewards_bt, outcome_b, action_mask_bt, values_bt=None,
                        last_value_b=None, turn_ids_bt=None, group_ids_b=None,
-                       baseline_state=None, gamma=1.0, lam=1.0, eps=1e-6, **params)
+                       baseline_state=None, baseline_keys_b=None, gamma=1.0, lam=1.0,
+                       eps=1e-6, **params)
         -> Advantages(advantages_bt, returns_bt | None, baseline_state, metrics)
 
 Critic-based (`needs_values`): `gae` (observation-skipping token-level GAE), `step_mean`,
@@ -14,7 +15,9 @@ lam=length_adaptive_lambda(action_mask_bt, 1.5) (or `gae.critic_and_policy_advan
 
 Critic-free: `grpo` ((R - mean_g) / (std_g + eps), population std over the row's group),
 `rloo` (R - mean of the other rows of the group), `drgrpo` (R - mean_g), and
-`moving_average` (R - mean of the last W outcomes seen before this batch; 0 when none).
+`moving_average` (R - mean of the last W outcomes seen before this batch; 0 when none;
+with a keyed state, `init_moving_average_state(W, keys=K)`, the last W outcomes of the
+row's own key `baseline_keys_b[b]`, e.g. its prompt's difficulty level).
 They read `outcome_b` and broadcast the row's scalar advantage to its action tokens;
 `returns_bt` is None. Group statistics and the moving-average history use only rows with
 at least one action token; rows without one get zero advantage everywhere, and their
@@ -52,38 +55,67 @@ class Advantages(NamedTuple):
 
 
 class MovingAverageState(NamedTuple):
-    """Ring buffer of the last W outcomes (explicit state, carried in the TrainState)."""
+    """Ring buffers of the last W outcomes (explicit state, carried in the TrainState).
 
-    rewards_w: jax.Array  # [W] float32; slots [0, min(count, W)) hold valid outcomes
-    count: jax.Array  # int32 scalar: outcomes pushed so far
+    Global (one history for every row, the default): rewards_w [W], count []. Keyed (one
+    history per key k in [0, K), e.g. per difficulty level): rewards_w [K, W], count [K].
+    The global shapes are those of every checkpoint written before keys existed, so those
+    restore unchanged.
+    """
+
+    rewards_w: jax.Array  # [W] | [K, W] float32; slots [0, min(count, W)) hold valid outcomes
+    count: jax.Array  # int32 [] | [K]: outcomes pushed so far (per key)
 
 
-def init_moving_average_state(window: int = 128) -> MovingAverageState:
-    """An empty history of `window` outcomes (docs/method.md: 128)."""
+def init_moving_average_state(window: int = 128, keys: int = 0) -> MovingAverageState:
+    """An empty history of `window` outcomes (docs/method.md: 128); `keys` >= 2: one such
+    history per key (0 or 1: one global history)."""
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"window: must be an int >= 1, got {window!r}")
-    return MovingAverageState(jnp.zeros((window,), jnp.float32), jnp.zeros((), jnp.int32))
+    if not isinstance(keys, int) or isinstance(keys, bool) or keys < 0:
+        raise ValueError(f"keys: must be an int >= 0, got {keys!r}")
+    lead = (keys,) if keys >= 2 else ()
+    return MovingAverageState(jnp.zeros((*lead, window), jnp.float32), jnp.zeros(lead, jnp.int32))
 
 
 def moving_average_update(
-    state: MovingAverageState, outcome_b: jax.Array, valid_b: jax.Array
+    state: MovingAverageState,
+    outcome_b: jax.Array,
+    valid_b: jax.Array,
+    keys_b: jax.Array | None = None,
 ) -> tuple[jax.Array, MovingAverageState]:
-    """(baseline, new_state): the mean of the history, then the valid outcomes pushed.
+    """(baseline_b [B], new_state): each row's baseline is the mean of its key's history
+    before this batch (0 when that history is empty); then the valid outcomes are pushed,
+    each onto its own key's history.
 
-    Pure and jittable. Outcomes are pushed in row order; with more than W new ones only the
-    last W survive. The baseline of an empty history is 0.
+    Pure and jittable. Outcomes are pushed in row order; with more than W new ones of a key
+    only its last W survive. `keys_b` [B] int in [0, K) picks each row's history in a keyed
+    state (None: the global state, every row key 0). Rows that are not valid read and push
+    nothing, whatever their key; a valid row's key outside [0, K) is clipped into it
+    (callers check keys on the host: sao_jax/sampling/trajectory.py `baseline_keys`).
     """
-    w = state.rewards_w.shape[0]
-    n_old = jnp.minimum(state.count, w)
-    slot_on_w = jnp.arange(w) < n_old
-    total = jnp.sum(jnp.where(slot_on_w, state.rewards_w, 0.0))
-    baseline = jnp.where(n_old > 0, total / jnp.maximum(n_old, 1), 0.0)
-    k_b = jnp.cumsum(valid_b.astype(jnp.int32)) - 1  # rank among this batch's valid rows
-    n_new = jnp.sum(valid_b.astype(jnp.int32))
-    keep_b = valid_b & (k_b >= n_new - w)
-    pos_b = jnp.where(keep_b, (state.count + k_b) % w, w)  # w: out of bounds, dropped
-    rewards_w = state.rewards_w.at[pos_b].set(outcome_b.astype(jnp.float32), mode="drop")
-    return baseline, MovingAverageState(rewards_w, state.count + n_new)
+    w = state.rewards_w.shape[-1]
+    rewards_kw = state.rewards_w.reshape(-1, w)  # global: K = 1
+    count_k = state.count.reshape(-1)
+    k = count_k.shape[0]
+    key_b = jnp.zeros(outcome_b.shape, jnp.int32) if keys_b is None else keys_b
+    key_b = jnp.clip(key_b.astype(jnp.int32), 0, k - 1)
+    n_old_k = jnp.minimum(count_k, w)
+    slot_on_kw = jnp.arange(w)[None, :] < n_old_k[:, None]
+    total_k = jnp.sum(jnp.where(slot_on_kw, rewards_kw, 0.0), axis=1)
+    baseline_k = jnp.where(n_old_k > 0, total_k / jnp.maximum(n_old_k, 1), 0.0)
+    mine_bk = valid_b[:, None] & (key_b[:, None] == jnp.arange(k)[None, :])
+    rank_bk = jnp.cumsum(mine_bk.astype(jnp.int32), axis=0) - 1  # rank among the key's rows
+    rank_b = jnp.take_along_axis(rank_bk, key_b[:, None], axis=1)[:, 0]
+    n_new_k = jnp.sum(mine_bk.astype(jnp.int32), axis=0)
+    keep_b = valid_b & (rank_b >= n_new_k[key_b] - w)
+    slot_b = (count_k[key_b] + rank_b) % w
+    pos_b = jnp.where(keep_b, key_b * w + slot_b, k * w)  # k * w: out of bounds, dropped
+    flat = rewards_kw.reshape(-1).at[pos_b].set(outcome_b.astype(jnp.float32), mode="drop")
+    new = MovingAverageState(
+        flat.reshape(state.rewards_w.shape), (count_k + n_new_k).reshape(state.count.shape)
+    )
+    return baseline_k[key_b], new
 
 
 def whiten_advantages(
@@ -113,6 +145,7 @@ class Inputs(NamedTuple):
     turn_ids_bt: jax.Array | None
     group_ids_b: jax.Array | None
     baseline_state: Any
+    baseline_keys_b: jax.Array | None
     gamma: Any
     lam: Any
     eps: float
@@ -247,26 +280,49 @@ def _rloo(x: Inputs) -> Advantages:
 @register("moving_average", needs_outcome=True, needs_state=True)
 def _moving_average(x: Inputs) -> Advantages:
     r_b, valid_b = _rows(x)
-    baseline, state = moving_average_update(x.baseline_state, r_b, valid_b)
-    out = _row_advantages(x, r_b - baseline, valid_b, state)
-    out.metrics["baseline"] = (baseline, jnp.ones((), jnp.float32))
+    if x.checked and x.baseline_keys_b is not None:
+        k = x.baseline_state.count.shape[0]
+        in_range_b = (x.baseline_keys_b >= 0) & (x.baseline_keys_b < k)
+        ck.require_value(
+            jnp.all(in_range_b | ~valid_b),
+            f"baseline_keys_b: the keys of rows with action tokens must be in [0, {k})",
+        )
+    baseline_b, state = moving_average_update(x.baseline_state, r_b, valid_b, x.baseline_keys_b)
+    out = _row_advantages(x, r_b - baseline_b, valid_b, state)
+    out.metrics["baseline"] = rm.masked_sum_count(baseline_b, valid_b)
     return out
 
 
 # ----------------------------------------------------------------------- the one call
 
 
-def _check_state(state: Any) -> None:
+def _check_state(state: Any, keys_b: jax.Array | None, b: int) -> None:
     if not isinstance(state, MovingAverageState):
         raise TypeError(
             "baseline_state: expected a MovingAverageState (init_moving_average_state), "
             f"got {type(state).__name__}"
         )
-    if state.rewards_w.ndim != 1 or state.count.shape != ():
+    shapes = (state.rewards_w.shape, state.count.shape)
+    keyed = state.rewards_w.ndim == 2
+    if not (state.rewards_w.ndim in (1, 2) and state.count.shape == state.rewards_w.shape[:-1]):
         raise ValueError(
-            f"baseline_state: expected rewards_w [W] and a scalar count, got "
-            f"{state.rewards_w.shape} and {state.count.shape}"
+            "baseline_state: expected rewards_w [W] and a scalar count (global), or "
+            f"rewards_w [K, W] and count [K] (keyed), got {shapes[0]} and {shapes[1]}"
         )
+    if keyed and keys_b is None:
+        raise ValueError(
+            f"baseline_keys_b: a keyed moving-average state ({shapes[0][0]} keys) needs one "
+            "key per row, got None"
+        )
+    if keys_b is not None:
+        if not keyed:
+            raise ValueError(
+                "baseline_keys_b: given, but baseline_state is global (rewards_w [W]); "
+                "init_moving_average_state(window, keys=K) makes a keyed one"
+            )
+        ck.check_b(keys_b, "baseline_keys_b", b)
+        if not jnp.issubdtype(keys_b.dtype, jnp.integer):
+            raise TypeError(f"baseline_keys_b: expected an int array, got dtype {keys_b.dtype}")
 
 
 def compute_advantages(
@@ -280,6 +336,7 @@ def compute_advantages(
     turn_ids_bt: jax.Array | None = None,
     group_ids_b: jax.Array | None = None,
     baseline_state: Any = None,
+    baseline_keys_b: jax.Array | None = None,
     gamma: float | jax.Array = 1.0,
     lam: float | jax.Array = 1.0,
     eps: float = 1e-6,
@@ -291,6 +348,7 @@ def compute_advantages(
     Every estimator returns the common metrics `rows_without_actions` (sum: rows without an
     action token, count: B), `advantage` and `advantage_sq` (over action tokens).
     Arguments an estimator needs but got as None raise ValueError naming them.
+    `baseline_keys_b` [B] int: each row's key into a keyed moving-average state.
     """
     entry = ESTIMATORS.get(name)
     check_params("advantage estimator", name, params, (*entry.params, *entry.arrays))
@@ -316,12 +374,12 @@ def compute_advantages(
         if not jnp.issubdtype(group_ids_b.dtype, jnp.integer):
             raise TypeError(f"group_ids_b: expected an int array, got dtype {group_ids_b.dtype}")
     if entry.needs_state:
-        _check_state(baseline_state)
+        _check_state(baseline_state, baseline_keys_b, bt[0])
     if not (isinstance(eps, (int, float)) and eps >= 0):
         raise ValueError(f"eps: must be a number >= 0, got {eps!r}")
     x = Inputs(
         rewards_bt, outcome_b, m_bt, values_bt, last_value_b, turn_ids_bt, group_ids_b,
-        baseline_state, gamma, lam, float(eps), checked,
+        baseline_state, baseline_keys_b, gamma, lam, float(eps), checked,
     )  # fmt: skip
     out = entry.fn(x, **params)
     a_bt = out.advantages_bt

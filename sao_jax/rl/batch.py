@@ -29,6 +29,7 @@ BATCH_FIELDS: dict[str, tuple[int, str, bool]] = {
     "terminated": (1, "b", True),  # [B] episode ended (bootstrap 0) vs truncated
     "turn_ids": (2, "i", True),  # [B, T] model-turn index of action tokens, -1 elsewhere
     "group_ids": (1, "i", False),  # [B] prompt group for GRPO-style estimators
+    "baseline_keys": (1, "i", False),  # [B] key of the row's keyed moving average
     "forced_experts": (4, "i", False),  # [B, T, L_moe, k] recorded routing (replay)
     "critic_tokens": (2, "i", False),  # [B, T] what the critic reads instead (privileged)
     "pack_row": (1, "i", False),  # [B] packed row of the trajectory, within its microbatch

@@ -58,6 +58,36 @@ def target_params(rl: ConfigDict) -> dict:
     return dict(rl.critic_targets[name]) if name in rl.critic_targets else {}
 
 
+def _validate_baseline_keys(rl: ConfigDict) -> None:
+    """The keyed moving average: a key field and K >= 2 keys go together, and only an
+    estimator with a baseline state reads them."""
+    keys, field = rl.moving_average_keys, rl.baseline_key
+    require(
+        isinstance(keys, int) and not isinstance(keys, bool) and keys >= 0,
+        "rl.moving_average_keys",
+        f"must be an int >= 0 (0 or 1: one global window), got {keys!r}",
+    )
+    require(isinstance(field, str), "rl.baseline_key", f"must be a str, got {field!r}")
+    if field:
+        require(
+            keys >= 2,
+            "rl.moving_average_keys",
+            f"must be >= 2 (the number of keys) when rl.baseline_key={field!r}, got {keys}",
+        )
+        require(
+            advantages.ESTIMATORS.get(rl.advantage).needs_state,
+            "rl.baseline_key",
+            f"keys the moving-average baseline, but rl.advantage={rl.advantage!r} keeps none",
+        )
+    else:
+        require(
+            keys < 2,
+            "rl.baseline_key",
+            f"names no prompt meta field, but rl.moving_average_keys={keys} asks for one "
+            "window per key",
+        )
+
+
 def _validate_critic_target(rl: ConfigDict) -> None:
     try:
         critic_targets.CRITIC_TARGETS.get(rl.critic_target)
@@ -124,6 +154,7 @@ def _validate_section(config: ConfigDict) -> None:
     )
     require(rl.max_consecutive_skips >= 1, "rl.max_consecutive_skips", "must be >= 1")
     require(rl.moving_average_window >= 1, "rl.moving_average_window", "must be >= 1")
+    _validate_baseline_keys(rl)
     for name, params in rl.losses.items():
         for key, value in params.items():
             field = f"rl.losses.{name}.{key}"

@@ -28,7 +28,7 @@ class TrainState:
     critic: Params  # {} when the estimator needs no critic
     policy_opt: Any
     critic_opt: Any
-    baseline: MovingAverageState  # moving-average baseline window (carried, explicit)
+    baseline: MovingAverageState  # moving-average window(s), global or per key (carried)
     skipped_steps: jax.Array  # int32 non-finite steps skipped so far
     consecutive_skips: jax.Array  # int32 non-finite steps in a row
     rng: jax.Array  # uint32 raw key data (checkpointable)
@@ -42,8 +42,10 @@ def init_state(
     *,
     window: int,
     seed: int,
+    keys: int = 0,
 ) -> TrainState:
-    """A fresh state around given params (call under jit to get sharded moments)."""
+    """A fresh state around given params (call under jit to get sharded moments); the
+    moving-average baseline keeps `window` outcomes, per key when `keys` >= 2."""
     zero = jnp.zeros((), jnp.int32)
     return TrainState(
         step=zero,
@@ -52,7 +54,7 @@ def init_state(
         critic=critic,
         policy_opt=policy_tx.init(policy),
         critic_opt=critic_tx.init(critic),
-        baseline=init_moving_average_state(window),
+        baseline=init_moving_average_state(window, keys),
         skipped_steps=zero,
         consecutive_skips=zero,
         rng=jax.random.key_data(jax.random.key(seed)),

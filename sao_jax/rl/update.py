@@ -125,6 +125,7 @@ class Learner:
             policy_tx=self.policy_tx,
             critic_tx=self.critic_tx,
             window=rl.moving_average_window,
+            keys=rl.moving_average_keys,
         )
 
         policy_sh = policy_def.shardings(sharder)
@@ -162,6 +163,11 @@ class Learner:
     def check_batch(self, batch: dict[str, Any]) -> None:
         """Shape/dtype checks naming the field, before anything compiles."""
         check_batch(batch, need_groups=self.estimator.needs_groups)
+        if self.rl.baseline_key and "baseline_keys" not in batch:
+            raise ConfigError(
+                f"batch: missing field 'baseline_keys' (rl.baseline_key="
+                f"{self.rl.baseline_key!r} keys each row's moving-average baseline)"
+            )
         m, mini = self.rl.microbatches, self.rl.minibatches
         shards = self.sharder.axis_size("batch")
         packed = "packed_tokens" in batch  # model passes on packed rows (rl/packing.py)
@@ -213,6 +219,7 @@ class Learner:
             turn_ids_bt=batch["turn_ids"],
             group_ids_b=batch.get("group_ids"),
             baseline_state=baseline,
+            baseline_keys_b=batch.get("baseline_keys"),
             gamma=self.rl.gamma,
             lam=lam,
             eps=self.rl.group_eps,

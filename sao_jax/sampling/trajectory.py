@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from sao_jax.schema import ConfigError
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trajectory:
@@ -225,6 +227,30 @@ def _group_ids(trajs: list[Trajectory]) -> np.ndarray:
     return np.array([ids.setdefault(t.prompt_uid, len(ids)) for t in trajs], np.int32)
 
 
+def baseline_keys(trajs: list[Trajectory], field: str, num_keys: int, num_rows: int) -> np.ndarray:
+    """[num_rows] int32: each trajectory's key of the keyed moving average, its prompt's
+    meta `field` (sao_jax/sampling/slots.py copies the meta into info["meta"]), which must
+    be an int in [0, num_keys); padding rows 0 (they have no action token, so no
+    estimator reads their key). A missing or bad key raises ConfigError naming the config
+    field (rl.baseline_key) and the prompt uid."""
+    keys = np.zeros((num_rows,), np.int32)
+    for row, tr in enumerate(trajs):
+        meta = tr.info.get("meta") or {}
+        if field not in meta:
+            raise ConfigError(
+                f"config field rl.baseline_key: prompt {tr.prompt_uid!r} has no meta field "
+                f"{field!r} (its meta: {sorted(meta)})"
+            )
+        k = meta[field]
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or not 0 <= k < num_keys:
+            raise ConfigError(
+                f"config field rl.baseline_key: prompt {tr.prompt_uid!r} has {field}={k!r}, "
+                f"not an int in [0, rl.moving_average_keys={num_keys})"
+            )
+        keys[row] = k
+    return keys
+
+
 def pad_batch(
     trajs: list[Trajectory],
     *,
@@ -234,6 +260,8 @@ def pad_batch(
     with_routing: bool = False,
     with_groups: bool = False,
     critic_tokens: list[np.ndarray] | None = None,
+    baseline_key: str = "",
+    num_keys: int = 0,
 ) -> dict[str, np.ndarray]:
     """One trajectory per row, right-padded: the rl/batch.py dict as numpy arrays.
 
@@ -243,6 +271,8 @@ def pad_batch(
     id per distinct prompt uid, in order of first appearance (GRPO-style estimators).
     `critic_tokens` (one [n_i] array per trajectory, `privileged_tokens`) adds the
     `critic_tokens` field the critic reads instead of `tokens`.
+    `baseline_key` (a prompt meta field) adds baseline_keys, each row's key in
+    [0, `num_keys`) of the keyed moving average (`baseline_keys`).
     """
     t = _row_length(trajs, length, length_bucket)
     b = len(trajs) if num_rows is None else num_rows
@@ -260,6 +290,8 @@ def pad_batch(
         groups = np.full((b,), -1, np.int32)
         groups[: len(trajs)] = _group_ids(trajs)
         batch["group_ids"] = groups
+    if baseline_key:
+        batch["baseline_keys"] = baseline_keys(trajs, baseline_key, num_keys, b)
     return batch
 
 
@@ -295,6 +327,8 @@ def pack_batch(
     with_routing: bool = False,
     with_groups: bool = False,
     critic_tokens: list[np.ndarray] | None = None,
+    baseline_key: str = "",
+    num_keys: int = 0,
 ) -> tuple[dict[str, np.ndarray], list[Placement]]:
     """`pad_batch`'s per-trajectory [N, T] batch plus the same tokens packed into rows.
 
@@ -321,6 +355,8 @@ def pack_batch(
         num_rows=num_rows,
         with_groups=with_groups,
         critic_tokens=critic_tokens,
+        baseline_key=baseline_key,
+        num_keys=num_keys,
     )
     n, t = batch["tokens"].shape
     lp = t if row_length is None else row_length
