@@ -16,6 +16,9 @@ Rows (`VARIANTS`; every row is `sao` with only the fields its name says changed)
   moving_average            R - mean of the last 128 rewards (the paper's window; 2 steps
                             at batch 64), no critic
   moving_average_w<N>       the same with a window of N steps of rewards (N x batch)
+  moving_average_per_user   an oracle baseline: one moving average per user (it knows
+                            who switched), each over 128 / users rewards of its user (the
+                            paper's ~2 steps): how much a per-prompt baseline alone gives
   sao_lambda1               policy lambda 1 (no bootstrapping from a possibly stale critic)
   sao_policy_first          rl.order = 'policy_first' (advantages before the critic steps)
   ceiling                   the critic reads the user's current target in place of the
@@ -88,6 +91,12 @@ USER_VARIANTS: dict[str, dict[str, Any]] = {
         }
         for n in WINDOW_STEPS
     },
+    "moving_average_per_user": {
+        "rl.advantage": "moving_average",
+        "rl.baseline_key": "user",  # sao_jax/envs/user_style.py puts the user in the meta
+        "rl.moving_average_keys": lambda c: c.env.prompts.users,
+        "rl.moving_average_window": lambda c: max(1, PAPER_WINDOW // c.env.prompts.users),
+    },
     "sao_lambda1": {"rl.lam_mode": "fixed", "rl.lam_fixed": 1.0},
     "sao_policy_first": {"rl.order": "policy_first"},
     "ceiling": {"rl.privileged_critic": True},
@@ -104,6 +113,7 @@ MAIN_ROWS = (
     "sao",
     "moving_average",
     *(f"moving_average_w{n}" for n in WINDOW_STEPS),
+    "moving_average_per_user",
     "sao_lambda1",
     "sao_policy_first",
     "ceiling",

@@ -80,6 +80,10 @@ def test_online_shift_rows_change_only_the_fields_their_names_say():
     expect = {
         "moving_average": {"rl.advantage"},  # the default window is the paper's 128
         "moving_average_w8": {"rl.advantage", "rl.moving_average_window"},
+        "moving_average_per_user": {
+            "rl.advantage", "rl.baseline_key", "rl.moving_average_keys",
+            "rl.moving_average_window",
+        },
         "sao_lambda1": {"rl.lam_mode", "rl.lam_fixed"},
         "sao_policy_first": {"rl.order"},
         "ceiling": {"rl.privileged_critic"},

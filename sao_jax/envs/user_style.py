@@ -115,13 +115,29 @@ def make_prompt(user: int, topics: Sequence[str]) -> Prompt:
     )
 
 
+def user_topics(user: int, users: int) -> tuple[str, ...]:
+    """The topics user `user` writes about when users have topics of their own: every
+    `users`-th topic of style.TOPICS from the user's index (disjoint pools)."""
+    return style.TOPICS[user::users]
+
+
 def sample_prompt(
-    rng: np.random.Generator, users: int = 6, n_topics: tuple[int, int] = (1, 2)
+    rng: np.random.Generator,
+    users: int = 6,
+    n_topics: tuple[int, int] = (1, 2),
+    own_topics: bool = False,
 ) -> Prompt:
-    """A user drawn uniformly, then topics as the style task draws them."""
+    """A user drawn uniformly, then topics as the style task draws them: from all topics,
+    or with `own_topics` from the user's own pool (`user_topics`), so that the topic
+    words every line must contain also name its user, next to the words that decide its
+    style, and not only the tag at the start of the prompt."""
     user = int(rng.integers(users))
-    topics = style.sample_prompt(rng, n_topics).meta["topics"]
-    return make_prompt(user, topics)
+    pool = user_topics(user, users) if own_topics else style.TOPICS
+    lo, hi = n_topics
+    if not 1 <= lo <= hi <= len(pool):
+        raise ValueError(f"user_style n_topics={n_topics}: need 1 <= min <= max <= {len(pool)}")
+    n = int(rng.integers(lo, hi + 1))
+    return make_prompt(user, [pool[i] for i in rng.choice(len(pool), size=n, replace=False)])
 
 
 def success_bin(since: int, bin_steps: int) -> str:
@@ -210,16 +226,22 @@ class UserStyleEnv:
 
 
 def task_prompts(**params: Any):
-    """`sample(rng)` of user-style prompts; params: users, n_topics."""
-    unknown = set(params) - {"users", "n_topics"}
+    """`sample(rng)` of user-style prompts; params: users, n_topics, own_topics."""
+    unknown = set(params) - {"users", "n_topics", "own_topics"}
     if unknown:
         raise ValueError(f"prompt_source: unknown user_style parameters {sorted(unknown)}")
     users = int(params.get("users", 6))
     n_topics = tuple(params.get("n_topics", (1, 2)))
+    own = bool(params.get("own_topics", False))
     if users < 1:
         raise ValueError(f"user_style users={users}: need >= 1")
-    sample_prompt(np.random.default_rng(0), users, n_topics)  # validates n_topics
-    return functools.partial(sample_prompt, users=users, n_topics=n_topics)
+    smallest = min(len(user_topics(u, users)) for u in range(users)) if own else len(style.TOPICS)
+    if not 1 <= n_topics[0] <= n_topics[1] <= smallest:
+        raise ValueError(
+            f"user_style n_topics={n_topics}: need 1 <= min <= max <= {smallest} (topics "
+            f"{'of the smallest user pool' if own else 'in all'})"
+        )
+    return functools.partial(sample_prompt, users=users, n_topics=n_topics, own_topics=own)
 
 
 def task_setup(params: dict[str, Any]) -> tuple[dict[str, Any], Callable]:

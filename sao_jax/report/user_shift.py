@@ -44,6 +44,7 @@ PRIMARY_FAMILY = (("sao", PAPER_ROW), ("ceiling", PAPER_ROW), ("ceiling", "sao")
 LABELS = {
     "sao": "SAO",
     "moving_average": "moving average, 128 rewards (the paper's)",
+    "moving_average_per_user": "oracle: one moving average per user",
     "sao_lambda1": "SAO, policy lambda 1",
     "sao_policy_first": "SAO, policy step first",
     "ceiling": "ceiling: critic sees the current target",
