@@ -78,13 +78,7 @@ def get_sweep(arg=None) -> SweepSpec:
         config=config,
         variants=ROWS,
         seeds=b["seeds"],
-        fixed={
-            "train.total_steps": b["steps"],
-            "train.eval_every": b["eval_every"],
-            "train.checkpoint_every": b["eval_every"],
-            "env.eval_size": b["eval_size"],
-            "train.progress": False,
-        },
+        fixed=ablations.budget_overrides(b),
         common_arg="smoke" if arg.mode == "smoke" else "",
     )
 

@@ -13,19 +13,10 @@ from sao_jax.envs.base import Env
 from sao_jax.envs.registry import get_task, make_env
 from sao_jax.run.sft import demonstration, encode_segments
 from sao_jax.text.tokenizer import CharTokenizer
+from tests.env_support import play
 
 STALE = C.make_prompt(C.Spec(mult=7, const_shown=27, const_true=29, query=5))
 FRESH = C.make_prompt(C.Spec(mult=7, const_shown=27, const_true=27, query=5))
-
-
-def _play(env, prompt, turns):
-    env.reset(prompt)
-    out = []
-    for t in turns:
-        out.append(env.step(t))
-        if out[-1].done:
-            break
-    return out
 
 
 def test_a_stale_spec_episode_and_its_text():
@@ -33,7 +24,7 @@ def test_a_stale_spec_episode_and_its_text():
     assert isinstance(env, Env) and env.max_turns == 3
     assert STALE.text == "s:x*7+27 at 5\n" and STALE.answer == 64
     assert STALE.uid == "code_feedback:x*7+27 at 5:29" and STALE.meta["stale"]
-    res = _play(env, STALE, ["f=lambda x:x*7+27\n", "f=lambda x:x*7+29\n", "a:64\n"])
+    res = play(env, STALE, ["f=lambda x:x*7+27\n", "f=lambda x:x*7+29\n", "a:64\n"])
     assert [r.observation for r in res] == ["fail:f(0)=27 want 29\n", "ok:f(5)=64\n", ""]
     assert res[-1].done and res[-1].reward == 1.0 and res[-1].info["success"]
     assert res[-1].info["test_runs"] == 2 and res[-1].info["failed_runs"] == 1
@@ -41,19 +32,19 @@ def test_a_stale_spec_episode_and_its_text():
 
 def test_a_fresh_spec_passes_at_once_and_the_answer_must_be_copied():
     env = C.CodeFeedbackEnv()
-    res = _play(env, FRESH, ["f=lambda x:x*7+27\n", "a:61\n"])
+    res = play(env, FRESH, ["f=lambda x:x*7+27\n", "a:61\n"])
     assert res[0].observation == "ok:f(5)=62\n"
     assert res[-1].done and res[-1].reward == 0.0 and res[-1].info["answer"] == 61
 
 
 def test_failures_spend_the_turn_budget():
     env = C.CodeFeedbackEnv(spare_turns=1)  # code + one retry + answer
-    res = _play(env, STALE, ["f=lambda x:x*7+27\n", "f=lambda x:x*6+29\n", "a:64\n"])
+    res = play(env, STALE, ["f=lambda x:x*7+27\n", "f=lambda x:x*6+29\n", "a:64\n"])
     assert res[1].observation == "fail:f(1)=35 want 36\n"
     assert len(res) == 3 and res[-1].reward == 1.0  # the answer still counts (a guess)
-    res = _play(env, STALE, ["f=lambda x:x*7+27\n", "f=lambda x:x*6+29\n", "f=lambda x:x*7+29\n"])
+    res = play(env, STALE, ["f=lambda x:x*7+27\n", "f=lambda x:x*6+29\n", "f=lambda x:x*7+29\n"])
     assert res[-1].done and res[-1].reward == 0.0 and res[-1].info["truncated"]
-    res = _play(C.CodeFeedbackEnv(spare_turns=0), FRESH, ["f=lambda x:x*7+27\n", "a:62\n"])
+    res = play(C.CodeFeedbackEnv(spare_turns=0), FRESH, ["f=lambda x:x*7+27\n", "a:62\n"])
     assert res[-1].reward == 1.0
 
 
@@ -71,7 +62,7 @@ def test_failures_spend_the_turn_budget():
     ],
 )
 def test_each_line_gets_the_tests_verdict(turn, observation):
-    (res,) = _play(C.CodeFeedbackEnv(), FRESH, [turn])
+    (res,) = play(C.CodeFeedbackEnv(), FRESH, [turn])
     assert res.observation == observation and not res.done
 
 
@@ -103,7 +94,7 @@ def test_inline_equals_the_sandbox_on_a_corpus():
 
 def test_the_sandbox_executor_runs_an_episode():
     env = C.CodeFeedbackEnv(executor="sandbox", allow_weak_isolation=True)
-    res = _play(env, STALE, ["f=lambda x:x*7+27\n", "f=lambda x:x*7+29\n", "a:64\n"])
+    res = play(env, STALE, ["f=lambda x:x*7+27\n", "f=lambda x:x*7+29\n", "a:64\n"])
     assert [r.observation for r in res[:2]] == ["fail:f(0)=27 want 29\n", "ok:f(5)=64\n"]
     assert res[-1].reward == 1.0
 
