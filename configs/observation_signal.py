@@ -57,7 +57,9 @@ def get_config(arg=None):
     # (executor='inline'; 'sandbox' runs them in the sandbox, ~0.2 s a run here).
     c.env.params = ConfigDict()
     c.env.prompts = ConfigDict(dict(stale_rate=0.5))  # share of specs whose constant is stale
-    c.sft.error_rate = 0.3  # demos slip an operand (and retry) at this rate; typos at 0.2 x
+    if not arg.smoke:
+        c.sft.steps = 600  # one copy per line: configs/sao.py's 1000 are not needed
+    c.sft.error_rate = 0.3  # demos slip a first line at this rate, a retry at 2 x, typos at 0.1 x
     c.sampling.max_len = 128  # prompt <= 17 tokens + code, test output, fix, output, answer
     c.sampling.max_turn_tokens = 24  # the longest correct line, f=lambda x:x*9+108, is 19
     for field, value in VARIANTS[chosen[0] if chosen else "sao"].items():

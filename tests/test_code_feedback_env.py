@@ -119,10 +119,11 @@ def test_demonstrations_replay_the_env_and_succeed_at_the_closed_form_rate():
         wins += result.reward
         longest = max(longest, len(encode_segments(segments, tok, add_bos=True)[0]))
     # first run passes iff the spec is fresh and the line did not slip; one retry passes
-    # iff it did not slip; the answer has a typo at r * TYPO_SHARE. (A slip that lands on
-    # the true constant is ignored: ~0.5% of demonstrations.)
+    # iff it did not slip (at FIX_SLIP * r); the answer has a typo at r * TYPO_SHARE. (A
+    # slip that lands on the true constant is ignored: ~0.5% of demonstrations.)
     first = 0.5 * (1 - r)
-    p = (first + (1 - first) * (1 - r)) * (1 - r * C.TYPO_SHARE)
+    fix = 1 - min(1.0, C.FIX_SLIP * r)
+    p = (first + (1 - first) * fix) * (1 - r * C.TYPO_SHARE)
     assert abs(wins / n - p) < 3 * np.sqrt(p * (1 - p) / n) + 0.006, (wins / n, p)
     assert longest <= observation_signal.get_config().sampling.max_len
     perfect = demonstration("code_feedback", STALE, rng, 0.0)

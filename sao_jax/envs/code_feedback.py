@@ -30,8 +30,9 @@ lines of the form `f=lambda x:<integer expression in x with + - * and parenthese
 exactly, in process, without executing anything (the syntax check is `ast.parse`; other
 valid Python gets `error:unsupported`, where the sandbox would run it). The sandbox costs
 0.10-0.20 s a run on this project's 2-core machine (weak mode: bwrap is not installed
-there), ~20 s of env time per 64-rollout RL step and hours for value pretraining, so
-the experiments run inline (docs/experiments.md, "Observation signal").
+there): ~20 s of env time per 64-rollout RL step (the update takes ~1 s) and ~45 min per
+seed's value pretraining, so the experiments run inline (docs/experiments.md,
+"Observation signal").
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ SPEC, OK, FAIL, ERROR = "s:", "ok:", "fail:", "error:"
 STOP_STRINGS = ("\n",)
 TEST_POINTS = (0, 1, 2)  # the hidden tests: f(x) == a*x + b at each point, in order
 EXECUTORS = ("inline", "sandbox")
-TYPO_SHARE = 0.2  # demonstrations: answer typos at error_rate * TYPO_SHARE
+# Demonstrations: the first line slips at error_rate, a retry after a failure at
+# FIX_SLIP x error_rate (capped at 1: repairs are sloppier than copies, so a failing test
+# lowers the expected outcome), the answer has a typo at TYPO_SHARE x error_rate.
+FIX_SLIP = 2.0
+TYPO_SHARE = 0.1
 _SPEC_RE = re.compile(r"^x\*(\d+)\+(\d+) at (\d+)$")
 _OUTPUT_CHARS = frozenset(CHAR_ALPHABET) - {"\n"}
 
@@ -339,8 +344,9 @@ def demonstration(
     """A full SFT trajectory as (text, is_model_turn) segments, replayed through the env
     (inline), so every observation is the env's. The first line copies the spec, slipping
     one operand with prob `error_rate`; after a failure the retry writes the prompt's
-    multiplier and the constant the failure showed (the truth), slipping likewise; after
-    `ok` the answer copies the printed value, with a typo at error_rate * TYPO_SHARE."""
+    multiplier and the constant the failure showed (the truth), slipping with prob
+    FIX_SLIP * error_rate (capped at 1); after `ok` the answer copies the printed value,
+    with a typo at TYPO_SHARE * error_rate."""
     if not 0.0 <= error_rate <= 1.0:
         raise ValueError(f"demonstration error_rate={error_rate}: must be in [0, 1]")
     spec = spec_of(prompt)
@@ -361,7 +367,7 @@ def demonstration(
             turn = f"{A.ANSWER}{value}\n"
         else:
             turn = code_line(spec.mult, spec.const_true)
-            if rng.random() < error_rate:
+            if rng.random() < min(1.0, FIX_SLIP * error_rate):
                 turn = _slip(spec.mult, spec.const_true, rng)
 
 
