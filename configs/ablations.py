@@ -162,6 +162,18 @@ def staleness_level(s: int, batch: int) -> dict[str, Any]:
     return {"sampling.max_staleness": s, "sampling.queue_size": (s + 1) * batch}
 
 
+def budget_overrides(budget: dict[str, Any]) -> dict[str, Any]:
+    """The overrides every point of a sweep shares for a `BUDGETS` entry: RL steps, the
+    eval cadence (checkpoints at each eval), held-out prompts, no progress bar."""
+    return {
+        "train.total_steps": budget["steps"],
+        "train.eval_every": budget["eval_every"],
+        "train.checkpoint_every": budget["eval_every"],
+        "env.eval_size": budget["eval_size"],
+        "train.progress": False,
+    }
+
+
 def get_sweep(arg=None) -> SweepSpec:
     arg = parse_arg(arg, table="table4", mode="quick")
     if arg.table not in TABLES:
@@ -169,13 +181,7 @@ def get_sweep(arg=None) -> SweepSpec:
     if arg.mode not in MODES:
         raise ConfigError(f"get_sweep mode={arg.mode!r}: one of {MODES}")
     b = BUDGETS[arg.mode]
-    fixed = {
-        "train.total_steps": b["steps"],
-        "train.eval_every": b["eval_every"],
-        "train.checkpoint_every": b["eval_every"],
-        "env.eval_size": b["eval_size"],
-        "train.progress": False,
-    }
+    fixed = budget_overrides(b)
     common = "smoke" if arg.mode == "smoke" else ""
     if arg.table != "staleness_lr":
         ceiling = arg.table == "baseline_ceiling"

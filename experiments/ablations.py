@@ -81,10 +81,16 @@ def experiment() -> Experiment:
 Report = Callable[[Experiment, sweep.SweepSpec, list, float], str]
 
 
-def table_main(name: str, sweep_of: Callable[[str], sweep.SweepSpec], write: Report):
+def table_main(
+    name: str,
+    sweep_of: Callable[[str], sweep.SweepSpec | tuple[sweep.SweepSpec, ...]],
+    write: Report,
+):
     """The main of a table script: the sweep of the mode (`sweep_of(mode)`) with the
     command line's seeds and rows, run (or resumed), then `write(...)` as <out>/<name>.md.
-    A bad flag exits 2 with one line."""
+    `sweep_of` may return a tuple of sweeps (one per task, each with its own warm starts):
+    they run one after the other into the one sweep dir, `write` gets the tuple and every
+    result. A bad flag exits 2 with one line."""
 
     @cli.guard
     def main(argv):
@@ -97,8 +103,13 @@ def table_main(name: str, sweep_of: Callable[[str], sweep.SweepSpec], write: Rep
             exp.write(name, write(exp, spec, results, header.wall_s))
             return
         exp = experiment()
-        spec = exp.chosen(sweep_of(exp.mode))
-        results, wall_s = exp.run(spec)
+        specs = sweep_of(exp.mode)
+        if isinstance(specs, sweep.SweepSpec):
+            spec = exp.chosen(specs)
+            results, wall_s = exp.run(spec)
+        else:
+            spec = tuple(exp.chosen(s) for s in specs)
+            results, wall_s = exp.run_all(spec)
         if not exp.dry_run:
             recorder = audit.Recorder()
             exp.write(name, write(exp, spec, recorder.wrap(results), wall_s))

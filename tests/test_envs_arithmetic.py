@@ -12,20 +12,11 @@ from sao_jax.envs import calculator
 from sao_jax.envs.base import Env
 from sao_jax.envs.registry import get_task, make_env, task_names
 from sao_jax.text.tokenizer import CharTokenizer
+from tests.env_support import play
 
 
 def _prompt(expr):
     return A.make_prompt(A.parse_tree(expr))
-
-
-def _run(env, prompt, turns):
-    env.reset(prompt)
-    results = []
-    for turn in turns:
-        results.append(env.step(turn))
-        if results[-1].done:
-            break
-    return results
 
 
 def _reference(tree):  # slow literal reference: Python's own integer arithmetic on the text
@@ -102,9 +93,9 @@ def test_correct_episode_and_format():
 
 def test_wrong_answer_and_answer_at_eos():
     env = A.ArithmeticEnv()
-    (r,) = _run(env, _prompt("(12*7)+5"), ["a:88\n"])
+    (r,) = play(env, _prompt("(12*7)+5"), ["a:88\n"])
     assert r.done and r.reward == 0.0 and r.info["success"] is False
-    (r,) = _run(env, _prompt("(12*7)+5"), ["a: 89"])  # ended by EOS, spaces allowed
+    (r,) = play(env, _prompt("(12*7)+5"), ["a: 89"])  # ended by EOS, spaces allowed
     assert r.done and r.reward == 1.0
 
 
@@ -128,7 +119,7 @@ def test_malformed_turns_are_error_observations():
 
 def test_max_turns_truncates_with_zero_reward():
     env = A.ArithmeticEnv(max_turns=3)
-    results = _run(env, _prompt("(12*7)+5"), ["c:1+1\n"] * 5)
+    results = play(env, _prompt("(12*7)+5"), ["c:1+1\n"] * 5)
     assert len(results) == 3 and [r.done for r in results] == [False, False, True]
     last = results[-1]
     assert last.reward == 0.0 and last.observation == ""
@@ -139,7 +130,7 @@ def test_max_turns_truncates_with_zero_reward():
 @given(st.lists(st.text(max_size=80), min_size=1, max_size=6))
 def test_env_never_raises_on_any_output(turns):
     env = A.ArithmeticEnv()
-    results = _run(env, _prompt("(12*7)+5"), turns)
+    results = play(env, _prompt("(12*7)+5"), turns)
     for r in results:
         assert isinstance(r.observation, str) and r.reward in (0.0, 1.0)
         assert r.done or r.observation.endswith("\n")

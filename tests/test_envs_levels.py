@@ -14,20 +14,11 @@ from sao_jax.envs.base import Env
 from sao_jax.envs.registry import make_env
 from sao_jax.run.sft import demonstration, encode_segments
 from sao_jax.text.tokenizer import CharTokenizer
+from tests.env_support import play
 
 
 def _prompt(level, expr):
     return L.make_prompt(level, A.parse_tree(expr))
-
-
-def _play(env, prompt, turns):
-    env.reset(prompt)
-    out = []
-    for t in turns:
-        out.append(env.step(t))
-        if out[-1].done:
-            break
-    return out
 
 
 def test_a_correct_episode_and_its_text():
@@ -35,7 +26,7 @@ def test_a_correct_episode_and_its_text():
     assert isinstance(env, Env)
     p = _prompt(3, "(12*7)+5")
     assert p.text == "q3:(12*7)+5\n" and p.uid == "levels:3:(12*7)+5" and p.answer == 89
-    res = _play(env, p, ["c:12*7\n", "c:84+5\n", "a:89\n"])
+    res = play(env, p, ["c:12*7\n", "c:84+5\n", "a:89\n"])
     assert [r.observation for r in res] == ["r:84\n", "r:89\n", ""]
     assert res[-1].done and res[-1].reward == 1.0 and res[-1].info["success"]
     assert res[-1].info["tool_errors"] == 0 and env.max_turns == 2 + 1 + 1
@@ -52,21 +43,21 @@ def test_checker_accepts_steps_and_subtrees_only():
 def test_errors_spend_the_turn_budget():
     p = _prompt(3, "(12*7)+5")  # 2 ops: budget 2 calls + answer + 1 spare = 4 turns
     env = L.LevelsEnv(spare_turns=1)
-    res = _play(env, p, ["c:12*8\n", "c:12*7\n", "c:84+5\n", "a:89\n"])
+    res = play(env, p, ["c:12*8\n", "c:12*7\n", "c:84+5\n", "a:89\n"])
     assert res[0].observation == "e:step\n" and "not a step" in res[0].info["error"]
     assert res[-1].reward == 1.0 and res[-1].info["tool_errors"] == 1
     # two slips: the 4th turn is the last; the answer never comes
-    res = _play(env, p, ["c:12*8\n", "c:12*7\n", "c:84+6\n", "c:84+5\n", "a:89\n"])
+    res = play(env, p, ["c:12*8\n", "c:12*7\n", "c:84+6\n", "c:84+5\n", "a:89\n"])
     assert len(res) == 4 and res[-1].done and res[-1].reward == 0.0
     assert res[-1].info["truncated"] and not res[-1].info["success"]
     # the calculator env's own error codes still apply
-    res = _play(env, p, ["c:12/0\n"])
+    res = play(env, p, ["c:12/0\n"])
     assert res[0].observation == "e:div0\n"
-    res = _play(env, p, ["c:7/2\n"])
+    res = play(env, p, ["c:7/2\n"])
     assert res[0].observation == "e:step\n"  # '/' is never a step of a + - * problem
-    res = _play(env, p, ["hello\n"])
+    res = play(env, p, ["hello\n"])
     assert res[0].observation == "e:bad\n"
-    res = _play(L.LevelsEnv(spare_turns=0), p, ["a:90\n"])
+    res = play(L.LevelsEnv(spare_turns=0), p, ["a:90\n"])
     assert res[0].done and res[0].reward == 0.0 and res[0].info["answer"] == 90
 
 

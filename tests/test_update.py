@@ -86,7 +86,8 @@ def test_update_trains_policy_and_critic_but_not_frozen_attention(default):
     state, metrics = _steps(learner, state, 3)
     m = reduce_metrics(metrics)
     assert int(state.step) == 3 and int(state.skipped_steps) == 0
-    for key in ("policy/loss", "policy/keep_rate", "critic/value_loss", "critic/ev_pre_update"):
+    keys = ("policy/loss", "policy/keep_rate", "critic/value_loss", "critic/ev_pre_update")
+    for key in (*keys, "obs/value_jump", "obs/variance_share"):
         assert np.isfinite(m[key]), key
     labels = jax.tree_util.tree_leaves_with_path(learner.critic_frozen)
     frozen = [path_str(p) for p, lab in labels if lab == "frozen"]

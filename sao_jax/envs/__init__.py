@@ -3,8 +3,8 @@
 The face: what an env is (`Env`, `Prompt`, `StepResult`), the registry (`register_task`,
 `register_reward`, `get_task`, `make_env`, `env_factory`, `make_reward`; how to add a
 task: sao_jax/envs/registry.py). The built-in tasks (arithmetic, arithmetic_levels,
-python_tool, style, user_style, answer) register themselves in their own modules, imported
-on the first lookup.
+python_tool, code_feedback, style, user_style, answer) register themselves in their own
+modules, imported on the first lookup.
 """
 
 from sao_jax.envs.base import Env, Prompt, StepResult

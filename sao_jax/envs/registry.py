@@ -12,8 +12,8 @@ and a run picks it with `--config.env.name=my_pkg.tasks:MY_TASK` (an import path
 `module:attribute`, the attribute a Task, or an Env class, i.e. a task with an env
 only), or with `env.name=my_task` once `my_pkg.tasks` is imported (a config file that
 imports it). Each built-in task registers itself at the end of its own module
-(arithmetic, levels, python_tool, style, user_style, answer: `BUILTIN_TASKS`), imported
-on the first lookup.
+(arithmetic, levels, python_tool, code_feedback, style, user_style, answer:
+`BUILTIN_TASKS`), imported on the first lookup.
 
 Rewards are registered the same way (`register_reward`), by name or import path
 (`env.params.reward="my_pkg.rewards:score"`); the built-ins (`math`, `exact_match`,
@@ -52,6 +52,7 @@ BUILTIN_TASKS = (
     "sao_jax.envs.arithmetic",
     "sao_jax.envs.levels",
     "sao_jax.envs.python_tool",
+    "sao_jax.envs.code_feedback",
     "sao_jax.envs.style",
     "sao_jax.envs.user_style",
     "sao_jax.envs.answer",

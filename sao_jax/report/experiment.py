@@ -73,6 +73,17 @@ class Experiment:
         results = sweep.run_sweep(spec, self.sweep_path, **how)
         return results, time.time() - t0
 
+    def run_all(self, specs: Sequence[sweep.SweepSpec]) -> tuple[list[sweep.PointResult], float]:
+        """Runs (or resumes) each sweep in turn into the one sweep dir; (every result,
+        wall s). The sweeps' points and warm starts must not share names (another config
+        file, or other rows)."""
+        results, wall_s = [], 0.0
+        for spec in specs:
+            part, seconds = self.run(spec)
+            results += part
+            wall_s += seconds
+        return results, wall_s
+
     def header(self, title: str, spec: sweep.SweepSpec, results, wall_s: float) -> str:
         return tables.report_header(
             title,

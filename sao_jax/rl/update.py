@@ -23,6 +23,8 @@ Critic metrics: `critic/ev_pre_update` is the explained variance of the values B
 update's critic steps on the batch, which the critic has never trained on (the honest
 number), `critic/ev_post_update` that of the values after them (in-sample), both against
 the observed Monte-Carlo returns (`gae.monte_carlo_returns`: lambda = 1, no bootstrap).
+`obs/*` are the pre-update values' changes across observation spans and the share of
+the return's variance they explain (sao_jax/rl/value_jumps.py), whatever the estimator.
 
 Both are jitted once with explicit shardings and the state donated. A non-finite loss
 or gradient anywhere skips the whole update (parameters and optimizer states unchanged)
@@ -43,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.rl import advantages as adv_lib
-from sao_jax.rl import critic_targets, gae, losses
+from sao_jax.rl import critic_targets, gae, losses, value_jumps
 from sao_jax.rl import metrics as rm
 from sao_jax.rl import passes as P
 from sao_jax.rl.batch import check_batch, check_divisible
@@ -469,6 +471,9 @@ class Learner:
             lr_metrics["critic/lr"] = rm.one(self.critic_lr(update_count(state.critic_opt)))
             mc_bt = gae.monte_carlo_returns(batch["rewards"], batch["action_mask"], rl.gamma)
             ev_pre = self._honest_ev(values, mc_bt, batch)
+            jumps = value_jumps.value_jump_metrics(
+                values["values"], batch["action_mask"], mc_bt, batch["outcome"]
+            )
         if self.uses_critic and rl.order == "critic_first":
             critic, copt, ok_c, metrics, _, _ = critic_run
             values = self.critic_values(critic, batch)
@@ -483,6 +488,7 @@ class Learner:
         metrics = {**metrics, **pmetrics, **rm.prefixed("adv", adv.metrics), **lr_metrics}
         if self.uses_critic:
             metrics["critic/ev_pre_update"] = ev_pre
+            metrics |= rm.prefixed("obs", jumps)
         if values is not None:
             metrics["critic/value"] = rm.masked_sum_count(values["values"], batch["action_mask"])
         new = state.replace(
