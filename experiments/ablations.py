@@ -92,6 +92,13 @@ def table_main(
     they run one after the other into the one sweep dir, `write` gets the tuple and every
     result. A bad flag exits 2 with one line."""
 
+    def chosen(exp: Experiment):
+        """The mode's sweep (or tuple of sweeps) with the seeds and rows `exp` chose."""
+        specs = sweep_of(exp.mode)
+        if isinstance(specs, sweep.SweepSpec):
+            return exp.chosen(specs)
+        return tuple(exp.chosen(s) for s in specs)
+
     @cli.guard
     def main(argv):
         if len(argv) > 1:
@@ -99,16 +106,13 @@ def table_main(
         if FROM_RUNS.value:  # the committed runs, nothing trained
             results, header = audit.read_runs(FROM_RUNS.value)
             exp = dataclasses.replace(experiment(), **header.settings)
-            spec = exp.chosen(sweep_of(exp.mode))
-            exp.write(name, write(exp, spec, results, header.wall_s))
+            exp.write(name, write(exp, chosen(exp), results, header.wall_s))
             return
         exp = experiment()
-        specs = sweep_of(exp.mode)
-        if isinstance(specs, sweep.SweepSpec):
-            spec = exp.chosen(specs)
+        spec = chosen(exp)
+        if isinstance(spec, sweep.SweepSpec):
             results, wall_s = exp.run(spec)
         else:
-            spec = tuple(exp.chosen(s) for s in specs)
             results, wall_s = exp.run_all(spec)
         if not exp.dry_run:
             recorder = audit.Recorder()
