@@ -193,7 +193,7 @@ def get_config(arg=None):
                 bin_steps=BIN_STEPS,
             )
         )
-        c.env.prompts = ConfigDict(dict(users=b["users"], n_topics=(1, 2)))
+        c.env.prompts = ConfigDict(dict(users=b["users"], n_topics=(1, 2), dialects=True))
         c.env.eval_size = 8 if arg.smoke else 48
         c.sft.error_rate = 0.5  # demos: the user's initial style half the time
         c.value_pretrain.lr = c.optim.critic.lr  # its own: the tracking rows change RL's

@@ -62,6 +62,26 @@ def test_privileged_tokens_replace_the_first_occurrence_in_the_prompt_only():
         )
 
 
+def test_a_hint_can_apply_at_every_occurrence():
+    tr = random_trajectories(1, 0)[0]
+    tokens = np.asarray(TOK.encode("u3:a b\nx y z"), np.int32)
+    tr = dataclasses.replace(
+        tr,
+        tokens=tokens,
+        action_mask=np.array([False] * 7 + [True] * 5),
+        rollout_logp=np.zeros(12, np.float32),
+        sampled_logp=np.zeros(12, np.float32),
+        versions=np.zeros(12, np.int32),
+        turn_ids=np.array([-1] * 7 + [0] * 5, np.int32),
+        turn_rewards=np.ones(1, np.float32),
+        info={"turn_infos": [{"critic_hint": (" ", "7", "all")}]},
+    )
+    assert TOK.decode(privileged_tokens(tr, TOK.encode)) == "u3:a7b\nx7y7z"
+    bad = dataclasses.replace(tr, info={"turn_infos": [{"critic_hint": (" ", "7", "everywhere")}]})
+    with pytest.raises(ValueError, match="'prompt' or 'all'"):
+        privileged_tokens(bad, TOK.encode)
+
+
 def test_batches_carry_critic_tokens_padded_and_packed():
     trajs = [_hinted(t, "1", ("1", "2")) for t in random_trajectories(8, 1)]
     critic = [privileged_tokens(t, TOK.encode) for t in trajs]

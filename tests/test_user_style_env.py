@@ -53,7 +53,11 @@ def test_reward_is_payout_times_a_correct_line_of_the_current_target():
         env.reset(prompt)
         right = env.step(_line(prompt, target))
         assert right.done and right.reward == 0.5 and right.info["success"], step
-        assert right.info["log"] == log and right.info["critic_hint"] == (":", U.HINTS[target])
+        assert right.info["log"] == log and right.info["critic_hint"] == (
+            " ",
+            U.HINTS[target],
+            "all",
+        )
         env.reset(prompt)
         wrong = env.step(_line(prompt, "cute"))  # another user's style is worth nothing
         assert wrong.reward == 0.0 and not wrong.info["success"]
@@ -78,3 +82,27 @@ def test_registered_task_shares_one_schedule_and_validates_params():
         registry.get_task("user_style").prompts(people=2)
     demo = registry.get_task("user_style").demonstrations(sample(rng), rng)
     assert [m for _, m in demo] == [False, True]
+
+
+def test_dialects_judge_each_user_by_its_own_markers():
+    sched = U.UserSchedule(((10,), (20,)))
+    env = U.UserStyleEnv(schedule=sched, payouts=(1.0, 1.0))
+    prompt = U.make_prompt(1, ("tea",), dialect=True)
+    rng = np.random.default_rng(0)
+    line = S.demonstration(prompt, rng, style="chuunibyou", lexicons=U.dialect_lexicons(1))
+    text = line[1][0]
+    assert all(w.startswith("z") for w in text.split() if w.strip("!.,~") in
+               {m for ms in U.dialect_lexicons(1).values() for m in ms})  # fmt: skip
+    env.reset(prompt)
+    assert env.step(text).info["success"]  # user 1 wants chuunibyou at step 0, in its dialect
+    env.reset(prompt)
+    plain = _line(U.make_prompt(1, ("tea",)), "chuunibyou")
+    assert not env.step(plain).info["success"]  # the plain words are another dialect's
+    demo = registry.get_task("user_style").demonstrations(prompt, rng, error_rate=0.0)
+    words = set(demo[1][0].replace(",", " ").replace(".", " ").split())
+    assert words & set(U.dialect_lexicons(1)["chuunibyou"])  # its initial style, its dialect
+    sample = registry.get_task("user_style").prompts(users=3, dialects=True, own_topics=True)
+    for p in (sample(rng) for _ in range(20)):
+        assert p.meta["dialect"] and set(p.meta["topics"]) <= set(U.user_topics(p.meta["user"], 3))
+    with pytest.raises(ValueError, match="users=13"):
+        registry.get_task("user_style").prompts(users=13, dialects=True)

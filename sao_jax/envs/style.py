@@ -192,14 +192,20 @@ def sample_prompt(rng: np.random.Generator, n_topics: tuple[int, int] = (1, 2)) 
 
 
 def demonstration(
-    prompt: Prompt, rng: np.random.Generator, *, style: str | None = None
+    prompt: Prompt,
+    rng: np.random.Generator,
+    *,
+    style: str | None = None,
+    lexicons: dict[str, Sequence[str]] | None = None,
 ) -> list[tuple[str, bool]]:
     """(text, is_model_turn) segments: the prompt, then one templated line in `style`
-    (uniform over STYLES when None) with three distinct markers of its lexicon."""
+    (uniform over STYLES when None) with three distinct markers of its lexicon
+    (`lexicons`, default LEXICONS)."""
+    lexicons = LEXICONS if lexicons is None else lexicons
     style = STYLES[int(rng.integers(len(STYLES)))] if style is None else style
-    if style not in LEXICONS:
-        raise ValueError(f"demonstration style={style!r}: one of {STYLES}")
-    lex = LEXICONS[style]
+    if style not in lexicons:
+        raise ValueError(f"demonstration style={style!r}: one of {sorted(lexicons)}")
+    lex = lexicons[style]
     a, b, c = (lex[i] for i in rng.choice(len(lex), size=3, replace=False))
     topics = " and ".join(prompt.meta.get("topics", ())) or "day"
     template = _TEMPLATES[int(rng.integers(len(_TEMPLATES)))]

@@ -52,9 +52,20 @@ from sao_jax.envs.registry import register_task
 STYLES = style.STYLES
 RECOVERY_STEPS = 20  # default: a user's first 20 steps after a switch are 'recovering'
 BIN_STEPS = 5  # default: success since a switch in bins of 5 steps
-HINT_AT = ":"  # the prompt character the critic of the ceiling row reads replaced
-HINTS = {"cute": "!", "chuunibyou": "?", "classical": "."}  # judged style -> what it reads
+HINT_AT = " "  # what the critic of the ceiling row reads replaced, at every occurrence
+HINTS = {"cute": "7", "chuunibyou": "8", "classical": "9"}  # judged style -> its digit
 USER_TAG = "u"
+DIALECT_LETTERS = "bzqxjvkwgfhp"  # user u's dialect prefixes every marker with letter u
+
+
+def dialect_lexicons(user: int) -> dict[str, tuple[str, ...]]:
+    """User `user`'s own marker words: style.LEXICONS with its dialect letter in front
+    (user 1: 'znya', 'zthee', ...), so that every marker of a line names its user."""
+    if not 0 <= user < len(DIALECT_LETTERS):
+        raise ValueError(f"user_style dialects: at most {len(DIALECT_LETTERS)} users, got {user}")
+    return {
+        s: tuple(DIALECT_LETTERS[user] + w for w in words) for s, words in style.LEXICONS.items()
+    }
 
 
 def staggered(
@@ -105,13 +116,14 @@ class UserSchedule(style.SharedStep):
         return None if k == 0 else step - self.switch_steps[user][k - 1]
 
 
-def make_prompt(user: int, topics: Sequence[str]) -> Prompt:
-    """uid `user_style:u<user>:<topics sorted, joined by +>`, text `u<user>:<topics>\\n`."""
+def make_prompt(user: int, topics: Sequence[str], dialect: bool = False) -> Prompt:
+    """uid `user_style:u<user>:<topics sorted, joined by +>`, text `u<user>:<topics>\\n`;
+    `dialect`: the user writes (and is judged) in its own dialect (`dialect_lexicons`)."""
     topics = tuple(sorted(topics))
     return Prompt(
         uid=f"user_style:{USER_TAG}{user}:" + "+".join(topics),
-        text=f"{USER_TAG}{user}{HINT_AT}{' '.join(topics)}\n",
-        meta={"topics": topics, "user": user},
+        text=f"{USER_TAG}{user}:{' '.join(topics)}\n",
+        meta={"topics": topics, "user": user, "dialect": dialect},
     )
 
 
@@ -126,6 +138,7 @@ def sample_prompt(
     users: int = 6,
     n_topics: tuple[int, int] = (1, 2),
     own_topics: bool = False,
+    dialects: bool = False,
 ) -> Prompt:
     """A user drawn uniformly, then topics as the style task draws them: from all topics,
     or with `own_topics` from the user's own pool (`user_topics`), so that the topic
@@ -137,7 +150,8 @@ def sample_prompt(
     if not 1 <= lo <= hi <= len(pool):
         raise ValueError(f"user_style n_topics={n_topics}: need 1 <= min <= max <= {len(pool)}")
     n = int(rng.integers(lo, hi + 1))
-    return make_prompt(user, [pool[i] for i in rng.choice(len(pool), size=n, replace=False)])
+    topics = [pool[i] for i in rng.choice(len(pool), size=n, replace=False)]
+    return make_prompt(user, topics, dialect=dialects)
 
 
 def success_bin(since: int, bin_steps: int) -> str:
@@ -171,6 +185,7 @@ class UserStyleEnv:
             raise ValueError("user_style recovery_steps and bin_steps: must be >= 1")
         self.schedule, self.payouts = schedule, tuple(float(p) for p in payouts)
         self.judge = style.LexiconJudge() if judge is None else judge
+        self._dialect_judges: dict[int, style.LexiconJudge] = {}
         self.recovery_steps, self.bin_steps = recovery_steps, bin_steps
         self.max_turn_chars = max_turn_chars
         self._prompt: Prompt | None = None
@@ -185,6 +200,11 @@ class UserStyleEnv:
                 f"user_style prompt {prompt.uid!r}: meta user {user!r} is not one of the "
                 f"{self.schedule.users} users"
             )
+        if prompt.meta.get("dialect") and not isinstance(self.judge, style.LexiconJudge):
+            raise ValueError(
+                f"user_style prompt {prompt.uid!r}: dialects need the lexicon judge "
+                "(env.params.judge='lexicon')"
+            )
         self._prompt = prompt
         return prompt.text
 
@@ -198,10 +218,10 @@ class UserStyleEnv:
         since = self.schedule.since_switch(user, step)
         info: dict[str, Any] = {
             "turn": 1, "user": user, "style": target, "step": step, "since_switch": since,
-            "truncated": False, "critic_hint": (HINT_AT, HINTS[target]),
+            "truncated": False, "critic_hint": (HINT_AT, HINTS[target], "all"),
         }  # fmt: skip
         scores = style.judge_turn(
-            self.judge, prompt, action_text, target, self.max_turn_chars, info
+            self._judge(prompt), prompt, action_text, target, self.max_turn_chars, info
         )
         if scores is None:
             return StepResult("", 0.0, True, info)
@@ -209,6 +229,16 @@ class UserStyleEnv:
         info.update(success=correct == 1.0, r_quality=scores[0], r_style=scores[1])
         info["log"] = self._log(correct, since, user)
         return StepResult("", self.payouts[user] * correct, True, info)
+
+    def _judge(self, prompt: Prompt) -> style.Judge:
+        """The run's judge, or for a prompt in its user's dialect (prompt.meta) a lexicon
+        judge of that dialect's markers."""
+        if not prompt.meta.get("dialect"):
+            return self.judge
+        user = prompt.meta["user"]
+        if user not in self._dialect_judges:
+            self._dialect_judges[user] = style.LexiconJudge(lexicons=dialect_lexicons(user))
+        return self._dialect_judges[user]
 
     def _log(self, correct: float, since: int | None, user: int) -> dict[str, float]:
         if since is None:
@@ -226,22 +256,27 @@ class UserStyleEnv:
 
 
 def task_prompts(**params: Any):
-    """`sample(rng)` of user-style prompts; params: users, n_topics, own_topics."""
-    unknown = set(params) - {"users", "n_topics", "own_topics"}
+    """`sample(rng)` of user-style prompts; params: users, n_topics, own_topics, dialects."""
+    unknown = set(params) - {"users", "n_topics", "own_topics", "dialects"}
     if unknown:
         raise ValueError(f"prompt_source: unknown user_style parameters {sorted(unknown)}")
     users = int(params.get("users", 6))
     n_topics = tuple(params.get("n_topics", (1, 2)))
     own = bool(params.get("own_topics", False))
-    if users < 1:
-        raise ValueError(f"user_style users={users}: need >= 1")
+    dialects = bool(params.get("dialects", False))
+    if users < 1 or (dialects and users > len(DIALECT_LETTERS)):
+        raise ValueError(
+            f"user_style users={users}: need >= 1 (<= {len(DIALECT_LETTERS)} with dialects)"
+        )
     smallest = min(len(user_topics(u, users)) for u in range(users)) if own else len(style.TOPICS)
     if not 1 <= n_topics[0] <= n_topics[1] <= smallest:
         raise ValueError(
             f"user_style n_topics={n_topics}: need 1 <= min <= max <= {smallest} (topics "
             f"{'of the smallest user pool' if own else 'in all'})"
         )
-    return functools.partial(sample_prompt, users=users, n_topics=n_topics, own_topics=own)
+    return functools.partial(
+        sample_prompt, users=users, n_topics=n_topics, own_topics=own, dialects=dialects
+    )
 
 
 def task_setup(params: dict[str, Any]) -> tuple[dict[str, Any], Callable]:
@@ -265,10 +300,12 @@ def _demonstration(prompt, rng, *, error_rate: float = 0.0):
     the critic is copied from already reads the user tag, and RL has the rest to learn."""
     if not 0.0 <= error_rate <= 1.0:
         raise ValueError(f"user_style demonstrations: error_rate={error_rate} not in [0, 1]")
-    own = initial_style(prompt.meta["user"])
+    user = prompt.meta["user"]
+    own = initial_style(user)
     others = [s for s in STYLES if s != own]
     pick = others[int(rng.integers(len(others)))] if rng.random() < error_rate else own
-    return style.demonstration(prompt, rng, style=pick)
+    lexicons = dialect_lexicons(user) if prompt.meta.get("dialect") else None
+    return style.demonstration(prompt, rng, style=pick, lexicons=lexicons)
 
 
 register_task(

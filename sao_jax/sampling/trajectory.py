@@ -183,13 +183,14 @@ def _place(batch, tr: Trajectory, row: int, start: int, segment: int) -> None:
 
 
 def privileged_tokens(tr: Trajectory, encode) -> np.ndarray:
-    """[n] the tokens a privileged critic reads: `tr.tokens` with the hint of the task
-    applied, `info["turn_infos"][-1]["critic_hint"] = (text, replacement)`: the first
-    occurrence of `encode(text)` before the first action token (in the prompt) replaced by
-    `encode(replacement)`, of the same token length, so positions stay aligned. A task
-    gives the hint to let a ceiling row's critic see what the policy cannot (e.g. the
-    current target of a moving reward); raises ValueError naming the trajectory when the
-    hint is missing or does not apply."""
+    """[n] the tokens a privileged critic reads: `tr.tokens` with the task's hint applied,
+    `info["turn_infos"][-1]["critic_hint"] = (text, replacement[, where])`: `encode(text)`
+    replaced by `encode(replacement)`, of the same token length so positions stay
+    aligned, at its first occurrence in the prompt (`where` 'prompt', the default) or at
+    every non-overlapping occurrence in the whole trajectory ('all': the hint is then
+    near every token, e.g. every space). A task gives the hint to let a ceiling row's
+    critic see what the policy cannot (the current target of a moving reward); raises
+    ValueError naming the trajectory when the hint is missing or does not apply."""
     turns = tr.info.get("turn_infos") or [{}]
     hint = turns[-1].get("critic_hint")
     where = f"trajectory {tr.prompt_uid!r}"
@@ -197,21 +198,28 @@ def privileged_tokens(tr: Trajectory, encode) -> np.ndarray:
         raise ValueError(
             f"rl.privileged_critic: {where} has no info['critic_hint'] (the task gives none)"
         )
-    text, replacement = hint
+    text, replacement, *scope = hint
+    scope = scope[0] if scope else "prompt"
     old, new = np.asarray(encode(text), np.int32), np.asarray(encode(replacement), np.int32)
-    if len(old) != len(new) or not len(old):
+    if len(old) != len(new) or not len(old) or scope not in ("prompt", "all"):
         raise ValueError(
-            f"rl.privileged_critic: {where}: hint {text!r} -> {replacement!r} must encode to "
-            f"the same number of tokens (got {len(old)} and {len(new)})"
+            f"rl.privileged_critic: {where}: hint {hint!r} must replace text by text of the "
+            f"same number of tokens (got {len(old)} and {len(new)}), 'prompt' or 'all'"
         )
-    prompt = tr.tokens[: int(np.argmax(tr.action_mask))]
-    starts = [
-        i for i in range(len(prompt) - len(old) + 1) if (prompt[i : i + len(old)] == old).all()
-    ]
-    if not starts:
-        raise ValueError(f"rl.privileged_critic: {where}: hint text {text!r} is not in its prompt")
-    out = tr.tokens.copy()
-    out[starts[0] : starts[0] + len(old)] = new
+    span = tr.tokens if scope == "all" else tr.tokens[: int(np.argmax(tr.action_mask))]
+    out, i, found = tr.tokens.copy(), 0, 0
+    while i + len(old) <= len(span):
+        if (span[i : i + len(old)] == old).all():
+            out[i : i + len(old)] = new
+            found += 1
+            if scope == "prompt":
+                break
+            i += len(old)
+        else:
+            i += 1
+    if not found:
+        place = "prompt" if scope == "prompt" else "tokens"
+        raise ValueError(f"rl.privileged_critic: {where}: hint text {text!r} is not in its {place}")
     return out
 
 
