@@ -21,8 +21,10 @@ Rows (`VARIANTS`; every row is `sao` with only the fields its name says changed)
                             paper's ~2 steps): how much a per-prompt baseline alone gives
   sao_lambda1               policy lambda 1 (no bootstrapping from a possibly stale critic)
   sao_policy_first          rl.order = 'policy_first' (advantages before the critic steps)
-  ceiling                   the critic reads the user's current target in place of the
-                            prompt's ':' (rl.privileged_critic): what tracking could give
+  ceiling                   the critic reads the user's current target as a digit in
+                            place of every space (rl.privileged_critic), and its value
+                            pretraining draws each episode's target at random (so that it
+                            learns to read the digit): what tracking could give
   track_<factors>           the critic-tracking sweep: a half fraction (I = ABCD) of critic
                             lr x4, K = 4, trained attention, no critic clip
 The previous design (one global style switch, sao_jax/envs/style.py) is the variant
@@ -48,7 +50,7 @@ from sao_jax.envs.user_style import BIN_STEPS, RECOVERY_STEPS, staggered
 from sao_jax.sweep import SweepSpec, set_field
 
 PAPER_WINDOW = 128  # rewards in the paper's moving average (its batch: 128 prompts)
-WINDOW_STEPS = (1, 4, 8, 16, 32)  # other windows, in steps of rewards (x rl.batch_size)
+WINDOW_STEPS = (1, 4, 8, 32)  # other windows, in steps of rewards (x rl.batch_size)
 USERS = 6
 PAYOUTS = (1.0, 0.75, 0.5, 0.5, 0.75, 1.0)  # the quality factor of user u (style-free)
 
@@ -99,7 +101,7 @@ USER_VARIANTS: dict[str, dict[str, Any]] = {
     },
     "sao_lambda1": {"rl.lam_mode": "fixed", "rl.lam_fixed": 1.0},
     "sao_policy_first": {"rl.order": "policy_first"},
-    "ceiling": {"rl.privileged_critic": True},
+    "ceiling": {"rl.privileged_critic": True, "env.params.pretrain_targets": "uniform"},
     **TRACK_CELLS,
 }
 GLOBAL_VARIANTS: dict[str, dict[str, Any]] = {
@@ -132,13 +134,13 @@ USER_BUDGETS = {
         rows=("sao", "moving_average", "ceiling"), tracking_rows=("sao", "track_lr_k"),
     ),
     "quick": dict(
-        seeds=(0, 1), tracking_seeds=(0,), steps=100, first=30, stagger=6, period=40,
+        seeds=(0, 1), tracking_seeds=(0,), steps=100, first=20, stagger=5, period=40,
         users=USERS, rows=("sao", "moving_average", "moving_average_w32", "ceiling"),
         tracking_rows=("sao", "track_lr_k"),
     ),
     "full": dict(
-        seeds=tuple(range(10)), tracking_seeds=tuple(range(5)), steps=160, first=40,
-        stagger=8, period=60, users=USERS, rows=MAIN_ROWS, tracking_rows=TABLES["tracking"],
+        seeds=tuple(range(10)), tracking_seeds=tuple(range(5)), steps=130, first=30,
+        stagger=6, period=50, users=USERS, rows=MAIN_ROWS, tracking_rows=TABLES["tracking"],
     ),
 }  # fmt: skip
 # The previous design: phases of 50 steps (docs/experiments.md, "Budgets").
@@ -191,6 +193,7 @@ def get_config(arg=None):
                 payouts=PAYOUTS[: b["users"]],
                 recovery_steps=RECOVERY_STEPS,
                 bin_steps=BIN_STEPS,
+                pretrain_targets="schedule",  # value pretraining judges the schedule's start
             )
         )
         c.env.prompts = ConfigDict(dict(users=b["users"], n_topics=(1, 2), dialects=True))

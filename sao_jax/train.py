@@ -37,6 +37,7 @@ from sao_jax import config as config_lib
 from sao_jax.data.pipeline import run_prompts
 from sao_jax.data.prompts import prompt_iterator
 from sao_jax.defaults import default_config
+from sao_jax.envs.registry import PRETRAIN_STEP
 from sao_jax.models.transformer import Policy, critic_params_from_policy
 from sao_jax.parallel import distributed
 from sao_jax.parallel.mesh import Sharder
@@ -273,7 +274,7 @@ class Run:
         prompts = distributed.process_shard(run_prompts(cfg, seed=seed)[0])
         args = (self.sampler_def, self.tokenizer, self.env_factory, iter(prompts.to_iter_dataset()))
         if self.set_env_step is not None:
-            self.set_env_step(0)
+            self.set_env_step(PRETRAIN_STEP)
         if vp.sampler == "sync":
             source = SyncRollouts(
                 *args, self.engine_cfg, seed=seed, **self.take_bounds, **self.pool

@@ -86,7 +86,7 @@ def test_online_shift_rows_change_only_the_fields_their_names_say():
         },
         "sao_lambda1": {"rl.lam_mode", "rl.lam_fixed"},
         "sao_policy_first": {"rl.order"},
-        "ceiling": {"rl.privileged_critic"},
+        "ceiling": {"rl.privileged_critic", "env.params.pretrain_targets"},
         "track_lr_k": {"optim.critic.lr", "rl.k_critic"},
         "track_attn_noclip": {"optim.critic.freeze_attention", "optim.critic.max_grad_norm"},
         "track_lr_k_attn_noclip": {

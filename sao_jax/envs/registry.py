@@ -31,7 +31,8 @@ Interfaces of a task's callables:
   demonstrations(prompt, rng, error_rate=...) -> [(text, is_model_turn), ...]
   setup(params) -> (params, set_step) optional: shared per-run objects (a schedule) put
                                        into env params, and a hook the trainer calls with
-                                       the policy step (non-stationary tasks), or None
+                                       the policy step (non-stationary tasks), or None;
+                                       value pretraining calls it with PRETRAIN_STEP (-1)
 
 `make_env("arithmetic", max_turns=4)` builds one env; `env_factory(name, params, chat)`
 builds a run's factory of fresh envs (one per sampler slot).
@@ -46,6 +47,9 @@ from typing import Any
 
 from sao_jax.envs.base import Env, Prompt
 from sao_jax.registry import Registry, RegistryError
+
+PRETRAIN_STEP = -1  # the step value pretraining judges at: a schedule's start (step 0) for
+# every task, unless a task gives pretraining its own law (user_style's pretrain_targets)
 
 # Modules whose import registers the built-in tasks and rewards (each registers its own).
 BUILTIN_TASKS = (

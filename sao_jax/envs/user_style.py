@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,11 +48,14 @@ import numpy as np
 
 from sao_jax.envs import style
 from sao_jax.envs.base import Prompt, StepResult
-from sao_jax.envs.registry import register_task
+from sao_jax.envs.registry import PRETRAIN_STEP, register_task
 
 STYLES = style.STYLES
 RECOVERY_STEPS = 20  # default: a user's first 20 steps after a switch are 'recovering'
 BIN_STEPS = 5  # default: success since a switch in bins of 5 steps
+PRETRAIN_TARGETS = ("schedule", "uniform")  # value pretraining's targets: the schedule's
+# start, or a style drawn per episode (a privileged critic must then read the hint: with
+# the schedule's start, each user's target is fixed and its words alone predict the value)
 HINT_AT = " "  # what the critic of the ceiling row reads replaced, at every occurrence
 HINTS = {"cute": "7", "chuunibyou": "8", "classical": "9"}  # judged style -> its digit
 USER_TAG = "u"
@@ -127,6 +131,12 @@ def make_prompt(user: int, topics: Sequence[str], dialect: bool = False) -> Prom
     )
 
 
+def _stable_draw(*keys: str, n: int) -> int:
+    """A draw in [0, n) fixed by `keys` (the same episode is always judged alike)."""
+    digest = hashlib.blake2b("\x00".join(keys).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % n
+
+
 def user_topics(user: int, users: int) -> tuple[str, ...]:
     """The topics user `user` writes about when users have topics of their own: every
     `users`-th topic of style.TOPICS from the user's index (disjoint pools)."""
@@ -174,6 +184,7 @@ class UserStyleEnv:
         judge: style.Judge | None = None,
         recovery_steps: int = RECOVERY_STEPS,
         bin_steps: int = BIN_STEPS,
+        pretrain_targets: str = "schedule",
         max_turn_chars: int = 256,
     ) -> None:
         if len(payouts) != schedule.users or not all(0 < p <= 1 for p in payouts):
@@ -183,6 +194,11 @@ class UserStyleEnv:
             )
         if recovery_steps < 1 or bin_steps < 1:
             raise ValueError("user_style recovery_steps and bin_steps: must be >= 1")
+        if pretrain_targets not in PRETRAIN_TARGETS:
+            raise ValueError(
+                f"user_style pretrain_targets={pretrain_targets!r}: one of {PRETRAIN_TARGETS}"
+            )
+        self.pretrain_targets = pretrain_targets
         self.schedule, self.payouts = schedule, tuple(float(p) for p in payouts)
         self.judge = style.LexiconJudge() if judge is None else judge
         self._dialect_judges: dict[int, style.LexiconJudge] = {}
@@ -215,6 +231,8 @@ class UserStyleEnv:
         user = prompt.meta["user"]
         step = self.schedule.step
         target = self.schedule.style_at(user, step)
+        if step == PRETRAIN_STEP and self.pretrain_targets == "uniform":
+            target = STYLES[_stable_draw(prompt.uid, str(action_text), n=len(STYLES))]
         since = self.schedule.since_switch(user, step)
         info: dict[str, Any] = {
             "turn": 1, "user": user, "style": target, "step": step, "since_switch": since,
