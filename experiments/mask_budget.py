@@ -16,13 +16,16 @@ r"""Fixed band vs entropy-scaled band at a matched mask budget: DIS, ESTR and Ic
    rule's paired difference from DIS with Holm within the table.
 The pilots use the mode's seeds whatever --seeds says, so that added seeds run at the same
 calibrated parameters. --dry_run prints the pilots' commands, or the budget sweep's once a
-calibration file exists in --out_dir. Flags: see experiments/ablations.py.
+calibration file exists in --out_dir. --from_runs=<out>/mask_budget_runs.jsonl rebuilds
+the report from committed runs and the calibration file beside them, training nothing.
+Flags: see experiments/ablations.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import pathlib
 
 from absl import app
 
@@ -40,10 +43,21 @@ def pilot_workdirs(exp, mode: str) -> list:
     return [exp.sweep_path / p.name for p in sweep.expand(spec)]
 
 
+def calibration_path(exp) -> pathlib.Path:
+    """The calibration file: beside the runs file a table is regenerated from
+    (--from_runs), else in --out_dir."""
+    if abl.FROM_RUNS.value:
+        return pathlib.Path(abl.FROM_RUNS.value).parent / CALIBRATION_FILE
+    return exp.out_path / CALIBRATION_FILE
+
+
 def sweep_of(mode: str) -> sweep.SweepSpec:
-    """Runs (or reuses) the pilots, calibrates, returns the budget sweep (step 3)."""
+    """Runs (or reuses) the pilots, calibrates, returns the budget sweep (step 3); with
+    --from_runs, only the budget sweep of the committed calibration (nothing runs)."""
     exp = abl.experiment()
-    path = exp.out_path / CALIBRATION_FILE
+    path = calibration_path(exp)
+    if abl.FROM_RUNS.value:
+        return ablations_cfg.get_sweep(f"table=mask_budget,mode={mode},calibration={path}")
     pilot = ablations_cfg.get_sweep(f"table=mask_pilot,mode={mode}")
     if exp.dry_run:  # the pilots' commands; the budget sweep's if a calibration exists
         if path.is_file():
@@ -65,7 +79,7 @@ def sweep_of(mode: str) -> sweep.SweepSpec:
 
 
 def write(exp, spec, results, wall_s: float) -> str:
-    path = exp.out_path / CALIBRATION_FILE
+    path = calibration_path(exp)
     budgets = ablations_cfg.MASK_BUDGETS[exp.mode]
     levels = mb.read_levels(path, budgets)
     return mask_budget.report(

@@ -53,6 +53,15 @@ def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path):
     assert "## Is t_collapse x lr constant?" in text
     assert "not estimable" in text  # one lr, one S and a 3-step budget: nothing to fit
 
+    # both tables regenerate from their committed runs files, nothing trained (the mask
+    # budget's calibration is read beside its runs file)
+    regen = tmp_path / "regen"
+    for name in ("mask_budget", "staleness_law"):
+        _experiment(name, tmp_path / "no_sweep", regen, f"--from_runs={out / name}_runs.jsonl")
+        strip = lambda t: [x for x in t.splitlines() if "wall time" not in x and "command" not in x]
+        assert strip((regen / f"{name}.md").read_text()) == strip((out / f"{name}.md").read_text())
+    assert not (tmp_path / "no_sweep").exists()
+
 
 def test_full_mode_dry_runs_list_the_pilots_then_the_grid(tmp_path):
     """Full mode, nothing run: the mask budget's pilots (the budget sweep's commands need
