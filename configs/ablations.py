@@ -21,6 +21,10 @@ name says changed (`VARIANTS`; tests/test_ablations_config.py diffs them field b
   step_mean            rl.advantage = 'step_mean' (one value per turn: mean of its tokens)
   step_last            rl.advantage = 'step_last' (one value per turn: its last token)
   cross_observation    rl.advantage = 'cross_observation' (GAE through observation tokens)
+  estr                 rl.policy_loss = 'estr' (keep iff |log r| <= sqrt(tau (H + eps)))
+  icepop               rl.policy_loss = 'icepop' (IcePop's band on pi_old / pi_rollout; with
+                       SAO's one step per batch pi_old is the current policy and the PPO
+                       clip never binds: a fixed band in r, weighted by r, as DIS)
 
   python -m experiments.train --config=configs/ablations.py:grpo --workdir=workdirs/grpo
   python -m experiments.train --config=configs/ablations.py:step_last,smoke,seed=1 \
@@ -28,8 +32,12 @@ name says changed (`VARIANTS`; tests/test_ablations_config.py diffs them field b
 
 Variant keys (`:a,b=1`): one row name (default sao), smoke, sync, seed=N.
 
-`get_sweep('table=table4|gae|staleness_lr|baseline_ceiling,mode=smoke|quick|full')`
-returns the experiment's sao_jax.sweep.SweepSpec (docs/experiments.md has the budgets).
+`get_sweep('table=table4|gae|staleness_lr|baseline_ceiling|staleness_law|mask_pilot,
+mode=smoke|quick|full')` returns the experiment's sao_jax.sweep.SweepSpec
+(docs/experiments.md has the budgets); `get_sweep('table=mask_budget,mode=...,
+calibration=<file>')` the matched-mask-budget table, its rules' parameters read from the
+calibration file experiments/mask_budget.py writes from the `mask_pilot` runs' token dumps
+(sao_jax/rl/mask_budget.py).
 
 Why the per-level row keeps a window of 128 per level. The level is what a per-prompt
 baseline would know here (alone it explains about half the return's variance, README),
@@ -49,6 +57,7 @@ from typing import Any
 
 from sao_jax.config import ConfigError, parse_arg
 from sao_jax.configs import sao
+from sao_jax.rl import mask_budget
 from sao_jax.sweep import SweepSpec, axis, set_field
 
 # The PPO rows' loop, as veRL and OpenRLHF run it by default: the batch split into 4
@@ -80,6 +89,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "step_mean": {"rl.advantage": "step_mean"},
     "step_last": {"rl.advantage": "step_last"},
     "cross_observation": {"rl.advantage": "cross_observation"},
+    "estr": {"rl.policy_loss": "estr"},
+    "icepop": {"rl.policy_loss": "icepop"},
 }
 
 TABLES = {
@@ -102,6 +113,9 @@ TABLES = {
         "moving_average_160",
         "moving_average_per_level",
     ),
+    "staleness_law": ("sao", "vanilla_vapo"),  # the same pair, more learning rates
+    "mask_pilot": ("sao",),  # DIS at its default band: the batches calibration reads
+    "mask_budget": ("sao", "estr", "icepop"),  # each keep rule at matched mask budgets
 }
 # Smoke mode (the test suite) runs one row per code path: critic + DIS, groups + PPO
 # clip, step-level values.
@@ -110,6 +124,9 @@ SMOKE_ROWS = {
     "gae": ("sao", "step_last"),
     "staleness_lr": TABLES["staleness_lr"],
     "baseline_ceiling": ("sao", "moving_average_per_level"),  # + the keyed baseline
+    "staleness_law": TABLES["staleness_law"],
+    "mask_pilot": TABLES["mask_pilot"],
+    "mask_budget": ("sao", "estr"),  # icepop's extra code path is its pi_old forward
 }
 MODES = ("smoke", "quick", "full")
 
@@ -141,6 +158,37 @@ STALENESS = {"smoke": (1,), "quick": (8,), "full": (0, 8)}
 POLICY_LRS = {"smoke": (1e-4,), "quick": (1e-4, 1e-3), "full": (1e-4, 1e-3)}
 STALENESS_STEPS = {"smoke": 2, "quick": 30, "full": 40}
 STALENESS_SEEDS = {"smoke": (0,), "quick": (0,), "full": (0, 1, 2, 3, 4)}
+# staleness_law: the same pair over more learning rates, each cell run until most runs
+# without DIS collapse (the full staleness grid: at S = 8 and lr 1e-3 4/5 of them by
+# step 16-28, 2/5 with DIS) so that the collapse step can be read against lr; S = 2 and 8
+# so that S x lr varies in both factors. Logged every step (collapse resolution); the
+# level `log_every=1` also keeps these points' names apart from the staleness grid's.
+LAW_STALENESS = {"smoke": (1,), "quick": (8,), "full": (2, 8)}
+LAW_LRS = {"smoke": (1e-3,), "quick": (1e-3, 4e-3), "full": (5e-4, 1e-3, 2e-3, 4e-3)}
+LAW_STEPS = {"smoke": 3, "quick": 30, "full": 40}
+# mask_budget: DIS (symmetric band), ESTR and IcePop, each calibrated to mask the same
+# share of the action tokens of the same batches, at the staleness grid's S = 8 and high
+# lr 1e-3 (where the default DIS band masks 7% over a run and collapses come within 40
+# steps). The calibration batches are the first ones that can carry the full staleness
+# S: steps S + 1 ... S + 4 of a DIS pilot run per seed (step 1, staleness 0, is dumped
+# too: there every ratio is 1 up to rounding, so no budget can be set on it).
+MASK_CELL = {"smoke": (1, 1e-3), "quick": (8, 1e-3), "full": (8, 1e-3)}  # (S, lr)
+MASK_BUDGETS = {"smoke": (0.05,), "quick": (0.05,), "full": (0.01, 0.05)}
+MASK_STEPS = {"smoke": 2, "quick": 30, "full": 60}
+MASK_RULES = {"dis": "sao", "estr": "estr", "icepop": "icepop"}  # rule -> row
+# The pilot logs every step; its held-out score is not read (8 prompts).
+PILOT_FIXED = {"train.log_every": 1, "env.eval_size": 8}
+
+
+def calibration_steps(mode: str) -> tuple[int, ...]:
+    """The steps whose batches the mask budget is calibrated on: S + 1 ... S + 4."""
+    s = MASK_CELL[mode][0]
+    return tuple(range(s + 1, s + 5)) if mode != "smoke" else (s + 1,)
+
+
+def pilot_dump_steps(mode: str) -> tuple[int, ...]:
+    """Steps the pilot dumps: 1 (no staleness yet) and the calibration steps."""
+    return tuple(sorted({1, *calibration_steps(mode)}))
 
 
 def get_config(arg=None):
@@ -174,8 +222,20 @@ def budget_overrides(budget: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _batch(mode: str) -> int:
+    return 8 if mode == "smoke" else sao.get_config().rl.batch_size
+
+
+def _budget(fixed: dict[str, Any], steps: int, **more: Any) -> dict[str, Any]:
+    """`fixed` with a `steps` RL budget and one evaluation at its end, plus `more`
+    (dotted field -> value)."""
+    fixed = dict(fixed, **{"train.total_steps": steps}, **more)
+    fixed["train.eval_every"] = fixed["train.checkpoint_every"] = steps
+    return fixed
+
+
 def get_sweep(arg=None) -> SweepSpec:
-    arg = parse_arg(arg, table="table4", mode="quick")
+    arg = parse_arg(arg, table="table4", mode="quick", calibration="")
     if arg.table not in TABLES:
         raise ConfigError(f"get_sweep table={arg.table!r}: one of {sorted(TABLES)}")
     if arg.mode not in MODES:
@@ -183,17 +243,20 @@ def get_sweep(arg=None) -> SweepSpec:
     b = BUDGETS[arg.mode]
     fixed = budget_overrides(b)
     common = "smoke" if arg.mode == "smoke" else ""
+    rows = (SMOKE_ROWS if arg.mode == "smoke" else TABLES)[arg.table]
+    if arg.table in ("mask_pilot", "mask_budget", "staleness_law"):
+        return _open_question_sweep(arg, rows, fixed, common)
     if arg.table != "staleness_lr":
         ceiling = arg.table == "baseline_ceiling"
         return SweepSpec(
             name=arg.table,
             config="configs/ablations.py",
-            variants=(SMOKE_ROWS if arg.mode == "smoke" else TABLES)[arg.table],
+            variants=rows,
             seeds=CEILING_SEEDS[arg.mode] if ceiling else b["seeds"],
             fixed=fixed,
             common_arg=common,
         )
-    batch = 8 if arg.mode == "smoke" else sao.get_config().rl.batch_size
+    batch = _batch(arg.mode)
     staleness = tuple(staleness_level(s, batch) for s in STALENESS[arg.mode])
     fixed["train.total_steps"] = STALENESS_STEPS[arg.mode]
     fixed["train.eval_every"] = fixed["train.checkpoint_every"] = STALENESS_STEPS[arg.mode]
@@ -205,5 +268,50 @@ def get_sweep(arg=None) -> SweepSpec:
         seeds=STALENESS_SEEDS[arg.mode],
         grid=(staleness, axis("optim.policy.lr", POLICY_LRS[arg.mode])),
         fixed=fixed,
+        common_arg=common,
+    )
+
+
+def _open_question_sweep(arg, rows, fixed, common) -> SweepSpec:
+    """The sweeps of experiments/staleness_law.py and experiments/mask_budget.py."""
+    mode, batch = arg.mode, _batch(arg.mode)
+    if arg.table == "staleness_law":
+        return SweepSpec(
+            name="staleness_law",
+            config="configs/ablations.py",
+            variants=rows,
+            seeds=STALENESS_SEEDS[mode],
+            grid=(
+                tuple(staleness_level(s, batch) for s in LAW_STALENESS[mode]),
+                axis("optim.policy.lr", LAW_LRS[mode]),
+                axis("train.log_every", (1,)),
+            ),
+            fixed=_budget(fixed, LAW_STEPS[mode]),
+            common_arg=common,
+        )
+    s, lr = MASK_CELL[mode]
+    cell = ((staleness_level(s, batch),), axis("optim.policy.lr", (lr,)))
+    if arg.table == "mask_pilot":  # eval_size: the pilot's held-out score is not read
+        return SweepSpec(
+            name="mask_pilot",
+            config="configs/ablations.py",
+            variants=rows,
+            seeds=STALENESS_SEEDS[mode],
+            grid=(*cell, axis("train.token_dump_steps", (pilot_dump_steps(mode),))),
+            fixed=_budget(fixed, max(pilot_dump_steps(mode)), **PILOT_FIXED),
+            common_arg=common,
+        )
+    if not arg.calibration:
+        raise ConfigError(
+            "get_sweep table=mask_budget: needs calibration=<file>, the rules' parameters "
+            "calibrated on the mask_pilot runs (experiments/mask_budget.py writes it)"
+        )
+    return SweepSpec(
+        name="mask_budget",
+        config="configs/ablations.py",
+        variants=rows,
+        seeds=STALENESS_SEEDS[mode],
+        grid=(*cell, mask_budget.read_levels(arg.calibration, MASK_BUDGETS[mode])),
+        fixed=_budget(fixed, MASK_STEPS[mode], **{"train.log_every": 1}),
         common_arg=common,
     )

@@ -321,6 +321,8 @@ def train_section() -> ConfigDict:
     # (NoProgress, exit 2); bounds every rollouts wait and an evaluation's silence too
     c.report = True  # write report.md + plots at the end
     c.progress = True  # terminal progress bar
+    c.token_dump_steps = ()  # steps whose batch's per-token log-ratio, entropy and
+    # staleness go to <workdir>/token_dump/step=<n>.npz (sao_jax/run/token_dump.py)
     c.samples_per_log = 4  # decoded rollouts per log step in <workdir>/samples.jsonl and
     # TensorBoard's TEXT tab (sao_jax/report/samples.py); 0 = none
     c.wandb_project = ""  # Weights & Biases project to log metrics to ("" = off; needs

@@ -50,7 +50,7 @@ from sao_jax.report.samples import SampleWriter
 from sao_jax.report.startup import startup_lines
 from sao_jax.rl.update import Learner
 from sao_jax.run import accounting as acct
-from sao_jax.run import preflight, value_pretrain
+from sao_jax.run import preflight, token_dump, value_pretrain
 from sao_jax.run.evaluation import Evaluator
 from sao_jax.run.inputs import Inputs, build_models, read_inputs, resolved_config
 from sao_jax.run.settings import check_run
@@ -522,6 +522,9 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
                 state, m = learner.value_step(state, batch, r._key(state))  # critic warm-up
                 acc.add(m)
                 continue
+            if int(state.step) + 1 in t.token_dump_steps:  # before the update donates it
+                probe = jax.device_get(learner.token_probe(state, batch))
+                token_dump.write(r.workdir, int(state.step) + 1, probe, batch["action_mask"])
             state, m = learner.update_step(state, batch, r._key(state))
             # weight sync, dispatched behind the update: the pool keeps decoding the
             # previous version until this one has landed

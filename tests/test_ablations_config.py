@@ -1,5 +1,6 @@
 """The ablation rows differ from SAO only in the fields their names say; sweeps validate."""
 
+import numpy as np
 import pytest
 
 from configs import ablations, online_shift, sao
@@ -7,6 +8,7 @@ from sao_jax import config as config_lib
 from sao_jax import sweep
 from sao_jax.checkpointing.workdir import flatten_config
 from sao_jax.config import ConfigError
+from sao_jax.rl import mask_budget
 
 
 def _flat(c) -> dict:
@@ -141,7 +143,12 @@ def _point_config(point: sweep.Point):
     )
 
 
-SWEEPS = [(ablations, f"table={t},mode={m}") for t in ablations.TABLES for m in ablations.MODES] + [
+SWEEPS = [
+    (ablations, f"table={t},mode={m}")
+    for t in ablations.TABLES
+    for m in ablations.MODES
+    if t != "mask_budget"  # needs a calibration file: test_mask_budget_sweep_...
+] + [
     (online_shift, f"table={t},mode={m},design={d}")
     for t in online_shift.TABLES
     for m in online_shift.MODES
@@ -174,3 +181,54 @@ def test_full_tables_have_five_seeds_and_share_sao_runs():
     sao4 = {p.name: p for p in sweep.expand(t4) if p.variant == "sao"}
     sao5 = {p.name: p for p in sweep.expand(gae) if p.variant == "sao"}
     assert sao4 == sao5  # one set of SAO runs serves both tables
+
+
+def _calibration(path, mode):
+    """A calibration file for `mode`'s budgets, from random tokens."""
+    rng = np.random.default_rng(0)
+    lr, h = rng.normal(0, 0.1, 2000), rng.exponential(0.5, 2000)
+    cals = [
+        mask_budget.calibrate(r, lr, h, f)
+        for f in ablations.MASK_BUDGETS[mode]
+        for r in mask_budget.RULES
+    ]
+    return mask_budget.write_calibration(path, cals, {})
+
+
+@pytest.mark.parametrize("mode", ablations.MODES)
+def test_mask_budget_sweep_sets_each_rule_to_its_calibrated_band(tmp_path, mode):
+    path = _calibration(tmp_path / "cal.json", mode)
+    spec = ablations.get_sweep(f"table=mask_budget,mode={mode},calibration={path}")
+    points = sweep.expand(spec)
+    seeds, budgets = len(spec.seeds), len(ablations.MASK_BUDGETS[mode])
+    assert len(points) == len(spec.variants) * budgets * seeds
+    levels = mask_budget.read_levels(path, ablations.MASK_BUDGETS[mode])
+    s, lr = ablations.MASK_CELL[mode]
+    for p in points:
+        c = _point_config(p)
+        assert (c.sampling.max_staleness, c.optim.policy.lr, c.train.log_every) == (s, lr, 1)
+        loss = c.rl.policy_loss
+        assert loss == {"sao": "dis", "estr": "estr", "icepop": "icepop"}[p.variant]
+        level = next(lv for lv in levels if all(dict(p.overrides)[k] == v for k, v in lv.items()))
+        own = {k.rsplit(".", 1)[1]: v for k, v in level.items() if f".{loss}." in k}
+        assert {k: c.rl.losses[loss][k] for k in own} == own
+    with pytest.raises(ConfigError, match="needs calibration"):
+        ablations.get_sweep(f"table=mask_budget,mode={mode}")
+
+
+def test_open_question_sweeps_keep_their_names_apart_and_share_warm_starts():
+    names = {}
+    for table in ("staleness_lr", "staleness_law", "mask_pilot"):
+        for mode in ablations.MODES:
+            for p in sweep.expand(ablations.get_sweep(f"table={table},mode={mode}")):
+                assert names.setdefault(p.name, table) == table, p.name  # no shared names
+    law = ablations.get_sweep("table=staleness_law,mode=full")
+    pilot = ablations.get_sweep("table=mask_pilot,mode=full")
+    t4 = ablations.get_sweep("table=table4,mode=full")
+    for spec in (law, pilot):
+        assert spec.seeds == t4.seeds
+        assert sweep.warm_start_name(spec, 0) == sweep.warm_start_name(t4, 0)
+        assert sweep.warm_start_point(spec, 0) == sweep.warm_start_point(t4, 0)
+    assert ablations.pilot_dump_steps("full") == (1, 9, 10, 11, 12)
+    c = _point_config(sweep.expand(pilot)[0])
+    assert c.train.token_dump_steps == (1, 9, 10, 11, 12) and c.train.total_steps == 12

@@ -2,46 +2,17 @@
 2-4 steps, one seed), one shared sweep dir so runs are reused across scripts."""
 
 import json
-import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from tests.experiment_support import ROOT
+from tests.experiment_support import check_report as _check_report
+from tests.experiment_support import env as _env
+from tests.experiment_support import run_experiment as _experiment
+
 pytestmark = pytest.mark.slow
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAKE_DEVICES = "--xla_force_host_platform_device_count=8"
-
-
-def _env() -> dict[str, str]:
-    # The runs need no fake devices (conftest sets 8 for in-process tests): one CPU
-    # device compiles faster.
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAKE_DEVICES, "").strip()
-    return env
-
-
-def _experiment(module: str, sweep_dir, out_dir, *extra: str) -> str:
-    argv = [sys.executable, "-m", f"experiments.{module}", "--mode=smoke", *extra]
-    argv += [f"--sweep_dir={sweep_dir}", f"--out_dir={out_dir}"]
-    proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
-def _check_report(out_dir: pathlib.Path, name: str, rows: list[str]) -> str:
-    text = (out_dir / f"{name}.md").read_text()
-    assert "Runs that did not finish" not in text, text
-    assert "- command: `python -m experiments." in text
-    for row in rows:
-        assert f"| {row} |" in text, (row, text)
-    for line in text.splitlines():
-        if line.startswith("!["):
-            png = out_dir / line.split("(", 1)[1].rstrip(")")
-            assert png.read_bytes()[:4] == b"\x89PNG", png
-    return text
 
 
 def test_ablations_gae_and_staleness_share_one_sweep(tmp_path):

@@ -150,6 +150,7 @@ class Learner:
             )
         self.update_step = jit(self._update_step)
         self.value_step = jit(self._value_step)
+        self.token_probe = jax.jit(self._token_probe)  # compiled on first use only
         self._jit_init = jax.jit(
             self.init_state,
             static_argnames="seed",
@@ -280,6 +281,27 @@ class Learner:
         fn = lambda mb: P.policy_pass(model, mb, replay=self.rl.routing_replay)["logp"]
         out = P.map_microbatches(fn, batch, self.rl.microbatches, self.sharder)
         return jax.lax.stop_gradient(out)
+
+    def _token_probe(self, state: TrainState, batch) -> dict[str, jax.Array]:
+        """What the policy loss of this update sees per token, no gradient, [B, T] each
+        (0 off action tokens): `log_ratio` = log pi(policy in `state`) - rollout_logp (the
+        log r that dis / estr compare with their bands, and icepop's log k: pi_old is the
+        same policy here), `entropy` of that policy, and `staleness` (policy versions).
+        The token dump of sao_jax/run/token_dump.py; called before `update_step`, which
+        donates the state."""
+        model = self.policy_def.bind(state.policy)
+
+        def fn(mb):
+            out = P.policy_pass(model, mb, replay=self.rl.routing_replay)
+            return dict(logp=out["logp"], entropy=out["entropy"])
+
+        out = P.map_microbatches(fn, batch, self.rl.microbatches, self.sharder)
+        m = batch["action_mask"]
+        return dict(
+            log_ratio=jnp.where(m, out["logp"] - batch["rollout_logp"], 0.0),
+            entropy=jnp.where(m, out["entropy"], 0.0),
+            staleness=jnp.where(m, jnp.maximum(state.step - batch["versions"], 0), 0),
+        )
 
     def with_target_inputs(self, state: TrainState, batch):
         """The batch with what the critic target reads beyond it: for 'brace', the log

@@ -12,6 +12,8 @@ import json
 import os
 from typing import Any
 
+import jax
+
 from sao_jax.rl.batch import check_divisible
 from sao_jax.rl.optim import TRAINABLE_SETS
 from sao_jax.schema import ConfigDict, ConfigError, register_validator, require
@@ -226,6 +228,13 @@ def _check_train(config: ConfigDict) -> None:
     for name in ("eval_every", "checkpoint_every"):
         require(t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
     require(t.take_timeout_s > 0, "train.take_timeout_s", "must be > 0")
+    dump = t.token_dump_steps
+    require(
+        isinstance(dump, (tuple, list))
+        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in dump),
+        "train.token_dump_steps",
+        f"must be a tuple of RL steps >= 1, got {dump!r}",
+    )
     require(
         t.samples_per_log >= 0, "train.samples_per_log", f"must be >= 0, got {t.samples_per_log}"
     )
@@ -253,6 +262,11 @@ def check_run(config: ConfigDict, sharder) -> None:
         raise ConfigError(
             f"config field init.tokenizer: {init.tokenizer!r} is neither 'char' nor a "
             "directory holding tokenizer.json"
+        )
+    if config.train.token_dump_steps and jax.process_count() > 1:
+        raise ConfigError(
+            "config field train.token_dump_steps: one process only (the dump reads the "
+            f"whole batch on the host), got {jax.process_count()} processes"
         )
     shards, micro = sharder.axis_size("batch"), config.rl.microbatches
     check_divisible(

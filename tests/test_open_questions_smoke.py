@@ -1,0 +1,82 @@
+"""experiments/mask_budget.py and experiments/staleness_law.py end to end in smoke mode
+(tiny model, 2-3 steps, one seed), sharing one sweep dir and so one warm start."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sao_jax.metrics import read_jsonl
+from sao_jax.rl import mask_budget as mb
+from sao_jax.run import token_dump
+from tests.experiment_support import ROOT
+from tests.experiment_support import check_report as _check_report
+from tests.experiment_support import env as _env
+from tests.experiment_support import run_experiment as _experiment
+
+pytestmark = pytest.mark.slow
+
+
+def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path):
+    sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
+    _experiment("mask_budget", sweep_dir, out)
+    text = _check_report(out, "mask_budget", [])
+    assert "| 5% | DIS, fixed band symmetric in log r |" in text
+    assert "| 5% | ESTR, entropy-scaled band |" in text and "## Calibration" in text
+
+    # the calibration masks 5% of the pilot's dumped tokens with every rule
+    cal = json.loads((out / "mask_budget_calibration.json").read_text())
+    pilot = sweep_dir / (
+        "ablations__sao__max_staleness=1__queue_size=16__lr=0.001__token_dump_steps=1-2__seed=0"
+    )
+    tok = token_dump.read([pilot], [2])
+    assert cal["tokens"] == tok.size > 20
+    for rule, c in cal["budgets"]["0.05"].items():
+        assert c["achieved"] == pytest.approx(round(0.05 * tok.size) / tok.size), rule
+        got = mb.masked_fraction(rule, c["params"], tok.log_ratio, tok.entropy)
+        assert got == c["achieved"]
+
+    # the dump is what the loss saw at that step: the logged token means agree
+    record = next(r for r in read_jsonl(pilot / "metrics.jsonl") if r["step"] == 2)
+    assert record["policy/entropy"] == pytest.approx(float(np.mean(tok.entropy)), abs=1e-4)
+    assert record["policy/logp_gap"] == pytest.approx(float(np.mean(tok.log_ratio)), abs=1e-5)
+    assert 1.0 - record["policy/keep_rate"] == pytest.approx(
+        mb.masked_fraction("dis", {"eps_l": 0.3, "eps_h": 5.0}, tok.log_ratio, tok.entropy)
+    )
+
+    log = _experiment("staleness_law", sweep_dir, out)
+    assert "warm_start__ablations__smoke__seed=0" not in log.split("start ")[-1]
+    text = _check_report(out, "staleness_law", [])
+    assert "| DIS | 1 | 0.001 |" in text and "| no DIS | 1 | 0.001 |" in text
+    assert "## Is t_collapse x lr constant?" in text
+    assert "not estimable" in text  # one lr, one S and a 3-step budget: nothing to fit
+
+    # both tables regenerate from their committed runs files, nothing trained (the mask
+    # budget's calibration is read beside its runs file)
+    regen = tmp_path / "regen"
+    for name in ("mask_budget", "staleness_law"):
+        _experiment(name, tmp_path / "no_sweep", regen, f"--from_runs={out / name}_runs.jsonl")
+        strip = lambda t: [x for x in t.splitlines() if "wall time" not in x and "command" not in x]
+        assert strip((regen / f"{name}.md").read_text()) == strip((out / f"{name}.md").read_text())
+    assert not (tmp_path / "no_sweep").exists()
+
+
+def test_full_mode_dry_runs_list_the_pilots_then_the_grid(tmp_path):
+    """Full mode, nothing run: the mask budget's pilots (the budget sweep's commands need
+    their calibration), and the law's 80 runs; 5 shared warm starts each."""
+
+    def dry(module):
+        argv = [sys.executable, "-m", f"experiments.{module}", "--mode=full", "--dry_run"]
+        argv += [f"--sweep_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}"]
+        proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [x for x in proc.stdout.splitlines() if "experiments.train" in x]
+
+    pilots = dry("mask_budget")
+    assert (
+        len(pilots) == 10 and sum("token_dump_steps=(1, 9, 10, 11, 12)" in x for x in pilots) == 5
+    )
+    law = dry("staleness_law")
+    assert len(law) == 85 and sum("--config.train.log_every=1" in x for x in law) == 80
