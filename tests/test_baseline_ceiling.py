@@ -19,7 +19,7 @@ from sao_jax.report import ablations as table
 from sao_jax.report import baseline_ceiling as bc
 from sao_jax.report import compare, levels, tables
 from sao_jax.report.experiment import Experiment
-from tests.test_experiments_smoke import ROOT, _env
+from tests.experiment_support import ROOT, env
 
 LEVELS = (1, 2, 3, 4)
 
@@ -110,7 +110,7 @@ def test_recovered_share_is_undefined_without_an_oracle_gap(tmp_path):
 def test_the_script_runs_the_table_sweep(tmp_path):
     argv = [sys.executable, "-m", "experiments.baseline_ceiling", "--mode=smoke", "--dry_run"]
     argv.append(f"--sweep_dir={tmp_path}")
-    proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "configs/ablations.py:moving_average_per_level" in proc.stdout
     assert "ablations__sao__seed=0" in proc.stdout
