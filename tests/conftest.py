@@ -1,5 +1,5 @@
-"""Test setup: 8 fake CPU devices (before jax is imported), exact fp32 matmuls, and one
-persistent compilation cache per test session.
+"""Test setup: 8 fake CPU devices (before jax is imported), exact fp32 matmuls, one
+persistent compilation cache per test session, and the module order.
 
 `--xla_backend_optimization_level=0` skips LLVM's optimisation of the compiled CPU code:
 the tests' programs are tiny, so compiling them dominates, and this halves it. It changes
@@ -42,3 +42,12 @@ def jax_cache_dir(tmp_path_factory) -> pathlib.Path:
     cache = pathlib.Path(os.environ.get("SAO_TEST_JAX_CACHE") or root / "jax_cache")
     cache.mkdir(parents=True, exist_ok=True)
     return cache
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules holding a `slow` test run first, the others after, each group in its usual
+    order. Under the Makefile's `--dist loadscope` each module goes whole to one xdist
+    worker (its module fixtures built once), and the long modules starting first leaves
+    short ones, not a long one, for the end of the run."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
