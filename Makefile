@@ -3,7 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?= -n 2 --durations=20
+# Two xdist workers; each test module goes whole to one of them (its module fixtures are
+# built once), the modules with slow tests first (tests/conftest.py orders them).
+PYTEST_ARGS ?= -n 2 --dist loadscope --no-loadscope-reorder --durations=20
 WORKDIR ?= workdirs/demo
 
 .PHONY: demo test lint format install install-dev sandbox-deps wheel clean

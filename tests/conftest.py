@@ -1,12 +1,23 @@
-"""Test setup: 8 fake CPU devices (before jax is imported) and exact fp32 matmuls.
+"""Test setup: 8 fake CPU devices (before jax is imported), exact fp32 matmuls, one
+persistent compilation cache per test session, and the module order.
 
 `--xla_backend_optimization_level=0` skips LLVM's optimisation of the compiled CPU code:
 the tests' programs are tiny, so compiling them dominates, and this halves it. It changes
 no result a test compares (both sides of every comparison run under the same flags).
 Subprocesses the tests start inherit these flags through the environment.
+
+Tests that start `python -m experiments.train` (or a sweep of them) on the same small
+configs repeat compiles that are about 60% of a smoke run's CPU time. `jax_cache_dir` is
+one cache directory under this session's pytest temporary root (shared by the xdist
+workers, gone with the session; JAX writes an entry only if it is absent and treats an
+unreadable one as a miss) for the tests that repeat programs across processes to opt into
+(tests/train_support.py: `persistent_compilation_cache`, `cache_env_vars`). A hit loads
+the executable XLA compiled before, so no result changes; a process whose programs are
+its own would only pay for the writes, so it is not opted in.
 """
 
 import os
+import pathlib
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
@@ -15,5 +26,28 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session")
+def jax_cache_dir(tmp_path_factory) -> pathlib.Path:
+    """The session's persistent compilation cache directory. Under xdist each worker's
+    temporary root is a folder of the session's: the cache goes beside them, shared;
+    alone, under the session's root. $SAO_TEST_JAX_CACHE names a directory to keep between
+    sessions instead."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    cache = pathlib.Path(os.environ.get("SAO_TEST_JAX_CACHE") or root / "jax_cache")
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules holding a `slow` test run first, the others after, each group in its usual
+    order. Under the Makefile's `--dist loadscope` each module goes whole to one xdist
+    worker (its module fixtures built once), and the long modules starting first leaves
+    short ones, not a long one, for the end of the run."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)

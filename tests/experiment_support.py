@@ -7,22 +7,34 @@ import pathlib
 import subprocess
 import sys
 
+from tests import train_support as ts
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAKE_DEVICES = "--xla_force_host_platform_device_count=8"
 
 
-def env() -> dict[str, str]:
-    # The runs need no fake devices (conftest sets 8 for in-process tests): one CPU
-    # device compiles faster.
+def env(cache: pathlib.Path | None = None) -> dict[str, str]:
+    """The runs need no fake devices (conftest sets 8 for in-process tests): one CPU device
+    compiles faster. With `cache`, every run compiles through it (the sweep runner keeps a
+    cache the caller set instead of its own under the sweep dir)."""
     out = dict(os.environ)
     out["XLA_FLAGS"] = out.get("XLA_FLAGS", "").replace(FAKE_DEVICES, "").strip()
-    return out
+    return out if cache is None else {**out, **ts.cache_env_vars(cache)}
 
 
-def run_experiment(module: str, sweep_dir, out_dir, *extra: str) -> str:
+def run_experiment(
+    module: str,
+    sweep_dir,
+    out_dir,
+    *extra: str,
+    cache: pathlib.Path | None = None,
+    timeout: float = 900,
+) -> str:
     argv = [sys.executable, "-m", f"experiments.{module}", "--mode=smoke", *extra]
     argv += [f"--sweep_dir={sweep_dir}", f"--out_dir={out_dir}"]
-    proc = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        argv, cwd=ROOT, env=env(cache), capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -24,6 +24,7 @@ def _env(devices: int) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_phase(tmp_path):
     """Two CPU devices, so that weight sync has somewhere to go."""
     argv = [sys.executable, "-m", "experiments.device_check", "--smoke", f"--out={tmp_path}"]

@@ -278,7 +278,7 @@ def _logs(tmp_path, tag) -> str:
 
 
 @pytest.mark.slow
-def test_two_process_async_disaggregated_run_stops_and_resumes(tmp_path):
+def test_two_process_async_disaggregated_run_stops_and_resumes(tmp_path, jax_cache_dir):
     """experiments.train as two processes, async rollouts on each host's own pool device:
     SIGTERM to process 1 after step 2 stops both at one step (saved together, exit 0); a
     second launch resumes there, each host from its own prompt position, and finishes."""
@@ -288,7 +288,7 @@ def test_two_process_async_disaggregated_run_stops_and_resumes(tmp_path):
     overrides = {k.replace(".", "__"): v for k, v in ASYNC_RUN.items()}
     flags = ts.flags_of("smoke", **overrides)
     fake4 = f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}"
-    with ts.persistent_compilation_cache(tmp_path / "jax_cache") as cache_env:
+    with ts.persistent_compilation_cache(jax_cache_dir) as cache_env:
         env = {**cache_env, "XLA_FLAGS": fake4, "JAX_PLATFORMS": "cpu"}
         procs = _launch(workdir, flags, _free_port(), env, "first")
         try:

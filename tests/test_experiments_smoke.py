@@ -1,5 +1,7 @@
 """Every experiment script end to end in smoke mode: real training processes (tiny model,
-2-4 steps, one seed), one shared sweep dir so runs are reused across scripts."""
+2-4 steps, one seed), one shared sweep dir so runs are reused across scripts, and the
+session's compilation cache (tests/conftest.py) so programs are compiled once across
+sweeps."""
 
 import json
 import subprocess
@@ -15,26 +17,28 @@ from tests.experiment_support import run_experiment as _experiment
 pytestmark = pytest.mark.slow
 
 
-def test_ablations_gae_and_staleness_share_one_sweep(tmp_path):
+def test_ablations_gae_and_staleness_share_one_sweep(tmp_path, jax_cache_dir):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
-    _experiment("ablations", sweep_dir, out)
+    _experiment("ablations", sweep_dir, out, cache=jax_cache_dir)
     text = _check_report(out, "ablations", ["SAO", "GRPO", "SFT warm start (step 0)"])
     assert "Does laptop scale reproduce the paper's ordering?" in text
     assert "| 97.3 | 74.8 |" in text  # the paper's SAO row beside ours
 
-    log = _experiment("gae_granularity", sweep_dir, out)
+    log = _experiment("gae_granularity", sweep_dir, out, cache=jax_cache_dir)
     assert "start ablations__sao__seed=0" not in log  # the SAO run of the ablations is reused
     assert "start ablations__step_last__seed=0" in log
     _check_report(out, "gae_granularity", ["SAO", "step-level (last)"])
 
-    log = _experiment("baseline_ceiling", sweep_dir, out)  # + the keyed moving average only
+    log = _experiment(
+        "baseline_ceiling", sweep_dir, out, cache=jax_cache_dir
+    )  # + the keyed moving average only
     assert "start ablations__sao__seed=0" not in log
     assert "start ablations__moving_average_per_level__seed=0" in log
     oracle = "oracle: per-level moving average, 128 per level"
     text = _check_report(out, "baseline_ceiling", ["SAO", oracle])
     assert "## How much of the oracle's gain SAO recovers" in text
 
-    _experiment("staleness_lr", sweep_dir, out)
+    _experiment("staleness_lr", sweep_dir, out, cache=jax_cache_dir)
     text = _check_report(out, "staleness_lr", [])
     assert "DIS: collapsed runs" in text and "no DIS: collapsed runs" in text
     assert "DIS: keep rate % (min)" in text
@@ -42,7 +46,7 @@ def test_ablations_gae_and_staleness_share_one_sweep(tmp_path):
 
     # Rescoring on as many prompts as the runs' own evaluation reproduces it exactly (the
     # same prompts and sampling keys); the scores are cached beside each run.
-    _experiment("rescore", sweep_dir, out, "--table=table4", "--heldout=8")
+    _experiment("rescore", sweep_dir, out, "--table=table4", "--heldout=8", cache=jax_cache_dir)
     text = _check_report(out, "ablations_rescored", ["SAO", "GRPO", "SFT warm start (step 0)"])
     for row in ("sao", "grpo"):
         run = sweep_dir / f"ablations__{row}__seed=0"
@@ -58,9 +62,9 @@ def test_ablations_gae_and_staleness_share_one_sweep(tmp_path):
     assert "Δ vs SAO" in text and "## By difficulty level" in text
 
 
-def test_online_shift_tables_and_their_runs_files(tmp_path):
+def test_online_shift_tables_and_their_runs_files(tmp_path, jax_cache_dir):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
-    _experiment("online_shift", sweep_dir, out, "--seeds=1")
+    _experiment("online_shift", sweep_dir, out, "--seeds=1", cache=jax_cache_dir)
     ma = "moving average, 128 rewards (the paper's)"
     text = _check_report(
         out, "online_shift_main", ["SAO", ma, "ceiling: critic sees the current target"]
@@ -73,17 +77,21 @@ def test_online_shift_tables_and_their_runs_files(tmp_path):
     # The runs file holds what the table reads: the table comes back without training.
     runs = out / "online_shift_main_runs.jsonl"
     regen = tmp_path / "regen"
-    _experiment("online_shift", tmp_path / "no_sweep", regen, f"--from_runs={runs}")
+    _experiment(
+        "online_shift", tmp_path / "no_sweep", regen, f"--from_runs={runs}", cache=jax_cache_dir
+    )
     assert (regen / "online_shift_main.md").read_text() == text
     assert not (tmp_path / "no_sweep").exists()  # nothing ran
 
-    log = _experiment("online_shift", sweep_dir, out, "--seeds=1", "--table=tracking")
+    log = _experiment(
+        "online_shift", sweep_dir, out, "--seeds=1", "--table=tracking", cache=jax_cache_dir
+    )
     assert "start online_shift__sao__seed=1" not in log  # the main table's SAO run is reused
     text = _check_report(out, "online_shift_tracking", ["SAO", "tracking: lr + k"])
     assert "## Main effects on recovering success" in text
 
 
-def test_online_shift_previous_design_is_a_variant(tmp_path):
+def test_online_shift_previous_design_is_a_variant(tmp_path, jax_cache_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.online_shift", "--mode=smoke", "--design=global",
          "--dry_run", f"--sweep_dir={tmp_path}"],
@@ -99,7 +107,7 @@ def _dry_run(*extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
 
 
-def test_rows_runs_only_the_chosen_rows(tmp_path):
+def test_rows_runs_only_the_chosen_rows(tmp_path, jax_cache_dir):
     # smoke's Table 4 has the rows sao and grpo; --rows keeps one
     proc = _dry_run("--rows=grpo", "--seeds=3,7", f"--sweep_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,7 +13,6 @@ below "forever".
 
 import contextlib
 import os
-import pathlib
 import signal
 import socket
 import subprocess
@@ -46,10 +45,10 @@ SIGTERM_BOUND_S = 30.0  # from SIGTERM to exit 0 while an env call hangs
 
 
 @pytest.fixture(scope="module")
-def cache_env(tmp_path_factory):
-    """One persistent compilation cache for this module and its subprocesses."""
-    directory = os.environ.get("SAO_TEST_JAX_CACHE") or tmp_path_factory.mktemp("jax_cache")
-    with ts.persistent_compilation_cache(pathlib.Path(directory)) as env:
+def cache_env(jax_cache_dir):
+    """The session's compilation cache (tests/conftest.py) for this module and its
+    subprocesses."""
+    with ts.persistent_compilation_cache(jax_cache_dir) as env:
         yield env
 
 

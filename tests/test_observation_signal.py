@@ -3,10 +3,6 @@ its report against literal numbers (sao_jax/report/observation_signal.py), and t
 end to end in smoke mode."""
 
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,9 +15,7 @@ from sao_jax.checkpointing.workdir import flatten_config
 from sao_jax.config import ConfigError
 from sao_jax.report import observation_signal as report
 from sao_jax.report.experiment import Experiment
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAKE_DEVICES = "--xla_force_host_platform_device_count=8"  # conftest's; the runs need one
+from tests.experiment_support import run_experiment
 
 
 def _flat(c) -> dict:
@@ -137,14 +131,10 @@ def test_run_share_is_none_without_records_or_variance():
 
 
 @pytest.mark.slow
-def test_the_script_end_to_end_in_smoke_mode(tmp_path):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAKE_DEVICES, "").strip()
-    argv = [sys.executable, "-m", "experiments.observation_signal", "--mode=smoke"]
-    argv += [f"--sweep_dir={tmp_path / 'sweep'}", f"--out_dir={tmp_path / 'out'}"]
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = (tmp_path / "out" / "observation_signal.md").read_text()
+def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir):
+    out = tmp_path / "out"
+    run_experiment("observation_signal", tmp_path / "sweep", out, cache=jax_cache_dir, timeout=1800)
+    text = (out / "observation_signal.md").read_text()
     assert "Runs that did not finish" not in text
     for task in observation_signal.TASKS:
         for label in report.ROW_LABELS.values():

@@ -19,9 +19,9 @@ from tests.experiment_support import run_experiment as _experiment
 pytestmark = pytest.mark.slow
 
 
-def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path):
+def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path, jax_cache_dir):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
-    _experiment("mask_budget", sweep_dir, out)
+    _experiment("mask_budget", sweep_dir, out, cache=jax_cache_dir)
     text = _check_report(out, "mask_budget", [])
     assert "| 5% | DIS, fixed band symmetric in log r |" in text
     assert "| 5% | ESTR, entropy-scaled band |" in text and "## Calibration" in text
@@ -46,7 +46,7 @@ def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path):
         mb.masked_fraction("dis", {"eps_l": 0.3, "eps_h": 5.0}, tok.log_ratio, tok.entropy)
     )
 
-    log = _experiment("staleness_law", sweep_dir, out)
+    log = _experiment("staleness_law", sweep_dir, out, cache=jax_cache_dir)
     assert "warm_start__ablations__smoke__seed=0" not in log.split("start ")[-1]
     text = _check_report(out, "staleness_law", [])
     assert "| DIS | 1 | 0.001 |" in text and "| no DIS | 1 | 0.001 |" in text
@@ -57,7 +57,13 @@ def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path):
     # budget's calibration is read beside its runs file)
     regen = tmp_path / "regen"
     for name in ("mask_budget", "staleness_law"):
-        _experiment(name, tmp_path / "no_sweep", regen, f"--from_runs={out / name}_runs.jsonl")
+        _experiment(
+            name,
+            tmp_path / "no_sweep",
+            regen,
+            f"--from_runs={out / name}_runs.jsonl",
+            cache=jax_cache_dir,
+        )
         strip = lambda t: [x for x in t.splitlines() if "wall time" not in x and "command" not in x]
         assert strip((regen / f"{name}.md").read_text()) == strip((out / f"{name}.md").read_text())
     assert not (tmp_path / "no_sweep").exists()

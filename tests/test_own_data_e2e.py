@@ -229,7 +229,7 @@ def _tree(root: pathlib.Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
-def test_train_and_export_from_the_checkout(inputs, tmp_path):
+def test_train_and_export_from_the_checkout(inputs, tmp_path, jax_cache_dir):
     root, ckpt, data = inputs
     workdir, out_dir = tmp_path / "run", tmp_path / "export"
     fake = tmp_path / "fake_site"
@@ -242,7 +242,7 @@ def test_train_and_export_from_the_checkout(inputs, tmp_path):
 
     wandb = ["--config.train.wandb_project=sao-e2e", "--config.train.wandb_mode=offline"]
     cmd = [sys.executable, "-m", TRAIN, *_flags(ckpt, data, *wandb), f"--workdir={workdir}"]
-    with ts.persistent_compilation_cache(root / "jax_cache") as cache_env:
+    with ts.persistent_compilation_cache(jax_cache_dir) as cache_env:
         env.update(cache_env)
         log = _run(cmd, REPO, env)
         summary = json.loads((workdir / "summary.json").read_text())
@@ -322,8 +322,8 @@ def _wheel(tmp: pathlib.Path) -> pathlib.Path:
     return next((tmp / "dist").glob("sao_jax-*.whl"))
 
 
-def test_installed_entry_points_outside_the_checkout(inputs, tmp_path):
-    root, ckpt, data = inputs
+def test_installed_entry_points_outside_the_checkout(inputs, tmp_path, jax_cache_dir):
+    _, ckpt, data = inputs
     wheel = _wheel(tmp_path)
     site = tmp_path / "site"
     _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
@@ -335,7 +335,7 @@ def test_installed_entry_points_outside_the_checkout(inputs, tmp_path):
                  outside, env)  # fmt: skip
     assert where.strip().startswith(str(site))
     workdir, out_dir = outside / "run", outside / "export"
-    with ts.persistent_compilation_cache(root / "jax_cache") as cache_env:
+    with ts.persistent_compilation_cache(jax_cache_dir) as cache_env:
         env.update(cache_env)
         _run([sys.executable, str(site / "bin" / "sao-train"), *_flags(ckpt, data),
               f"--workdir={workdir}"], outside, env)  # fmt: skip

@@ -214,7 +214,7 @@ FEW_PROGRAMS = {
 
 
 @pytest.mark.slow
-def test_disaggregated_lockstep_reproduces_colocated(tmp_path):
+def test_disaggregated_lockstep_reproduces_colocated(tmp_path, jax_cache_dir):
     lockstep = {"train.rollouts": "sync", "sampling.lockstep": 6, "sampling.queue_size": 16}
     lockstep["rl.advantage"] = "moving_average"  # no critic: the update compiles in half
     dis_config = _config(**DISAGGREGATED, **lockstep, **FEW_PROGRAMS)
@@ -222,7 +222,7 @@ def test_disaggregated_lockstep_reproduces_colocated(tmp_path):
     # colocated on the same 6 trainer devices, so both runs train bit-identically
     col = Placement("colocated", dis.trainer_devices)
     # the sync engine's and the async sampler's programs are the same: compiled once
-    with ts.persistent_compilation_cache(tmp_path / "jax_cache"):
+    with ts.persistent_compilation_cache(jax_cache_dir):
         got = _run_both_modes(dis_config, dis, tmp_path / "dis")
         ref = _run_both_modes(_config(**lockstep, **FEW_PROGRAMS), col, tmp_path / "col")
     for mode in ("sync", "lockstep"):

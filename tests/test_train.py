@@ -4,17 +4,15 @@ fallback, the workdir guard and init errors.
 
 Two completed runs are shared (module fixtures): `sync_run` (configs/sao.py:smoke,sync,
 the uninterrupted reference of the resume tests) and `async_run` (configs/sao.py:smoke).
-Every compiled program goes to one persistent compilation cache, so later runs, in this
-process or a subprocess, only trace (set SAO_TEST_JAX_CACHE=<dir> to keep it between
-sessions).
+Every compiled program goes to the session's persistent compilation cache (tests/conftest.py),
+so later runs, in this process or a subprocess, only trace (set SAO_TEST_JAX_CACHE=<dir>
+to keep it between sessions).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import pathlib
 import shutil
 
 import ml_collections
@@ -36,10 +34,9 @@ TOTAL = 4  # RL steps of the shared runs (checkpoints at 0, 2, 4)
 
 
 @pytest.fixture(scope="module")
-def cache_env(tmp_path_factory):
-    """$SAO_TEST_JAX_CACHE (kept between sessions) or a fresh directory."""
-    directory = os.environ.get("SAO_TEST_JAX_CACHE") or tmp_path_factory.mktemp("jax_cache")
-    with ts.persistent_compilation_cache(pathlib.Path(directory)) as env:
+def cache_env(jax_cache_dir):
+    """The session's compilation cache (tests/conftest.py), in this process too."""
+    with ts.persistent_compilation_cache(jax_cache_dir) as env:
         yield env
 
 

@@ -66,21 +66,30 @@ def flags_of(variant: str = "smoke", **overrides: Any) -> list[str]:
 # ----------------------------------------------------------------- compilation cache
 
 
+def _cache_settings(directory: pathlib.Path) -> dict[str, Any]:
+    """jax.config settings that cache every compiled program in `directory`."""
+    return {
+        "jax_compilation_cache_dir": str(directory),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+
+
+def cache_env_vars(directory: pathlib.Path) -> dict[str, str]:
+    """Environment variables that make a subprocess cache every program in `directory`."""
+    return {n.upper(): str(v) for n, v in _cache_settings(directory).items()}
+
+
 @contextlib.contextmanager
 def persistent_compilation_cache(directory: pathlib.Path) -> Iterator[dict[str, str]]:
     """Caches every compiled program in `directory` (this process and, through the
     returned environment variables, subprocesses); restores the old settings after."""
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    old = {n: getattr(jax.config, n) for n in names}
-    new = dict(zip(names, (str(directory), 0.0, 0)))
+    new = _cache_settings(directory)
+    old = {n: getattr(jax.config, n) for n in new}
     for n, v in new.items():
         jax.config.update(n, v)
     compilation_cache.reset_cache()  # re-reads the settings at the next compile
-    env = {n.upper(): str(v) for n, v in new.items()}
+    env = cache_env_vars(directory)
     env["JAX_DEFAULT_MATMUL_PRECISION"] = str(jax.config.jax_default_matmul_precision)
     try:
         yield env
