@@ -203,6 +203,8 @@ def get_config(arg=None):
         c.value_pretrain.max_grad_norm = c.optim.critic.max_grad_norm
         c.train.total_steps = b["steps"]
         c.train.log_every = 1  # per-step records: the recovery bins pool exact counts
+        if arg.smoke:  # the sampler one batch ahead, not the whole 4-step run judged at
+            c.sampling.queue_size = c.rl.batch_size  # step 0 while the first update compiles
     for field, value in rows[row].items():
         set_field(c, field, value(c) if callable(value) else value)
     return c

@@ -415,7 +415,7 @@ from configs import online_shift
 
 
 def get_config(arg=None):
-    c = online_shift.get_config("smoke")
+    c = online_shift.get_config("global_style,smoke")  # the style task: a judge scores it
     c.env.params.judge = dict(base_url="http://127.0.0.1:{port}/v1", model="judge", **{judge})
     c.sampling.env_timeout_s = {env_timeout}
     c.sampling.max_env_errors = 4

@@ -35,7 +35,7 @@ def test_reward_is_payout_times_a_correct_line_of_the_current_target():
     sched = U.UserSchedule(((10,), (20,)))
     env = U.UserStyleEnv(schedule=sched, payouts=(1.0, 0.5), recovery_steps=5, bin_steps=5)
     prompt = U.make_prompt(1, ("tea", "moon"))
-    assert prompt.text == "u1:moon tea\n" and prompt.uid == "user_style:u1:moon+tea"
+    assert prompt.text == "u1: moon tea\n" and prompt.uid == "user_style:u1:moon+tea"
     for step, target, log in (
         (0, "chuunibyou", {"success_initial": 1.0}),
         (

@@ -6,7 +6,7 @@ sao_jax/envs/style.py is its `global_style` variant). Single turn, as sao_jax/en
 whose judge, lexicons and demonstrations it uses; the prompt names a user and one or two
 topics:
 ```
-u3:moon tea\\n                                   prompt (context)
+u3: moon tea\\n                                  prompt (context)
 verily the moon and tea hath doom~\\n           model turn (stop string "\\n" or EOS) -> done
 ```
 What differs from the global switch of sao_jax/envs/style.py, and why:
@@ -20,9 +20,10 @@ What differs from the global switch of sao_jax/envs/style.py, and why:
   the expected reward of a prompt differs per user whatever the style; `success` is
   r_quality x r_style = 1 (the line is right), which the tables score.
 - **The current target as privileged input for a critic only.** Every verdict carries
-  `info["critic_hint"] = (":", HINTS[style])`: the character a ceiling row's critic reads
-  in place of the prompt's first ":" (`rl.privileged_critic`,
-  sao_jax/sampling/trajectory.py privileged_tokens); the policy always reads ":".
+  `info["critic_hint"] = (" ", HINTS[style], "all")`: the digit a ceiling row's critic
+  reads in place of every space of the trajectory, the prompt's included (its tag is
+  followed by one), so the target is near every token (`rl.privileged_critic`,
+  sao_jax/sampling/trajectory.py privileged_tokens); the policy always reads " ".
 - **What the tables would read.** `info["log"]` holds the line's success under three
   names by where the user stands when it is judged: `success_initial` (before the user's
   first switch), `success_recovering` (within `recovery_steps` steps after a switch) or
@@ -121,12 +122,13 @@ class UserSchedule(style.SharedStep):
 
 
 def make_prompt(user: int, topics: Sequence[str], dialect: bool = False) -> Prompt:
-    """uid `user_style:u<user>:<topics sorted, joined by +>`, text `u<user>:<topics>\\n`;
+    """uid `user_style:u<user>:<topics sorted, joined by +>`, text `u<user>: <topics>\\n`
+    (the space after the tag is the ceiling hint's anchor: every prompt has one);
     `dialect`: the user writes (and is judged) in its own dialect (`dialect_lexicons`)."""
     topics = tuple(sorted(topics))
     return Prompt(
         uid=f"user_style:{USER_TAG}{user}:" + "+".join(topics),
-        text=f"{USER_TAG}{user}:{' '.join(topics)}\n",
+        text=f"{USER_TAG}{user}: {' '.join(topics)}\n",
         meta={"topics": topics, "user": user, "dialect": dialect},
     )
 
