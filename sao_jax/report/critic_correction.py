@@ -217,7 +217,7 @@ def report(exp: Experiment, specs: Sequence[sweep.SweepSpec], results, wall_s: f
     )
     text += "\n" + rows_text(grouped, values)
     text += "\n" + ev_text(values, ev, ev_holm)
-    text += "\n" + success_text(ev, success, success_holm)
+    text += "\n" + success_text(success, success_holm)
     text += "\n" + cost_text(values)
     text += "\n" + reading_text(ev, ev_holm, success, success_holm)
     text += "\n" + design_text(specs, ev, success)
@@ -280,30 +280,41 @@ def rows_text(grouped, values) -> str:
     )
 
 
-def ev_text(values, ev, ev_holm) -> str:
-    stale = differences(values, "ev_stale")
+def family_table(what: str, diffs, holm, extra) -> str:
+    """One Holm family's table: per cell the difference, its test and verdict, then the
+    `extra` columns ((header, fn(cell) -> text), ...)."""
     headers = [
         "cell",
-        "Δ critic EV, points (run mean) ± SE [95% CI]",
-        f"test (Holm over {len(ev)} cells)",
+        f"Δ {what}, points ± SE [95% CI]",
+        f"test (Holm over {len(diffs)} cells)",
         "verdict",
-        f"Δ critic EV, points, records at lag >= {HIGH_LAG:g} ± SE [95% CI]",
-        "test (unadjusted)",
+        *(h for h, _ in extra),
     ]
     body = [
         [
             cell_label(c),
-            compare.fmt_difference(ev[c]),
-            compare.fmt_test(ev[c], ev_holm[c]),
-            compare.verdict(ev[c], ev_holm[c]),
-            compare.fmt_difference(stale[c]),
-            compare.fmt_test(stale[c]),
+            compare.fmt_difference(d),
+            compare.fmt_test(d, holm[c]),
+            compare.verdict(d, holm[c]),
+            *(fn(c) for _, fn in extra),
         ]
-        for c in ev
+        for c, d in diffs.items()
     ]
+    return tables.markdown_table(headers, body)
+
+
+def ev_text(values, ev, ev_holm) -> str:
+    stale = differences(values, "ev_stale")
+    extra = (
+        (
+            f"Δ critic EV, points, records at lag >= {HIGH_LAG:g} ± SE [95% CI]",
+            lambda c: compare.fmt_difference(stale[c]),
+        ),
+        ("test (unadjusted)", lambda c: compare.fmt_test(stale[c])),
+    )
     return (
         "## Critic EV: BRACE - lambda, paired by seed (primary family)\n\n"
-        + tables.markdown_table(headers, body)
+        + family_table("critic EV (run mean)", ev, ev_holm, extra)
         + f"\n- The EV family: these {len(ev)} differences (BRACE minus lambda targets in the "
         "run-mean critic EV, one per cell), Holm-adjusted together; a verdict says "
         f"'higher'/'lower' only at Holm p < {compare.ALPHA:g}. The stale-record columns are "
@@ -311,27 +322,16 @@ def ev_text(values, ev, ev_holm) -> str:
     )
 
 
-def success_text(ev, success, success_holm) -> str:
-    headers = [
-        "cell",
-        "Δ success, points ± SE [95% CI]",
-        f"test (Holm over {len(success)} cells)",
-        "verdict",
-        "does BRACE cost success?",
-    ]
-    body = [
-        [
-            cell_label(c),
-            compare.fmt_difference(success[c]),
-            compare.fmt_test(success[c], success_holm[c]),
-            compare.verdict(success[c], success_holm[c]),
-            success_reading(success[c], success_holm[c]),
-        ]
-        for c in success
-    ]
+def success_text(success, success_holm) -> str:
+    extra = (
+        (
+            "does BRACE cost success?",
+            lambda c: success_reading(success[c], success_holm[c]),
+        ),
+    )
     return (
         "## Success: BRACE - lambda, paired by seed (second family)\n\n"
-        + tables.markdown_table(headers, body)
+        + family_table("success", success, success_holm, extra)
         + f"\n- The success family: these {len(success)} differences, Holm-adjusted "
         "together, apart from the EV family. 'costs success': lower at Holm p < "
         f"{compare.ALPHA:g}; 'does not cost success': the 95% t interval's low end above "
