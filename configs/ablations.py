@@ -25,6 +25,9 @@ name says changed (`VARIANTS`; tests/test_ablations_config.py diffs them field b
   icepop               rl.policy_loss = 'icepop' (IcePop's band on pi_old / pi_rollout; with
                        SAO's one step per batch pi_old is the current policy and the PPO
                        clip never binds: a fixed band in r, weighted by r, as DIS)
+  sao_brace            rl.critic_target = 'brace' (the critic regresses BRACE-style targets:
+                       its first k residuals importance-corrected, docs/method.md section 8;
+                       it needs rl.advantage = 'gae' and rl.lam_critic = 1, SAO's own)
 
   python -m experiments.train --config=configs/ablations.py:grpo --workdir=workdirs/grpo
   python -m experiments.train --config=configs/ablations.py:step_last,smoke,seed=1 \
@@ -32,8 +35,8 @@ name says changed (`VARIANTS`; tests/test_ablations_config.py diffs them field b
 
 Variant keys (`:a,b=1`): one row name (default sao), smoke, sync, seed=N.
 
-`get_sweep('table=table4|gae|staleness_lr|baseline_ceiling|staleness_law|mask_pilot,
-mode=smoke|quick|full')` returns the experiment's sao_jax.sweep.SweepSpec
+`get_sweep('table=table4|gae|staleness_lr|baseline_ceiling|staleness_law|mask_pilot|
+brace_staleness,mode=smoke|quick|full')` returns the experiment's sao_jax.sweep.SweepSpec
 (docs/experiments.md has the budgets); `get_sweep('table=mask_budget,mode=...,
 calibration=<file>')` the matched-mask-budget table, its rules' parameters read from the
 calibration file experiments/mask_budget.py writes from the `mask_pilot` runs' token dumps
@@ -91,6 +94,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cross_observation": {"rl.advantage": "cross_observation"},
     "estr": {"rl.policy_loss": "estr"},
     "icepop": {"rl.policy_loss": "icepop"},
+    "sao_brace": {"rl.critic_target": "brace"},
 }
 
 TABLES = {
@@ -116,6 +120,9 @@ TABLES = {
     "staleness_law": ("sao", "vanilla_vapo"),  # the same pair, more learning rates
     "mask_pilot": ("sao",),  # DIS at its default band: the batches calibration reads
     "mask_budget": ("sao", "estr", "icepop"),  # each keep rule at matched mask budgets
+    # lambda = 1 vs BRACE-style critic targets on the staleness grid's cells (its `sao`
+    # points: the same commands; experiments/critic_correction.py)
+    "brace_staleness": ("sao", "sao_brace"),
 }
 # Smoke mode (the test suite) runs one row per code path: critic + DIS, groups + PPO
 # clip, step-level values.
@@ -127,6 +134,7 @@ SMOKE_ROWS = {
     "staleness_law": TABLES["staleness_law"],
     "mask_pilot": TABLES["mask_pilot"],
     "mask_budget": ("sao", "estr"),  # icepop's extra code path is its pi_old forward
+    "brace_staleness": TABLES["brace_staleness"],
 }
 MODES = ("smoke", "quick", "full")
 
@@ -153,7 +161,8 @@ CEILING_SEEDS = {"smoke": (0,), "quick": (0,), "full": tuple(range(10))}
 # and trajectories more than `s` versions old are dropped (0 = synchronous rollouts);
 # policy lr x 1 (configs/sao.py) and x 10. At the default async settings (staleness ~2)
 # and lr 1e-4 DIS keeps 99.8-100% of tokens: the grid goes to S = 8 and lr 1e-3 so that
-# the band binds (keep rate reported per cell).
+# the band binds (keep rate reported per cell). The `brace_staleness` table is this grid
+# with the rows sao and sao_brace: its sao points are the grid's (one command each).
 STALENESS = {"smoke": (1,), "quick": (8,), "full": (0, 8)}
 POLICY_LRS = {"smoke": (1e-4,), "quick": (1e-4, 1e-3), "full": (1e-4, 1e-3)}
 STALENESS_STEPS = {"smoke": 2, "quick": 30, "full": 40}
@@ -246,7 +255,7 @@ def get_sweep(arg=None) -> SweepSpec:
     rows = (SMOKE_ROWS if arg.mode == "smoke" else TABLES)[arg.table]
     if arg.table in ("mask_pilot", "mask_budget", "staleness_law"):
         return _open_question_sweep(arg, rows, fixed, common)
-    if arg.table != "staleness_lr":
+    if arg.table not in ("staleness_lr", "brace_staleness"):
         ceiling = arg.table == "baseline_ceiling"
         return SweepSpec(
             name=arg.table,
@@ -262,9 +271,9 @@ def get_sweep(arg=None) -> SweepSpec:
     fixed["train.eval_every"] = fixed["train.checkpoint_every"] = STALENESS_STEPS[arg.mode]
     fixed["train.log_every"] = 1 if arg.mode == "smoke" else 2
     return SweepSpec(
-        name="staleness_lr",
+        name=arg.table,
         config="configs/ablations.py",
-        variants=TABLES["staleness_lr"],
+        variants=rows,
         seeds=STALENESS_SEEDS[arg.mode],
         grid=(staleness, axis("optim.policy.lr", POLICY_LRS[arg.mode])),
         fixed=fixed,

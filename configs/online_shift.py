@@ -27,6 +27,9 @@ Rows (`VARIANTS`; every row is `sao` with only the fields its name says changed)
                             learns to read the digit): what tracking could give
   track_<factors>           the critic-tracking sweep: a half fraction (I = ABCD) of critic
                             lr x4, K = 4, trained attention, no critic clip
+  sao_brace                 rl.critic_target = 'brace' (BRACE-style critic targets,
+                            docs/method.md section 8): only in the table `brace`
+                            (experiments/critic_correction.py), not in `main`
 The previous design (one global style switch, sao_jax/envs/style.py) is the variant
 `global_style` with its rows sao, moving_average, sao_sync, moving_average_sync.
 
@@ -35,8 +38,9 @@ The previous design (one global style switch, sao_jax/envs/style.py) is the vari
       --workdir=workdirs/shift_ma8
 
 Variant keys (`:a,b=1`): one row name, global_style, smoke, sync, seed=N.
-`get_sweep('table=main|tracking,mode=smoke|quick|full,design=user|global')` is the
-experiment's sao_jax.sweep.SweepSpec.
+`get_sweep('table=main|tracking|brace,mode=smoke|quick|full,design=user|global')` is the
+experiment's sao_jax.sweep.SweepSpec (`brace`: sao and sao_brace, per-user design; its
+sao points are `main`'s, the same commands).
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ USER_VARIANTS: dict[str, dict[str, Any]] = {
     "sao_policy_first": {"rl.order": "policy_first"},
     "ceiling": {"rl.privileged_critic": True, "env.params.pretrain_targets": "uniform"},
     **TRACK_CELLS,
+    "sao_brace": {"rl.critic_target": "brace"},
 }
 GLOBAL_VARIANTS: dict[str, dict[str, Any]] = {
     "sao": {},
@@ -120,27 +125,31 @@ MAIN_ROWS = (
     "sao_policy_first",
     "ceiling",
 )
-TABLES = {"main": MAIN_ROWS, "tracking": ("sao", *TRACK_CELLS)}
+TABLES = {"main": MAIN_ROWS, "tracking": ("sao", *TRACK_CELLS), "brace": ("sao", "sao_brace")}
 MODES = ("smoke", "quick", "full")
 DESIGNS = ("user", "global")
 
 # Per mode (user design): rows, seeds, RL steps and the staggered schedule (first switch,
 # stagger between users, period between a user's two switches). Full: the main table at
 # 10 seeds (the pre-registered family needs them), the tracking half fraction at 5 (each
-# main effect averages 4 cells against 4: 20 runs a side).
+# main effect averages 4 cells against 4: 20 runs a side), the brace table at 5 (seeds
+# 0-4 of main's warm starts and sao runs; its full run fits 2 hours with the graded
+# task's, docs/experiments.md).
 USER_BUDGETS = {
     "smoke": dict(
-        seeds=(0,), tracking_seeds=(0,), steps=4, first=1, stagger=1, period=2, users=2,
-        rows=("sao", "moving_average", "ceiling"), tracking_rows=("sao", "track_lr_k"),
+        seeds=(0,), tracking_seeds=(0,), brace_seeds=(0,), steps=4, first=1, stagger=1,
+        period=2, users=2, rows=("sao", "moving_average", "ceiling"),
+        tracking_rows=("sao", "track_lr_k"),
     ),
     "quick": dict(
-        seeds=(0, 1), tracking_seeds=(0,), steps=100, first=20, stagger=5, period=40,
-        users=USERS, rows=("sao", "moving_average", "moving_average_w32", "ceiling"),
+        seeds=(0, 1), tracking_seeds=(0,), brace_seeds=(0,), steps=100, first=20, stagger=5,
+        period=40, users=USERS, rows=("sao", "moving_average", "moving_average_w32", "ceiling"),
         tracking_rows=("sao", "track_lr_k"),
     ),
     "full": dict(
-        seeds=tuple(range(10)), tracking_seeds=tuple(range(5)), steps=130, first=30,
-        stagger=6, period=50, users=USERS, rows=MAIN_ROWS, tracking_rows=TABLES["tracking"],
+        seeds=tuple(range(10)), tracking_seeds=tuple(range(5)), brace_seeds=tuple(range(5)),
+        steps=130, first=30, stagger=6, period=50, users=USERS, rows=MAIN_ROWS,
+        tracking_rows=TABLES["tracking"],
     ),
 }  # fmt: skip
 # The previous design: phases of 50 steps (docs/experiments.md, "Budgets").
@@ -235,12 +244,16 @@ def get_sweep(arg=None) -> SweepSpec:
     if arg.table not in TABLES:
         raise ConfigError(f"get_sweep table={arg.table!r}: one of {sorted(TABLES)}")
     b = USER_BUDGETS[arg.mode]
-    tracking = arg.table == "tracking"
+    rows, seeds = {
+        "main": (b["rows"], b["seeds"]),
+        "tracking": (b["tracking_rows"], b["tracking_seeds"]),
+        "brace": (TABLES["brace"], b["brace_seeds"]),
+    }[arg.table]
     return SweepSpec(
         name=f"online_shift_{arg.table}",
         config="configs/online_shift.py",
-        variants=b["tracking_rows" if tracking else "rows"],
-        seeds=b["tracking_seeds" if tracking else "seeds"],
+        variants=rows,
+        seeds=seeds,
         fixed={
             "train.total_steps": b["steps"],
             "train.checkpoint_every": b["steps"],

@@ -26,7 +26,12 @@ from sao_jax.experiments import ablations as abl
 from sao_jax.report import style_shift, user_shift
 
 DESIGN = flags.DEFINE_enum("design", "user", list(shift_cfg.DESIGNS), "Task design.")
-TABLE = flags.DEFINE_enum("table", "main", list(shift_cfg.TABLES), "Table (user design).")
+TABLE = flags.DEFINE_enum(
+    "table",
+    "main",
+    [t for t in shift_cfg.TABLES if t != "brace"],  # brace: experiments/critic_correction.py
+    "Table (user design).",
+)
 
 
 def main(argv):

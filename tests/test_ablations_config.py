@@ -1,5 +1,7 @@
 """The ablation rows differ from SAO only in the fields their names say; sweeps validate."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -54,6 +56,9 @@ def test_variant_definitions_match_the_brief():
     assert v["no_frozen_attention"] == {"optim.critic.freeze_attention": False}
     assert v["vanilla_vapo"] == {"rl.policy_loss": "ppo_clip", "rl.minibatches": 4}
     assert v["grpo"]["rl.policy_loss"] == "ppo_clip" and "rl.policy_loss" not in v["grpo_dis"]
+    assert v["sao_brace"] == {"rl.critic_target": "brace"}  # its validator's needs are SAO's
+    brace = ablations.get_config("sao_brace")
+    assert (brace.rl.advantage, brace.rl.lam_critic) == ("gae", 1.0)
     for row in ("vanilla_vapo", "grpo"):  # veRL's default PPO loop: 1 epoch x 4 minibatches
         c = ablations.get_config(row)
         assert (c.rl.ppo_epochs, c.rl.minibatches) == (1, 4), row
@@ -89,6 +94,7 @@ def test_online_shift_rows_change_only_the_fields_their_names_say():
         "sao_lambda1": {"rl.lam_mode", "rl.lam_fixed"},
         "sao_policy_first": {"rl.order"},
         "ceiling": {"rl.privileged_critic", "env.params.pretrain_targets"},
+        "sao_brace": {"rl.critic_target"},
         "track_lr_k": {"optim.critic.lr", "rl.k_critic"},
         "track_attn_noclip": {"optim.critic.freeze_attention", "optim.critic.max_grad_norm"},
         "track_lr_k_attn_noclip": {
@@ -103,6 +109,9 @@ def test_online_shift_rows_change_only_the_fields_their_names_say():
     assert w8.rl.moving_average_window == 8 * w8.rl.batch_size  # 8 steps of rewards
     assert online_shift.get_config("moving_average_w8,smoke").rl.moving_average_window == 8 * 8
     config_lib.validate(online_shift.get_config("ceiling,smoke"))
+    config_lib.validate(online_shift.get_config("sao_brace,smoke"))
+    assert online_shift.get_config("sao_brace").rl.critic_target == "brace"
+    assert "sao_brace" not in online_shift.MAIN_ROWS + online_shift.TABLES["tracking"]
     with pytest.raises(ConfigError, match="ceiling.*global_style"):
         online_shift.get_config("ceiling,global_style")
 
@@ -121,7 +130,7 @@ def test_online_shift_rows_share_the_pretrained_critic_except_the_ceiling():
     from sao_jax.sweep.runner import shares_critic
 
     sao = online_shift.get_config("sao")
-    for row in (*online_shift.TRACK_CELLS, "sao_lambda1", "sao_policy_first"):
+    for row in (*online_shift.TRACK_CELLS, "sao_lambda1", "sao_policy_first", "sao_brace"):
         assert shares_critic(sao, online_shift.get_config(row)), row
     assert not shares_critic(sao, online_shift.get_config("ceiling"))  # it pretrains its own
 
@@ -232,3 +241,37 @@ def test_open_question_sweeps_keep_their_names_apart_and_share_warm_starts():
     assert ablations.pilot_dump_steps("full") == (1, 9, 10, 11, 12)
     c = _point_config(sweep.expand(pilot)[0])
     assert c.train.token_dump_steps == (1, 9, 10, 11, 12) and c.train.total_steps == 12
+
+
+@pytest.mark.parametrize("mode", ablations.MODES)
+def test_brace_tables_share_their_sao_points_and_warm_starts(mode):
+    """The critic-correction sweeps add only sao_brace runs to a sweep dir that holds the
+    staleness grid and the online main table: same point names, same commands."""
+    pairs = (
+        (ablations.get_sweep(f"table=brace_staleness,mode={mode}"),
+         ablations.get_sweep(f"table=staleness_lr,mode={mode}")),
+        (online_shift.get_sweep(f"table=brace,mode={mode}"),
+         online_shift.get_sweep(f"table=main,mode={mode}")),
+    )  # fmt: skip
+    for brace, other in pairs:
+        assert brace.variants == ("sao", "sao_brace")
+        assert set(brace.seeds) <= set(other.seeds)
+        theirs = {p.name: p for p in sweep.expand(other)}
+        ours = sweep.expand(brace)
+        for p in ours:
+            if p.variant == "sao":
+                assert theirs[p.name] == p, p.name  # one command: reused, never rerun
+            else:  # the sao point of the same cell and seed, only the row changed
+                twin = theirs[p.name.replace("__sao_brace__", "__sao__")]
+                assert p.name not in theirs and dataclasses.replace(p, variant="sao") == twin
+        assert {p.variant for p in ours} == {"sao", "sao_brace"}
+        for seed in brace.seeds:
+            assert sweep.warm_start_point(brace, seed) == sweep.warm_start_point(other, seed)
+            assert sweep.warm_start_name(brace, seed) == sweep.warm_start_name(other, seed)
+    if mode == "full":
+        grid, online = pairs[0][0], pairs[1][0]
+        assert len(grid.seeds) >= 5 and len(online.seeds) >= 5
+        cells = {(c.sampling.max_staleness, c.optim.policy.lr, c.train.rollouts)
+                 for c in map(_point_config, sweep.expand(grid))}  # fmt: skip
+        assert cells == {(0, 1e-4, "sync"), (0, 1e-3, "sync"), (8, 1e-4, "async"),
+                         (8, 1e-3, "async")}  # fmt: skip
