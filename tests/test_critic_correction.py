@@ -20,7 +20,7 @@ from sao_jax import sweep
 from sao_jax.report import audit
 from sao_jax.report import critic_correction as cc
 from sao_jax.report.experiment import Experiment
-from tests.experiment_support import ROOT, check_report, env
+from tests.experiment_support import ROOT, check_report, env, run_experiment
 
 
 def _specs(mode="full"):
@@ -229,11 +229,11 @@ def test_the_script_dry_run_lists_both_tasks_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_script_end_to_end_in_smoke_mode(tmp_path):
-    argv = [sys.executable, "-m", "experiments.critic_correction", "--mode=smoke"]
-    argv += [f"--sweep_dir={tmp_path / 'sweep'}", f"--out_dir={tmp_path / 'out'}"]
-    proc = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir):
+    run_experiment(
+        "critic_correction", tmp_path / "sweep", tmp_path / "out", cache=jax_cache_dir,
+        timeout=1800,
+    )  # fmt: skip
     cells = ((1, 1e-4), cc.ONLINE)
     labels = [f"{cc.cell_label(c)} | {cc.LABELS[v]}" for c in cells for v in cc.ROWS]
     text = check_report(tmp_path / "out", "critic_correction", labels)
