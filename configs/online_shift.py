@@ -54,7 +54,8 @@ from sao_jax.envs.user_style import BIN_STEPS, RECOVERY_STEPS, staggered
 from sao_jax.sweep import SweepSpec, set_field
 
 PAPER_WINDOW = 128  # rewards in the paper's moving average (its batch: 128 prompts)
-WINDOW_STEPS = (1, 4, 8, 32)  # other windows, in steps of rewards (x rl.batch_size)
+WINDOW_STEPS = (1, 8, 32)  # other windows, in steps of rewards (x rl.batch_size); with the
+# paper's (2 steps) they span 1 to 32: a fourth row would cost the full run ~11 minutes
 USERS = 6
 PAYOUTS = (1.0, 0.75, 0.5, 0.5, 0.75, 1.0)  # the quality factor of user u (style-free)
 
@@ -129,7 +130,8 @@ TABLES = {"main": MAIN_ROWS, "tracking": ("sao", *TRACK_CELLS), "brace": ("sao",
 MODES = ("smoke", "quick", "full")
 DESIGNS = ("user", "global")
 
-# Per mode (user design): rows, seeds, RL steps and the staggered schedule (first switch,
+# Per mode (user design), sized from the pilot (docs/experiments.md, results/online_shift/
+# pilot/): rows, seeds, RL steps and the staggered schedule (first switch,
 # stagger between users, period between a user's two switches). Full: the main table at
 # 10 seeds (the pre-registered family needs them), the tracking half fraction at 5 (each
 # main effect averages 4 cells against 4: 20 runs a side), the brace table at 5 (seeds
@@ -141,14 +143,15 @@ USER_BUDGETS = {
         period=2, users=2, rows=("sao", "moving_average", "ceiling"),
         tracking_rows=("sao", "track_lr_k"),
     ),
-    "quick": dict(
-        seeds=(0, 1), tracking_seeds=(0,), brace_seeds=(0,), steps=100, first=20, stagger=5,
-        period=40, users=USERS, rows=("sao", "moving_average", "moving_average_w32", "ceiling"),
+    "quick": dict(  # one seed: a look, not a test; the ceiling (its own value pretraining,
+        # the longest run) starts beside SAO, so the whole fits 20 minutes
+        seeds=(0,), tracking_seeds=(0,), brace_seeds=(0,), steps=90, first=15, stagger=3,
+        period=35, users=USERS, rows=("sao", "ceiling", "moving_average", "moving_average_w32"),
         tracking_rows=("sao", "track_lr_k"),
     ),
     "full": dict(
         seeds=tuple(range(10)), tracking_seeds=tuple(range(5)), brace_seeds=tuple(range(5)),
-        steps=130, first=30, stagger=6, period=50, users=USERS, rows=MAIN_ROWS,
+        steps=90, first=15, stagger=3, period=35, users=USERS, rows=MAIN_ROWS,
         tracking_rows=TABLES["tracking"],
     ),
 }  # fmt: skip
