@@ -3,8 +3,11 @@
 import json
 import math
 import os
+import signal
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,9 +18,13 @@ from sao_jax.report import tables
 
 FAKE_TRAIN = textwrap.dedent(
     """
-    import json, os, pathlib, sys, time
+    import json, os, pathlib, signal, sys, time
     flags = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
     wd = pathlib.Path(flags["workdir"])
+    def _term(*_):  # as experiments/train.py: save, exit 0
+        (pathlib.Path(os.environ["FAKE_LOG"]).parent / ("term_" + wd.name)).write_text("saved")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, _term)
     with open(os.environ["FAKE_LOG"], "a") as f:
         f.write(json.dumps({"name": wd.name, "flags": flags, "t0": time.time()}) + "\\n")
     time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
@@ -227,6 +234,38 @@ def test_parallel_jobs_overlap(tmp_path, fake):
     ends = [sweep.collect(spec, tmp_path / "sw")[0].workdir.joinpath("summary.json").stat()]
     # Both started before the first one wrote its summary (it sleeps 1 s first).
     assert len(starts) == 2 and starts[1] < ends[0].st_mtime
+
+
+def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path, fake):
+    """SIGTERM to the sweep: its running points get SIGTERM (they save and exit 0), no
+    other starts, nothing is marked failed, exit status 0; the rerun finishes them all."""
+    env, calls = fake
+    spec = _spec(variants=("sao",), seeds=(0, 1, 2), grid=(), warm_start=False)
+    lines = []
+
+    def kill_when_both_run():
+        deadline = time.monotonic() + 60
+        while len(calls()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=kill_when_both_run)
+    killer.start()
+    with pytest.raises(sweep.SweepStopped) as stopped:
+        sweep.run_sweep(
+            spec, tmp_path / "sw", env=dict(env, FAKE_SLEEP="60"), parallel=2, log=lines.append
+        )
+    killer.join()
+    assert stopped.value.code == 0
+    assert sorted(p.name for p in tmp_path.glob("term_*")) == [
+        "term_ablations__sao__seed=0",
+        "term_ablations__sao__seed=1",
+    ]  # both saved; seed 2 never started
+    assert len(calls()) == 2 and not list((tmp_path / "sw").rglob("failed.json"))
+    assert sum("[sweep] stopped ablations__sao__seed=" in x for x in lines) == 2, lines
+    results = sweep.run_sweep(spec, tmp_path / "sw", env=env, parallel=2, log=lambda _: None)
+    assert [r.status for r in results] == ["done"] * 3 and not any(r.reused for r in results)
+    assert signal.getsignal(signal.SIGTERM) is not None  # the handlers are given back
 
 
 # --------------------------------------------------------------------------- tables

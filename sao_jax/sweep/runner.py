@@ -3,18 +3,24 @@
 `sweep_jobs` builds each point's command (`point_argv`; on pods handed to
 experiments/launch.py by `launcher_argv`); `run_jobs` runs `parallel` of them at a time,
 skips finished ones, refuses workdirs of another command or config, and records failures
-without stopping; `run_sweep` does both and collects the results.
+without stopping; `run_sweep` does both and collects the results. SIGTERM or SIGINT to the
+sweep stops it cleanly: the running points get SIGTERM (a training run saves and exits
+0), none is started after, and the sweep exits 0 once they have ended (`SweepStopped`);
+the same command resumes every one of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pathlib
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -211,6 +217,28 @@ def _recorded_argv(workdir: pathlib.Path) -> list[str] | None:
         raise ValueError(f"sweep: {path} is not a point file ({e})") from e
 
 
+class SweepStopped(SystemExit):
+    """A signal stopped the sweep after its running points saved: exit status 0 (nothing
+    failed; the same command resumes)."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """An Event set by SIGTERM or SIGINT while the block runs (in the main thread only:
+    elsewhere signals cannot be caught, and the Event is never set)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in sigs}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def run_jobs(
     jobs: Sequence[Job],
     *,
@@ -223,7 +251,9 @@ def run_jobs(
     """Runs every unfinished job, `parallel` at a time; returns name -> status.
 
     Status: 'skipped' (already finished), 'done', or 'failed' (failed.json written with
-    the exit code and stderr tail). A failure never stops the other jobs.
+    the exit code and stderr tail). A failure never stops the other jobs. SIGTERM or
+    SIGINT forwards SIGTERM to the running jobs, starts no other, waits for them to end
+    and raises `SweepStopped` (exit 0); a job it stopped is neither done nor failed.
     """
     if parallel < 1:
         raise ValueError(f"parallel: must be >= 1, got {parallel}")
@@ -235,23 +265,36 @@ def run_jobs(
             side_file(job.workdir, FAILED_FILE).unlink(missing_ok=True)
     pending = [j for j in jobs if j.name not in status]
     running: list[tuple[Job, subprocess.Popen, float, list]] = []
-    while pending or running:
-        while pending and len(running) < parallel:
-            job = pending.pop(0)
-            running.append((job, *_start(job, env, cwd)))
-            log(f"[sweep] start {job.name}")
-        time.sleep(poll_s)
-        still = []
-        for job, proc, t0, files in running:
-            rc = proc.poll()
-            if rc is None:
-                still.append((job, proc, t0, files))
-                continue
-            for f in files:
-                f.close()
-            status[job.name] = _finish(job, rc, time.time() - t0)
-            log(f"[sweep] {status[job.name]} {job.name} ({time.time() - t0:.0f} s)")
-        running = still
+    stopping = False
+    with _stop_on_signals() as stop:
+        while pending or running:
+            if stop.is_set() and not stopping:
+                stopping, pending = True, []
+                log(f"[sweep] stopping: SIGTERM to {len(running)} running point(s)")
+                for _, proc, _, _ in running:
+                    proc.send_signal(signal.SIGTERM)
+            while pending and len(running) < parallel:
+                job = pending.pop(0)
+                running.append((job, *_start(job, env, cwd)))
+                log(f"[sweep] start {job.name}")
+            time.sleep(poll_s)
+            still = []
+            for job, proc, t0, files in running:
+                rc = proc.poll()
+                if rc is None:
+                    still.append((job, proc, t0, files))
+                    continue
+                for f in files:
+                    f.close()
+                if stopping and not has_output(job):
+                    log(f"[sweep] stopped {job.name} (exit {rc}; the same command resumes it)")
+                    continue
+                status[job.name] = _finish(job, rc, time.time() - t0)
+                log(f"[sweep] {status[job.name]} {job.name} ({time.time() - t0:.0f} s)")
+            running = still
+    if stopping:
+        log("[sweep] stopped by a signal; rerun the same command to resume")
+        raise SweepStopped(0)
     return status
 
 
