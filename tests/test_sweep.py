@@ -41,7 +41,8 @@ FAKE_TRAIN = textwrap.dedent(
     rows = [{"step": s, "train/success": 0.1 * s + seed, "eval/greedy_success": 0.05 * s}
             for s in range(steps + 1)]
     (wd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
-    summary = {"steps": steps, "wall_time_s": 1.5, "before": {"eval/greedy_success": 0.0},
+    summary = {"steps": steps, "wall_time_s": 1.5, "interrupted": False,
+               "before": {"eval/greedy_success": 0.0},
                "after": {"eval/greedy_success": 0.05 * steps}}
     (wd / "summary.json").write_text(json.dumps(summary))
     """
@@ -266,6 +267,12 @@ def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path,
     results = sweep.run_sweep(spec, tmp_path / "sw", env=env, parallel=2, log=lambda _: None)
     assert [r.status for r in results] == ["done"] * 3 and not any(r.reused for r in results)
     assert signal.getsignal(signal.SIGTERM) is not None  # the handlers are given back
+    # A run that a signal stopped writes a summary too: it is not finished, so it reruns.
+    wd = results[0].workdir
+    summary = json.loads((wd / "summary.json").read_text())
+    (wd / "summary.json").write_text(json.dumps({**summary, "interrupted": True}))
+    again = sweep.run_sweep(spec, tmp_path / "sw", env=env, parallel=2, log=lambda _: None)
+    assert [r.reused for r in again] == [False, True, True]
 
 
 # --------------------------------------------------------------------------- tables

@@ -140,6 +140,16 @@ def counters(base: dict, stats: dict[str, Any]) -> dict:
     return out
 
 
+def complete(summary: Any) -> bool:
+    """A run's summary.json says it ended by itself: not interrupted (a signal's save
+    writes one too), and its final evaluation ran."""
+    return (
+        isinstance(summary, dict)
+        and not summary.get("interrupted", True)
+        and bool(summary.get("after"))
+    )
+
+
 def finished(workdir: pathlib.Path, total_steps: int) -> dict | None:
     """The summary of the run in `workdir` when it is finished for `total_steps` (it
     reached at least that step, was not interrupted and ran its final evaluation, which
@@ -150,8 +160,7 @@ def finished(workdir: pathlib.Path, total_steps: int) -> dict | None:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    done = isinstance(summary, dict) and not summary.get("interrupted", True)
-    if not (done and int(summary.get("steps") or 0) >= total_steps and summary.get("after")):
+    if not (complete(summary) and int(summary.get("steps") or 0) >= total_steps):
         return None
     log.info(
         "the run in %s already finished at step %d (train.total_steps=%d): nothing to do; a "

@@ -30,6 +30,7 @@ from sao_jax.checkpointing.meta import encode_meta
 from sao_jax.checkpointing.workdir import CONFIG_FILE, config_differences
 from sao_jax.cli import entry_module
 from sao_jax.defaults import default_config
+from sao_jax.run import accounting
 from sao_jax.run.settings import WARM_START_CRITIC_SUBDIR, pretraining_fields
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.sweep.results import (
@@ -164,8 +165,9 @@ def has_output(job: Job) -> bool:
     (orbax renames a step's tmp dir to the bare step number on commit), and under
     <workdir>/warm_start_critic when it pretrains the critic; this does not depend on
     the process getting past RL step 0 (see docs/experiments.md)."""
-    if not job.warm_start:
-        return (job.workdir / SUMMARY_FILE).is_file()
+    if not job.warm_start:  # a run a signal stopped writes one too: not finished
+        path = job.workdir / SUMMARY_FILE
+        return path.is_file() and accounting.complete(json.loads(path.read_text()))
     subdirs = (WARM_START_SUBDIR, WARM_START_CRITIC_SUBDIR) if job.critic else (WARM_START_SUBDIR,)
     return all(_committed(job.workdir / d) for d in subdirs)
 
