@@ -106,7 +106,12 @@ def table_main(
         if FROM_RUNS.value:  # the committed runs, nothing trained
             results, header = audit.read_runs(FROM_RUNS.value)
             exp = dataclasses.replace(experiment(), **header.settings)
-            exp.write(name, write(exp, chosen(exp), results, header.wall_s))
+            spec = chosen(exp)  # then as the file ran it (its rows, seeds, schedule)
+            if isinstance(spec, sweep.SweepSpec):
+                spec = audit.recorded_spec(spec, results)
+            else:
+                spec = tuple(audit.recorded_spec(s, results) for s in spec)
+            exp.write(name, write(exp, spec, results, header.wall_s))
             return
         exp = experiment()
         spec = chosen(exp)

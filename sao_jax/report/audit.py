@@ -7,8 +7,10 @@ the report reads are noted; `write_runs` then keeps, per run, only those keys (t
 each record, the summary's noted top-level entries whole) in `<out_dir>/<name>_runs.jsonl`:
 one JSON object per line, the first the invocation's header (`wall_s`), then one per run.
 `read_runs` gives the results back, so a reader recomputes every cell of the table
-without rerunning anything (`python -m experiments.<script> --from_runs=<file>`), and
-tests/test_audit.py checks that the table regenerated from the file is the same text.
+without rerunning anything (`python -m experiments.<script> --from_runs=<file>`; the
+sweep is taken back as the file ran it, `recorded_spec`, not as today's config sizes the
+mode), and tests/test_audit.py checks that a committed table regenerated from its file is
+the same text.
 
 A report that iterates over a record's keys (rather than reading named ones) marks that
 kind of record as read whole, so nothing it could have used is dropped.
@@ -25,7 +27,7 @@ from typing import Any, NamedTuple
 
 from sao_jax.schema import ConfigError
 from sao_jax.sweep.results import PointResult
-from sao_jax.sweep.spec import Point
+from sao_jax.sweep.spec import Point, SweepSpec
 
 RUNS_SUFFIX = "_runs.jsonl"
 ALL = "*"  # a record kind read whole (its keys were iterated)
@@ -187,3 +189,30 @@ def read_runs(path: str | os.PathLike) -> tuple[list[PointResult], Header]:
     if header is None:
         raise ConfigError(f"--from_runs: {path} is empty")
     return results, header
+
+
+def recorded_spec(spec: SweepSpec, results: Sequence[PointResult]) -> SweepSpec:
+    """`spec` as the recorded runs ran it: their rows and seeds (in the order run) and
+    their shared overrides (`fixed`: a switch schedule, the step count), so that a table
+    regenerated after its config's mode was resized says what was run. Runs of another
+    config (a script with several sweeps) are not `spec`'s; with none of its own, `spec`
+    comes back unchanged. ConfigError when its runs disagree on the shared overrides."""
+    points = [
+        r.point
+        for r in results
+        if r.point.config == spec.config and r.point.common_arg == spec.common_arg
+    ]
+    if not points:
+        return spec
+    fixed = {p.fixed for p in points}
+    if len(fixed) > 1:
+        raise ConfigError(
+            f"--from_runs: the runs of sweep {spec.name!r} were run with different shared "
+            f"overrides ({len(fixed)} sets): not one sweep"
+        )
+    return dataclasses.replace(
+        spec,
+        variants=tuple(dict.fromkeys(p.variant for p in points)),
+        seeds=tuple(dict.fromkeys(p.seed for p in points)),
+        fixed=dict(fixed.pop()),
+    )
