@@ -141,3 +141,29 @@ def test_runs_file_keeps_what_the_report_reads_and_regenerates_it(tmp_path):
     path.write_text(path.read_text() + "{not json\n")
     with pytest.raises(ConfigError, match=r"r.jsonl:8 is not a runs record"):
         audit.read_runs(path)
+
+
+def test_secondary_family_is_the_preregistered_one(tmp_path):
+    # Pre-registered (results/online_shift/PREREGISTRATION.md): every main row minus SAO
+    # but the two the primary family tests (the paper's moving average, the ceiling).
+    from sao_jax.configs.online_shift import MAIN_ROWS
+
+    assert U.secondary_rows(MAIN_ROWS) == [
+        "moving_average_w1", "moving_average_w8", "moving_average_w32",
+        "moving_average_per_user", "sao_lambda1", "sao_policy_first",
+    ]  # fmt: skip
+    spec, results = _results(tmp_path)  # sao and the paper's moving average only
+    exp = Experiment(mode="full", out_dir=str(tmp_path / "out"), command="python -m x")
+    text = U.main_report(exp, spec, results, 1.0)
+    assert "## Every other row" not in text  # the moving average is in the primary family
+    ma = next(line for line in text.splitlines() if line.startswith("| moving average, 128"))
+    assert "Holm p" in ma  # its row shows minus SAO with the primary family's Holm p
+    spec = dataclasses.replace(spec, variants=("sao", "moving_average", "sao_lambda1"))
+    lam = [
+        dataclasses.replace(r, point=dataclasses.replace(r.point, variant="sao_lambda1"))
+        for r in results
+        if r.point.variant == "moving_average"
+    ]
+    text = U.main_report(exp, spec, results + lam, 1.0)
+    assert "this one difference" in text
+    assert "Incomplete: 1 of the 6 rows of the pre-registered secondary family" in text
