@@ -271,6 +271,8 @@ def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path,
     wd = results[0].workdir
     summary = json.loads((wd / "summary.json").read_text())
     (wd / "summary.json").write_text(json.dumps({**summary, "interrupted": True}))
+    stopped = sweep.collect(spec, tmp_path / "sw")[0]
+    assert stopped.status == "stopped" and "signal" in stopped.error  # no table reads it
     again = sweep.run_sweep(spec, tmp_path / "sw", env=env, parallel=2, log=lambda _: None)
     assert [r.reused for r in again] == [False, True, True]
 

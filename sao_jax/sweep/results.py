@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sao_jax.metrics import METRICS_FILE, read_jsonl
+from sao_jax.run import accounting
 from sao_jax.sweep.spec import Point, SweepSpec, expand
 
 SUMMARY_FILE = "summary.json"  # written by sao_jax.train.run at the end of a run
@@ -39,7 +40,7 @@ class PointResult:
 
     point: Point
     workdir: pathlib.Path
-    status: str  # 'done' | 'failed' | 'missing' | 'running' | 'no warm start'
+    status: str  # 'done' | 'failed' | 'stopped' | 'missing' | 'running' | 'no warm start'
     summary: dict[str, Any] | None
     history: list[dict[str, Any]]  # metrics.jsonl records
     error: str = ""  # stderr tail of a failure
@@ -57,7 +58,9 @@ def collect(
     *,
     failed_warm_starts: set[int] = frozenset(),
 ) -> list[PointResult]:
-    """summary.json + metrics.jsonl of every point (partial histories of failed ones)."""
+    """summary.json + metrics.jsonl of every point (partial histories of failed ones); a
+    point is 'done' when its summary says it finished (`accounting.complete`, the runner's
+    test too), 'stopped' when a signal's save wrote it."""
     root = pathlib.Path(sweep_dir)
     out = []
     for p in expand(spec) if points is None else points:
@@ -65,10 +68,12 @@ def collect(
         summary = _read_json(wd / SUMMARY_FILE)
         history = read_jsonl(wd / METRICS_FILE) if (wd / METRICS_FILE).is_file() else []
         failed = _read_json(side_file(wd, FAILED_FILE))
-        if summary is not None:
+        if accounting.complete(summary):
             status, error = "done", ""
         elif failed is not None:
             status, error = "failed", failed.get("stderr_tail", "")
+        elif summary is not None:  # a signal's save: the same command resumes it
+            status, error = "stopped", "stopped by a signal before it finished"
         elif p.seed in failed_warm_starts:
             status, error = "no warm start", f"warm start of seed {p.seed} failed"
         else:
