@@ -27,6 +27,7 @@ from sao_jax.configs import ablations as ablations_cfg
 from sao_jax.report import ablations as report
 from sao_jax.report import audit
 from sao_jax.report.experiment import Experiment
+from sao_jax.schema import ConfigError
 
 MODE = flags.DEFINE_enum("mode", "quick", ["smoke", "quick", "full"], "Experiment size.")
 SWEEP_DIR = flags.DEFINE_string(
@@ -44,6 +45,13 @@ FROM_RUNS = flags.DEFINE_string(
     None,
     "Write the table again from a committed <name>_runs.jsonl (sao_jax/report/audit.py) "
     "instead of running: the same runs and settings, nothing trained.",
+)
+ADD_TO = flags.DEFINE_string(
+    "add_to",
+    None,
+    "A committed <name>_runs.jsonl whose runs this invocation adds to (rows or seeds a "
+    "later session runs, e.g. --rows=<rows it lacks>): the table is written from its runs "
+    "and this invocation's, and says whether each seed's warm start is the same tensors.",
 )
 ROWS = flags.DEFINE_list(
     "rows",
@@ -115,10 +123,25 @@ def table_main(
             return
         exp = experiment()
         spec = chosen(exp)
+        earlier = None
+        if ADD_TO.value:
+            if not isinstance(spec, sweep.SweepSpec):
+                raise ConfigError("--add_to: this script runs several sweeps; not supported")
+            earlier, before = audit.read_runs(ADD_TO.value)
+            audit.check_addable(spec, earlier, ADD_TO.value)
         if isinstance(spec, sweep.SweepSpec):
             results, wall_s = exp.run(spec)
         else:
             results, wall_s = exp.run_all(spec)
+        if earlier is not None and not exp.dry_run:
+            spec, results = audit.add_runs(spec, sweep_of(exp.mode), results, earlier)
+            prior = [*before.settings.get("earlier", ())]
+            prior.append(
+                dict(
+                    command=before.settings["command"], wall_s=before.wall_s, runs_file=ADD_TO.value
+                )
+            )
+            exp = dataclasses.replace(exp, earlier=tuple(prior))
         if not exp.dry_run:
             recorder = audit.Recorder()
             exp.write(name, write(exp, spec, recorder.wrap(results), wall_s))

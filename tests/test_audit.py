@@ -13,8 +13,11 @@ import sys
 
 import pytest
 
+from sao_jax import sweep
+from sao_jax.checkpointing import integrity
 from sao_jax.configs import online_shift
 from sao_jax.report import audit
+from sao_jax.report.experiment import Experiment
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUNS_FILES = sorted((ROOT / "results").rglob(f"*{audit.RUNS_SUFFIX}"))
@@ -61,3 +64,82 @@ def test_recorded_spec_takes_the_runs_rows_seeds_and_schedule(tmp_path):
     mixed = [results[0], dataclasses.replace(results[1], point=refixed)]
     with pytest.raises(audit.ConfigError, match="different shared overrides"):
         audit.recorded_spec(today, mixed)
+
+
+def _runs(spec, digest=lambda seed: f"d{seed}"):
+    return [
+        sweep.PointResult(
+            p, pathlib.Path(p.name), "done", {"after": {"x": 1.0}}, [], warm_start={
+                "policy": digest(p.seed), "critic": None
+            }
+        )
+        for p in sweep.expand(spec)
+    ]  # fmt: skip
+
+
+def test_add_to_checks_then_merges_in_the_modes_order():
+    full = online_shift.get_sweep("mode=full,table=main")
+    first = dataclasses.replace(full, variants=("sao", "moving_average", "ceiling"))
+    later = dataclasses.replace(full, variants=("sao_lambda1", "moving_average_w32"))
+    earlier = _runs(first)
+    audit.check_addable(later, earlier, "f.jsonl")  # other rows, same schedule: fine
+    with pytest.raises(audit.ConfigError, match=r"10 point\(s\) are already in f.jsonl"):
+        audit.check_addable(dataclasses.replace(later, variants=("sao",)), earlier, "f.jsonl")
+    other = dataclasses.replace(later, fixed={**later.fixed, "train.total_steps": 5})
+    with pytest.raises(audit.ConfigError, match="other shared overrides"):
+        audit.check_addable(other, earlier, "f.jsonl")
+    glob = online_shift.get_sweep("mode=full,design=global")
+    with pytest.raises(audit.ConfigError, match="holds no run of sweep"):
+        audit.check_addable(glob, earlier, "f.jsonl")
+    spec, merged = audit.add_runs(later, full, _runs(later), earlier)
+    assert spec.variants == (
+        "sao",
+        "moving_average",
+        "moving_average_w32",
+        "sao_lambda1",
+        "ceiling",
+    )
+    assert spec.seeds == full.seeds and len(merged) == 50
+    assert [r.point.name for r in merged] == [p.name for p in sweep.expand(spec)]
+    assert sum(r.reused for r in merged) == 30  # the earlier runs count as reused
+
+
+def test_warm_starts_are_checked_per_seed(tmp_path):
+    full = online_shift.get_sweep("mode=full,table=main")
+    a = _runs(dataclasses.replace(full, variants=("sao",), seeds=(0, 1, 2)))
+    b = _runs(
+        dataclasses.replace(full, variants=("ceiling",), seeds=(0, 1, 2)),
+        lambda s: "another" if s == 1 else f"d{s}",  # seed 1 re-created differently
+    )
+    b[2].warm_start = None  # seed 2: a run that recorded no digest
+    assert audit.warm_start_check(a + b) == ([1], [2])
+    exp = Experiment(
+        mode="full", command="python -m y --add_to=f", out_dir=str(tmp_path),
+        earlier=({"command": "python -m y", "wall_s": 600.0, "runs_file": "f"},),
+    )  # fmt: skip
+    text = exp.header("T", full, a + b, 60.0)
+    assert "adds to the runs of `python -m y` (10.0 min" in text
+    assert "**warm starts differ** within seed(s) 1" in text and "seed(s) 2 (a run" in text
+    assert exp.settings()["earlier"][0]["wall_s"] == 600.0
+    same = exp.header(
+        "T",
+        full,
+        a + _runs(dataclasses.replace(full, variants=("ceiling",), seeds=(0, 1, 2))),
+        60.0,
+    )
+    assert "start from the same tensors" in same
+
+
+def test_stored_digest_reads_the_newest_steps_fingerprints(tmp_path):
+    for step, tensors in ((0, {"w": [1, 2]}), (5, {"w": [3, 4]})):
+        d = tmp_path / str(step) / integrity.CHECKSUMS
+        d.mkdir(parents=True)
+        (d / integrity.JSON_ITEM_FILE).write_text(json.dumps({"format": 1, "tensors": tensors}))
+    got = integrity.stored_digest(tmp_path)
+    (tmp_path / "5" / integrity.CHECKSUMS / integrity.JSON_ITEM_FILE).write_text(
+        json.dumps({"format": 1, "tensors": {"w": [3, 4]}}, indent=2)  # another layout
+    )
+    assert integrity.stored_digest(tmp_path) == got and len(got) == 16
+    (tmp_path / "6").mkdir()  # a newer step without fingerprints
+    assert integrity.stored_digest(tmp_path) is None
+    assert integrity.stored_digest(tmp_path / "absent") is None

@@ -64,7 +64,15 @@ def test_ablations_gae_and_staleness_share_one_sweep(tmp_path, jax_cache_dir):
 
 def test_online_shift_tables_and_their_runs_files(tmp_path, jax_cache_dir):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
-    _experiment("online_shift", sweep_dir, out, "--seeds=1", cache=jax_cache_dir)
+    first = ("--seeds=1", "--rows=sao,moving_average")
+    _experiment("online_shift", sweep_dir, out, *first, cache=jax_cache_dir)
+    runs = out / "online_shift_main_runs.jsonl"
+    # A later invocation (a later session) adds the ceiling row to the recorded runs.
+    log = _experiment(
+        "online_shift", sweep_dir, out, "--seeds=1", "--rows=ceiling", f"--add_to={runs}",
+        cache=jax_cache_dir,
+    )  # fmt: skip
+    assert "start online_shift__ceiling__seed=1" in log and "start online_shift__sao" not in log
     ma = "moving average, 128 rewards (the paper's)"
     text = _check_report(
         out, "online_shift_main", ["SAO", ma, "ceiling: critic sees the current target"]
@@ -74,14 +82,17 @@ def test_online_shift_tables_and_their_runs_files(tmp_path, jax_cache_dir):
     assert "## Recovery curves" in text and "## Do the mechanisms fire?" in text
     assert "- mode: smoke; seeds: 1\n" in text  # --seeds replaces the mode's seed 0
     assert "online_shift__sao__seed=1" in text and "seed=0" not in text
+    assert "- adds to the runs of `python -m experiments.online_shift --mode=smoke" in text
+    assert "every seed's runs, of every invocation, start from the same tensors" in text
     # The runs file holds what the table reads: the table comes back without training.
-    runs = out / "online_shift_main_runs.jsonl"
     regen = tmp_path / "regen"
     _experiment(
         "online_shift", tmp_path / "no_sweep", regen, f"--from_runs={runs}", cache=jax_cache_dir
     )
     assert (regen / "online_shift_main.md").read_text() == text
     assert not (tmp_path / "no_sweep").exists()  # nothing ran
+    with pytest.raises(AssertionError, match="already in"):  # never a run twice
+        _experiment("online_shift", sweep_dir, out, "--seeds=1", "--rows=sao", f"--add_to={runs}")
 
     log = _experiment(
         "online_shift", sweep_dir, out, "--seeds=1", "--table=tracking", cache=jax_cache_dir

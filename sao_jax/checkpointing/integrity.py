@@ -25,6 +25,7 @@ A step without them (written before this module) restores with a warning.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -39,6 +40,7 @@ import numpy as np
 from sao_jax.parallel.partition import path_str
 
 CHECKSUMS = "checksums"  # the orbax JSON item holding the tensor fingerprints
+JSON_ITEM_FILE = "metadata"  # the file orbax's JsonCheckpointHandler writes in an item dir
 DIGESTS = "integrity.process_{}.json"  # per-process file digests in a committed step
 FORMAT = 1
 _PROCESS_DIR = re.compile(r"^ocdbt\.process_(\d+)$")
@@ -188,3 +190,23 @@ def check_digests(step_dir: pathlib.Path, process: int, count: int) -> tuple[boo
             if _crc(path) != crc:
                 return True, f"{rel}: contents changed (CRC-32 mismatch)"
     return True, None
+
+
+def stored_digest(directory: str | os.PathLike) -> str | None:
+    """A short digest (16 hex) of the tensor fingerprints stored with the newest committed
+    step under a Checkpointer's `directory`, read from disk (nothing restored): two
+    checkpoints with one digest hold the same tensors (to ~2**-64 per tensor). None when
+    there is no committed step or it stores no fingerprints."""
+    root = pathlib.Path(directory)
+    if not root.is_dir():
+        return None
+    steps = [int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()]
+    if not steps:
+        return None
+    path = root / str(max(steps)) / CHECKSUMS / JSON_ITEM_FILE
+    try:
+        tensors = json.loads(path.read_text())["tensors"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    blob = json.dumps(tensors, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

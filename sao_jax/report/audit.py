@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from sao_jax.schema import ConfigError
 from sao_jax.sweep.results import PointResult
-from sao_jax.sweep.spec import Point, SweepSpec
+from sao_jax.sweep.spec import Point, SweepSpec, expand
 
 RUNS_SUFFIX = "_runs.jsonl"
 ALL = "*"  # a record kind read whole (its keys were iterated)
@@ -134,6 +134,7 @@ def write_runs(
                     "history": [h for h in history if set(h) - {STEP}],
                     "error": r.error,
                     "reused": r.reused,
+                    "warm_start": r.warm_start,
                 }
             )
         )
@@ -182,6 +183,7 @@ def read_runs(path: str | os.PathLike) -> tuple[list[PointResult], Header]:
                     d["history"],
                     d.get("error", ""),
                     bool(d.get("reused", False)),
+                    d.get("warm_start"),
                 )
             )
         except (ValueError, KeyError, TypeError) as e:
@@ -216,3 +218,61 @@ def recorded_spec(spec: SweepSpec, results: Sequence[PointResult]) -> SweepSpec:
         seeds=tuple(dict.fromkeys(p.seed for p in points)),
         fixed=dict(fixed.pop()),
     )
+
+
+def check_addable(spec: SweepSpec, earlier: Sequence[PointResult], path) -> None:
+    """ConfigError unless `spec`'s points can be added to the `earlier` runs of the runs
+    file `path` as one sweep: runs of the same config there, the same shared overrides
+    (schedule, steps), and no point in both (a finished run is never run twice)."""
+    mine = [r.point for r in earlier if r.point.config == spec.config]
+    mine = [p for p in mine if p.common_arg == spec.common_arg]
+    if not mine:
+        raise ConfigError(f"--add_to: {path} holds no run of sweep {spec.name!r}")
+    new = expand(spec)
+    if {p.fixed for p in mine} != {p.fixed for p in new}:
+        raise ConfigError(
+            f"--add_to: the runs in {path} were run with other shared overrides than "
+            f"sweep {spec.name!r} sets now ({dict(mine[0].fixed)} vs {dict(new[0].fixed)}): "
+            "not one sweep"
+        )
+    both = sorted({p.name for p in mine} & {p.name for p in new})
+    if both:
+        raise ConfigError(
+            f"--add_to: {len(both)} point(s) are already in {path} (e.g. {both[0]}); "
+            "choose --rows / --seeds that it does not hold"
+        )
+
+
+def add_runs(
+    spec: SweepSpec, order: SweepSpec, results: Sequence[PointResult], earlier
+) -> tuple[SweepSpec, list[PointResult]]:
+    """(the sweep the `earlier` recorded runs and this invocation's `results` of `spec`
+    make up, every result in its order): rows and seeds in the order of `order` (the
+    mode's whole sweep), the earlier runs marked reused."""
+    known = [r for r in earlier if r.point.config == spec.config]
+    known = [dataclasses.replace(r, reused=True) for r in known]
+    runs = {r.point.name: r for r in [*known, *results]}
+    pick = lambda have, full: (
+        tuple(x for x in full if x in have) + tuple(x for x in dict.fromkeys(have) if x not in full)
+    )
+    variants = pick([r.point.variant for r in runs.values()], order.variants)
+    seeds = pick([r.point.seed for r in runs.values()], order.seeds)
+    merged = dataclasses.replace(spec, variants=variants, seeds=seeds)
+    return merged, [runs[p.name] for p in expand(merged) if p.name in runs]
+
+
+def warm_start_check(results: Sequence[PointResult]) -> tuple[list[int], list[int]]:
+    """(seeds whose runs record different warm-start digests, seeds with a run that
+    records none): the runs of one seed should start from the same tensors."""
+    by_seed: dict[int, list] = {}
+    for r in results:
+        by_seed.setdefault(r.point.seed, []).append(r.warm_start)
+    differ, unchecked = [], []
+    for seed, starts in sorted(by_seed.items()):
+        if any(not s or s.get("policy") is None for s in starts):
+            unchecked.append(seed)
+        for part in ("policy", "critic"):
+            seen = {s.get(part) for s in starts if s and s.get(part) is not None}
+            if len(seen) > 1 and seed not in differ:
+                differ.append(seed)
+    return differ, unchecked

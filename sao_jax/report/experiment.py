@@ -13,6 +13,7 @@ from typing import Any
 
 from sao_jax import sweep
 from sao_jax.report import tables
+from sao_jax.report.audit import warm_start_check
 from sao_jax.schema import ConfigError
 
 
@@ -29,13 +30,19 @@ class Experiment:
     seeds: Sequence[str] | None = None  # seeds instead of the mode's (as given)
     rows: Sequence[str] | None = None  # rows (the sweep's variants) instead of all
     command: str = ""  # the invocation, as the report header shows it
+    # invocations whose recorded runs this one adds to (--add_to), oldest first: each
+    # {'command', 'wall_s', 'runs_file'}
+    earlier: Sequence[dict[str, Any]] = ()
 
     def settings(self) -> dict[str, Any]:
         """What decides the sweep and the report's text: mode, seeds, rows, command (a
         table regenerated from its runs file takes these back: sao_jax/report/audit.py)."""
         seeds = None if self.seeds is None else list(self.seeds)
         rows = None if self.rows is None else list(self.rows)
-        return dict(mode=self.mode, seeds=seeds, rows=rows, command=self.command)
+        out = dict(mode=self.mode, seeds=seeds, rows=rows, command=self.command)
+        if self.earlier:
+            out["earlier"] = [dict(e) for e in self.earlier]
+        return out
 
     @property
     def sweep_path(self) -> pathlib.Path:
@@ -85,7 +92,7 @@ class Experiment:
         return results, wall_s
 
     def header(self, title: str, spec: sweep.SweepSpec, results, wall_s: float) -> str:
-        return tables.report_header(
+        text = tables.report_header(
             title,
             command=self.command,
             mode=self.mode,
@@ -98,6 +105,36 @@ class Experiment:
             reused=sum(r.reused for r in results),
             machine=machine_of(results),
         )
+        return text + self._earlier_text(results)
+
+    def _earlier_text(self, results) -> str:
+        """The invocations this one added its runs to, and whether each seed's runs of
+        them all start from the same warm start (the digests of its tensors)."""
+        if not self.earlier:
+            return ""
+        lines = [
+            f"- adds to the runs of `{e['command']}` ({e['wall_s'] / 60:.1f} min; its runs "
+            f"as recorded in {e['runs_file']}, reused)"
+            for e in self.earlier
+        ]
+        differ, unchecked = warm_start_check(results)
+        if differ:
+            lines.append(
+                f"- **warm starts differ** within seed(s) {', '.join(map(str, differ))}: "
+                "their runs from different invocations do not start from the same tensors "
+                "(pairs across invocations are not same-start pairs)"
+            )
+        if unchecked:
+            lines.append(
+                f"- warm starts not checked for seed(s) {', '.join(map(str, unchecked))} "
+                "(a run recorded no digest)"
+            )
+        if not differ and not unchecked:
+            lines.append(
+                "- warm starts: every seed's runs, of every invocation, start from the same "
+                "tensors (one digest of the warm start's stored fingerprints per seed)"
+            )
+        return "\n".join(lines) + "\n"
 
     def write(self, name: str, text: str) -> pathlib.Path:
         path = self.out_path / f"{name}.md"

@@ -14,9 +14,11 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
+from sao_jax.checkpointing import integrity
 from sao_jax.metrics import METRICS_FILE, read_jsonl
 from sao_jax.run import accounting
-from sao_jax.sweep.spec import Point, SweepSpec, expand
+from sao_jax.run.settings import WARM_START_CRITIC_SUBDIR
+from sao_jax.sweep.spec import WARM_START_SUBDIR, Point, SweepSpec, expand, warm_start_name
 
 SUMMARY_FILE = "summary.json"  # written by sao_jax.train.run at the end of a run
 # The runner's files about a point live beside its workdir (the trainer wants that empty):
@@ -45,6 +47,10 @@ class PointResult:
     history: list[dict[str, Any]]  # metrics.jsonl records
     error: str = ""  # stderr tail of a failure
     reused: bool = False  # finished before this run_sweep call (skipped)
+    # digests of the seed's shared warm start ({'policy', 'critic'}: the tensors it starts
+    # from, `integrity.stored_digest`; None where not stored): runs of one seed made by
+    # different invocations (sessions) are checked to share one start
+    warm_start: dict[str, str | None] | None = None
 
     @property
     def row(self) -> str:
@@ -78,7 +84,14 @@ def collect(
             status, error = "no warm start", f"warm start of seed {p.seed} failed"
         else:
             status, error = ("running" if wd.is_dir() else "missing"), ""
-        out.append(PointResult(p, wd, status, summary, history, error))
+        result = PointResult(p, wd, status, summary, history, error)
+        if spec.warm_start:
+            ws = root / warm_start_name(spec, p.seed)
+            result.warm_start = {
+                "policy": integrity.stored_digest(ws / WARM_START_SUBDIR),
+                "critic": integrity.stored_digest(ws / WARM_START_CRITIC_SUBDIR),
+            }
+        out.append(result)
     return out
 
 
