@@ -112,14 +112,15 @@ def test_warm_starts_are_checked_per_seed(tmp_path):
         lambda s: "another" if s == 1 else f"d{s}",  # seed 1 re-created differently
     )
     b[2].warm_start = None  # seed 2: a run that recorded no digest
-    assert audit.warm_start_check(a + b) == ([1], [2])
+    assert audit.warm_start_check(a + b) == ({"policy": [1], "critic": []}, [2])
     exp = Experiment(
         mode="full", command="python -m y --add_to=f", out_dir=str(tmp_path),
         earlier=({"command": "python -m y", "wall_s": 600.0, "runs_file": "f"},),
     )  # fmt: skip
     text = exp.header("T", full, a + b, 60.0)
     assert "adds to the runs of `python -m y` (10.0 min" in text
-    assert "**warm starts differ** within seed(s) 1" in text and "seed(s) 2 (a run" in text
+    assert "**warm-start policies differ** within seed(s) 1" in text
+    assert "not checked for seed(s) 2 (a run" in text
     assert exp.settings()["earlier"][0]["wall_s"] == 600.0
     same = exp.header(
         "T",
@@ -128,6 +129,10 @@ def test_warm_starts_are_checked_per_seed(tmp_path):
         60.0,
     )
     assert "start from the same tensors" in same
+    a[0].warm_start = {"policy": "d0", "critic": "c0"}  # the same SFT policy, another
+    b[0].warm_start = {"policy": "d0", "critic": "c1"}  # value pretraining
+    assert audit.warm_start_check([a[0], b[0]]) == ({"policy": [], "critic": [0]}, [])
+    assert "pretrained critics differ within seed(s) 0" in exp.header("T", full, [a[0], b[0]], 1)
 
 
 def test_stored_digest_reads_the_newest_steps_fingerprints(tmp_path):

@@ -261,18 +261,23 @@ def add_runs(
     return merged, [runs[p.name] for p in expand(merged) if p.name in runs]
 
 
-def warm_start_check(results: Sequence[PointResult]) -> tuple[list[int], list[int]]:
-    """(seeds whose runs record different warm-start digests, seeds with a run that
-    records none): the runs of one seed should start from the same tensors."""
+def warm_start_check(
+    results: Sequence[PointResult],
+) -> tuple[dict[str, list[int]], list[int]]:
+    """({'policy': seeds, 'critic': seeds} whose runs record different digests of that
+    part of their warm start, seeds with a run that records no policy digest): the runs
+    of one seed should start from the same tensors. (The SFT policy is re-created bitwise
+    by a later invocation; the pretrained critic is not: value pretraining's rollouts come
+    from the asynchronous sampler, so its batches depend on timing.)"""
     by_seed: dict[int, list] = {}
     for r in results:
         by_seed.setdefault(r.point.seed, []).append(r.warm_start)
-    differ, unchecked = [], []
+    differ: dict[str, list[int]] = {"policy": [], "critic": []}
+    unchecked = []
     for seed, starts in sorted(by_seed.items()):
         if any(not s or s.get("policy") is None for s in starts):
             unchecked.append(seed)
-        for part in ("policy", "critic"):
-            seen = {s.get(part) for s in starts if s and s.get(part) is not None}
-            if len(seen) > 1 and seed not in differ:
-                differ.append(seed)
+        for part, seeds in differ.items():
+            if len({s.get(part) for s in starts if s and s.get(part) is not None}) > 1:
+                seeds.append(seed)
     return differ, unchecked

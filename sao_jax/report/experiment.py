@@ -118,18 +118,26 @@ class Experiment:
             for e in self.earlier
         ]
         differ, unchecked = warm_start_check(results)
-        if differ:
+        seeds = lambda xs: ", ".join(map(str, xs))
+        if differ["policy"]:
             lines.append(
-                f"- **warm starts differ** within seed(s) {', '.join(map(str, differ))}: "
+                f"- **warm-start policies differ** within seed(s) {seeds(differ['policy'])}: "
                 "their runs from different invocations do not start from the same tensors "
                 "(pairs across invocations are not same-start pairs)"
             )
+        if differ["critic"]:
+            lines.append(
+                f"- pretrained critics differ within seed(s) {seeds(differ['critic'])}: value "
+                "pretraining, re-created by a later invocation, draws its rollouts from the "
+                "asynchronous sampler, so critic rows of different invocations start from "
+                "different critics of the same seed (more noise in their pairs, no bias)"
+            )
         if unchecked:
             lines.append(
-                f"- warm starts not checked for seed(s) {', '.join(map(str, unchecked))} "
-                "(a run recorded no digest)"
+                f"- warm starts not checked for seed(s) {seeds(unchecked)} (a run recorded no "
+                "digest)"
             )
-        if not differ and not unchecked:
+        if not any(differ.values()) and not unchecked:
             lines.append(
                 "- warm starts: every seed's runs, of every invocation, start from the same "
                 "tensors (one digest of the warm start's stored fingerprints per seed)"
