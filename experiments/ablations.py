@@ -129,10 +129,7 @@ def table_main(
                 raise ConfigError("--add_to: this script runs several sweeps; not supported")
             earlier, before = audit.read_runs(ADD_TO.value)
             audit.check_addable(spec, earlier, ADD_TO.value)
-        if isinstance(spec, sweep.SweepSpec):
-            results, wall_s = exp.run(spec)
-        else:
-            results, wall_s = exp.run_all(spec)
+        results, wall_s, stopped = exp.run_table(spec)
         if earlier is not None and not exp.dry_run:
             spec, results = audit.add_runs(spec, sweep_of(exp.mode), results, earlier)
             prior = [*before.settings.get("earlier", ())]
@@ -149,6 +146,8 @@ def table_main(
                 audit.runs_path(exp.out_path, name), results, recorder, wall_s, exp.settings()
             )
             print(f"wrote {path}")
+        if stopped is not None:  # the table of what finished is written: now exit 0
+            raise stopped
 
     return main
 

@@ -148,3 +148,46 @@ def test_stored_digest_reads_the_newest_steps_fingerprints(tmp_path):
     (tmp_path / "6").mkdir()  # a newer step without fingerprints
     assert integrity.stored_digest(tmp_path) is None
     assert integrity.stored_digest(tmp_path / "absent") is None
+
+
+def test_a_stopped_table_keeps_what_finished_and_says_so(tmp_path, monkeypatch):
+    spec = dataclasses.replace(
+        online_shift.get_sweep("mode=smoke,table=main"), variants=("sao", "moving_average")
+    )
+    points = sweep.expand(spec)
+    finished = {"interrupted": False, "after": {"x": 1.0}, "wall_time_s": 3.0}
+
+    def write(point, summary):
+        (tmp_path / point.name).mkdir(parents=True, exist_ok=True)
+        (tmp_path / point.name / "summary.json").write_text(json.dumps(summary))
+
+    write(points[0], finished)  # finished by an earlier invocation
+
+    def stopped_sweep(spec, sweep_dir, **_):
+        write(points[1], finished)  # this invocation finished one more, then a signal came
+        raise sweep.SweepStopped(0)
+
+    monkeypatch.setattr(sweep, "run_sweep", stopped_sweep)
+    exp = Experiment(mode="smoke", sweep_dir=str(tmp_path), command="python -m z")
+    results, wall_s, stop = exp.run_table(spec)
+    assert isinstance(stop, sweep.SweepStopped) and wall_s >= 0
+    assert [r.status for r in results] == ["done", "done"]
+    assert [r.reused for r in results] == [True, False]
+    write(points[1], {**finished, "interrupted": True})  # had it not finished in time
+
+    def stop_at_once(spec, sweep_dir, **_):
+        raise sweep.SweepStopped(0)
+
+    monkeypatch.setattr(sweep, "run_sweep", stop_at_once)
+    results, _, _ = exp.run_table(spec)
+    assert [r.status for r in results] == ["done", "stopped"]
+    assert "- **incomplete**: 1 of 2 runs finished" in exp.header("T", spec, results, 1.0)
+    # a later invocation may add the unfinished point: it replaces the recorded one
+    audit.check_addable(dataclasses.replace(spec, variants=("moving_average",)), results, "f")
+    with pytest.raises(audit.ConfigError, match="already in f"):
+        audit.check_addable(dataclasses.replace(spec, variants=("sao",)), results, "f")
+    again = _runs(dataclasses.replace(spec, variants=("moving_average",)))
+    _, merged = audit.add_runs(
+        dataclasses.replace(spec, variants=("moving_average",)), spec, again, results
+    )
+    assert [r.status for r in merged] == ["done", "done"] and merged[1] is again[0]

@@ -167,3 +167,13 @@ def test_secondary_family_is_the_preregistered_one(tmp_path):
     text = U.main_report(exp, spec, results + lam, 1.0)
     assert "this one difference" in text
     assert "Incomplete: 1 of the 6 rows of the pre-registered secondary family" in text
+
+
+def test_verdict_waits_for_every_seed_of_the_primary_rows(tmp_path):
+    spec, results = _results(tmp_path)
+    exp = Experiment(mode="full", out_dir=str(tmp_path / "out"), command="python -m x")
+    assert "Not the pre-registered reading yet" not in U.main_report(exp, spec, results, 1.0)
+    results[-1] = dataclasses.replace(results[-1], status="stopped", summary=None, history=[])
+    text = U.main_report(exp, spec, results, 1.0)
+    assert "- **Not the pre-registered reading yet** (unfinished runs in: moving average" in text
+    assert "- **incomplete**: 5 of 6 runs finished" in text

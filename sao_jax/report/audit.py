@@ -223,7 +223,8 @@ def recorded_spec(spec: SweepSpec, results: Sequence[PointResult]) -> SweepSpec:
 def check_addable(spec: SweepSpec, earlier: Sequence[PointResult], path) -> None:
     """ConfigError unless `spec`'s points can be added to the `earlier` runs of the runs
     file `path` as one sweep: runs of the same config there, the same shared overrides
-    (schedule, steps), and no point in both (a finished run is never run twice)."""
+    (schedule, steps), and no point finished there (a finished run is never run twice;
+    one recorded unfinished, by a stopped invocation, is run and replaces it)."""
     mine = [r.point for r in earlier if r.point.config == spec.config]
     mine = [p for p in mine if p.common_arg == spec.common_arg]
     if not mine:
@@ -235,11 +236,12 @@ def check_addable(spec: SweepSpec, earlier: Sequence[PointResult], path) -> None
             f"sweep {spec.name!r} sets now ({dict(mine[0].fixed)} vs {dict(new[0].fixed)}): "
             "not one sweep"
         )
-    both = sorted({p.name for p in mine} & {p.name for p in new})
+    done = {r.point.name for r in earlier if r.status == "done"}
+    both = sorted(done & {p.name for p in new})
     if both:
         raise ConfigError(
             f"--add_to: {len(both)} point(s) are already in {path} (e.g. {both[0]}); "
-            "choose --rows / --seeds that it does not hold"
+            "choose --rows / --seeds that it does not hold finished"
         )
 
 
@@ -248,7 +250,8 @@ def add_runs(
 ) -> tuple[SweepSpec, list[PointResult]]:
     """(the sweep the `earlier` recorded runs and this invocation's `results` of `spec`
     make up, every result in its order): rows and seeds in the order of `order` (the
-    mode's whole sweep), the earlier runs marked reused."""
+    mode's whole sweep), the earlier runs marked reused; an earlier unfinished run that
+    this invocation ran is replaced by it."""
     known = [r for r in earlier if r.point.config == spec.config]
     known = [dataclasses.replace(r, reused=True) for r in known]
     runs = {r.point.name: r for r in [*known, *results]}

@@ -91,6 +91,26 @@ class Experiment:
             wall_s += seconds
         return results, wall_s
 
+    def run_table(self, spec) -> tuple[list[sweep.PointResult], float, SystemExit | None]:
+        """Runs (or resumes) a table's sweep, or its tuple of sweeps; (results, wall s,
+        the stop). A signal that stops the sweep (`sweep.SweepStopped`, after the running
+        points saved) leaves the results of what finished, the others 'stopped' or
+        'missing', so the caller still writes the table of what finished (marked
+        incomplete) before it exits."""
+        specs = (spec,) if isinstance(spec, sweep.SweepSpec) else tuple(spec)
+        collect = lambda: [r for s in specs for r in sweep.collect(s, self.sweep_path)]
+        done_before = {r.point.name for r in collect() if r.status == "done"}
+        t0 = time.time()
+        try:
+            results, _ = self.run_all(specs)
+            return results, time.time() - t0, None
+        except sweep.SweepStopped as stop:
+            wall_s = time.time() - t0
+            results = collect()
+            for r in results:
+                r.reused = r.point.name in done_before
+            return results, wall_s, stop
+
     def header(self, title: str, spec: sweep.SweepSpec, results, wall_s: float) -> str:
         text = tables.report_header(
             title,
@@ -105,7 +125,7 @@ class Experiment:
             reused=sum(r.reused for r in results),
             machine=machine_of(results),
         )
-        return text + self._earlier_text(results)
+        return text + _incomplete_text(results) + self._earlier_text(results)
 
     def _earlier_text(self, results) -> str:
         """The invocations this one added its runs to, and whether each seed's runs of
@@ -168,6 +188,17 @@ def by_row(results: Sequence[sweep.PointResult]) -> dict[str, list[sweep.PointRe
 def machine_of(results: Sequence[sweep.PointResult]) -> str:
     """The machine the first finished run recorded ('' if none did)."""
     return next((r.summary.get("machine", "") for r in results if r.summary), "")
+
+
+def _incomplete_text(results: Sequence[sweep.PointResult]) -> str:
+    """A header line when not every run finished (a stopped or failed sweep)."""
+    done = sum(r.status == "done" for r in results)
+    if done == len(results):
+        return ""
+    return (
+        f"- **incomplete**: {done} of {len(results)} runs finished (the others are listed "
+        "under 'Runs that did not finish'); every cell is of the finished runs only\n"
+    )
 
 
 def failures(results: Sequence[sweep.PointResult]) -> str:

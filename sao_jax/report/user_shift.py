@@ -221,7 +221,7 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
     params = _env_params(results)
     text += _definitions(spec, params.get("recovery_steps", RECOVERY_STEPS))
     text += "\n## The pre-registered family\n\n" + _family_table(diffs, holm, "primary") + "\n"
-    text += "- " + verdict_text(diffs, holm) + "\n"
+    text += "- " + _read_when_complete(variants) + verdict_text(diffs, holm) + "\n"
     if sdiffs:
         text += "\n## Every other row against SAO (secondary family)\n\n"
         text += _family_table(sdiffs, sholm, "secondary")
@@ -233,6 +233,20 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
     text += failures(results)
     text += "\n## Every run\n\n" + tables.points_table(results, "eval/sampled_success", rule=None)
     return text
+
+
+def _read_when_complete(variants) -> str:
+    """The pre-registration reads its tests only when every seed of each difference
+    finished: a prefix saying so when a primary row has unfinished runs."""
+    rows = sorted({v for pair in PRIMARY_FAMILY for v in pair})
+    short = [v for v in rows if any(r.status != "done" for r in variants.get(v, []))]
+    if not short:
+        return ""
+    return (
+        f"**Not the pre-registered reading yet** (unfinished runs in: "
+        f"{'; '.join(label(v) for v in short)}; the tests are read when every seed of a "
+        "difference finished). Provisional, on the finished pairs: "
+    )
 
 
 def secondary_rows(variants: Sequence[str]) -> list[str]:
