@@ -193,17 +193,22 @@ def read_runs(path: str | os.PathLike) -> tuple[list[PointResult], Header]:
     return results, header
 
 
+def _of_sweep(spec: SweepSpec, results: Sequence[PointResult]) -> list[PointResult]:
+    """The results of `spec`'s config and common arg (a script may record several)."""
+    return [
+        r
+        for r in results
+        if r.point.config == spec.config and r.point.common_arg == spec.common_arg
+    ]
+
+
 def recorded_spec(spec: SweepSpec, results: Sequence[PointResult]) -> SweepSpec:
     """`spec` as the recorded runs ran it: their rows and seeds (in the order run) and
     their shared overrides (`fixed`: a switch schedule, the step count), so that a table
     regenerated after its config's mode was resized says what was run. Runs of another
     config (a script with several sweeps) are not `spec`'s; with none of its own, `spec`
     comes back unchanged. ConfigError when its runs disagree on the shared overrides."""
-    points = [
-        r.point
-        for r in results
-        if r.point.config == spec.config and r.point.common_arg == spec.common_arg
-    ]
+    points = [r.point for r in _of_sweep(spec, results)]
     if not points:
         return spec
     fixed = {p.fixed for p in points}
@@ -225,8 +230,7 @@ def check_addable(spec: SweepSpec, earlier: Sequence[PointResult], path) -> None
     file `path` as one sweep: runs of the same config there, the same shared overrides
     (schedule, steps), and no point finished there (a finished run is never run twice;
     one recorded unfinished, by a stopped invocation, is run and replaces it)."""
-    mine = [r.point for r in earlier if r.point.config == spec.config]
-    mine = [p for p in mine if p.common_arg == spec.common_arg]
+    mine = [r.point for r in _of_sweep(spec, earlier)]
     if not mine:
         raise ConfigError(f"--add_to: {path} holds no run of sweep {spec.name!r}")
     new = expand(spec)
@@ -252,8 +256,7 @@ def add_runs(
     make up, every result in its order): rows and seeds in the order of `order` (the
     mode's whole sweep), the earlier runs marked reused; an earlier unfinished run that
     this invocation ran is replaced by it."""
-    known = [r for r in earlier if r.point.config == spec.config]
-    known = [dataclasses.replace(r, reused=True) for r in known]
+    known = [dataclasses.replace(r, reused=True) for r in _of_sweep(spec, earlier)]
     runs = {r.point.name: r for r in [*known, *results]}
     pick = lambda have, full: (
         tuple(x for x in full if x in have) + tuple(x for x in dict.fromkeys(have) if x not in full)

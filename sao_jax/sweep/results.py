@@ -69,6 +69,7 @@ def collect(
     test too), 'stopped' when a signal's save wrote it."""
     root = pathlib.Path(sweep_dir)
     out = []
+    digests: dict[int, dict[str, str | None]] = {}  # seed -> its warm start's digests
     for p in expand(spec) if points is None else points:
         wd = root / p.name
         summary = _read_json(wd / SUMMARY_FILE)
@@ -85,12 +86,14 @@ def collect(
         else:
             status, error = ("running" if wd.is_dir() else "missing"), ""
         result = PointResult(p, wd, status, summary, history, error)
-        if spec.warm_start:
-            ws = root / warm_start_name(spec, p.seed)
-            result.warm_start = {
-                "policy": integrity.stored_digest(ws / WARM_START_SUBDIR),
-                "critic": integrity.stored_digest(ws / WARM_START_CRITIC_SUBDIR),
-            }
+        if spec.warm_start:  # read once per seed
+            if p.seed not in digests:
+                ws = root / warm_start_name(spec, p.seed)
+                digests[p.seed] = {
+                    "policy": integrity.stored_digest(ws / WARM_START_SUBDIR),
+                    "critic": integrity.stored_digest(ws / WARM_START_CRITIC_SUBDIR),
+                }
+            result.warm_start = dict(digests[p.seed])
         out.append(result)
     return out
 
