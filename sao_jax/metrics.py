@@ -35,10 +35,29 @@ from typing import Any, TextIO
 
 import jax
 import numpy as np
-import tensorboardX
 
 METRICS_FILE = "metrics.jsonl"  # under the workdir; read by sao_jax.report.run_report
 TENSORBOARD_DIR = "tensorboard"
+
+
+def _tensorboardx():
+    """tensorboardX, imported without torch. Its writer module imports torch when torch is
+    installed (the test and Hugging Face extras install it) only to accept torch tensors,
+    which this module never passes: 1-3 s and ~300 MB of every training process. torch is
+    hidden for that import only (a None entry in sys.modules makes `import torch` fail),
+    so a later `import torch` in the process, by tensorboardX's converters or anyone else,
+    is unaffected. Where torch is already imported, nothing is hidden."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        import tensorboardX
+
+        return tensorboardX
+    sys.modules["torch"] = None
+    try:
+        import tensorboardX
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return tensorboardX
 
 
 def _clu_metric_writers():
@@ -236,7 +255,7 @@ class TensorboardWriter(_ScalarWriter):
 
     def __init__(self, logdir: str | os.PathLike, *, purge_step: int | None = None):
         self.logdir = Path(logdir)
-        self._w = tensorboardX.SummaryWriter(
+        self._w = _tensorboardx().SummaryWriter(
             logdir=str(self.logdir), purge_step=purge_step, flush_secs=30
         )
 

@@ -4,7 +4,9 @@
 import io
 import json
 import math
+import pathlib
 import struct
+import subprocess
 import sys
 import types
 
@@ -18,6 +20,8 @@ from sao_jax.report import samples as S
 from sao_jax.report.progress import Progress
 from sao_jax.sampling.trajectory import Trajectory
 from sao_jax.text.tokenizer import CharTokenizer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _clock():
@@ -167,6 +171,28 @@ def test_tensorboard_scalars_and_resume(tmp_path):
     w.close()
     assert [r["step"] for r in M.read_jsonl(tmp_path / M.METRICS_FILE)] == [1, 2]
     assert len(list((tmp_path / M.TENSORBOARD_DIR).glob("events.out.tfevents.*"))) >= 1
+
+
+def test_a_training_process_writes_tensorboard_without_importing_torch(tmp_path):
+    """torch (installed with the test extras) costs a training process 1-3 s and ~300 MB;
+    tensorboardX's writer would import it only to accept torch tensors. Where torch is
+    already imported the same writer works too (this test process)."""
+    code = (
+        "import sys, experiments.train\n"
+        "from sao_jax import metrics as M\n"
+        f"w = M.TensorboardWriter({str(tmp_path / 'a')!r})\n"
+        "w.write_scalars(1, {'x': 2.0})\n"
+        "w.close()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "import torch\n"  # and nothing is left hidden
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _tb_scalars(tmp_path / "a") == {"x": [(1, 2.0)]}
+    w = M.TensorboardWriter(tmp_path / "b")
+    w.write_scalars(3, {"y": 1.0})
+    w.close()
+    assert _tb_scalars(tmp_path / "b") == {"y": [(3, 1.0)]}
 
 
 def test_create_writers_switches(tmp_path):

@@ -201,6 +201,7 @@ def test_smoke_run_writes_every_output(async_run):
     for key in ("steps", "counters", "before", "after", "interrupted"):
         assert stored[key] == summary[key], key
     assert summary["steps"] == TOTAL and summary["interrupted"] is False
+    assert accounting.cpu_model() in summary["machine"]  # runs of two CPUs round apart
     for when in ("before", "after"):
         assert 0 <= summary[when]["eval/greedy_success"] <= 1
         assert summary[when]["eval/greedy_episodes"] == config.env.eval_size

@@ -73,10 +73,25 @@ def wall_time(extra: dict) -> float:
     return extra["prior_wall_time"] + time.time() - extra["t_start"]
 
 
+def cpu_model() -> str:
+    """The host CPU's model name ('' when unknown). XLA:CPU compiles for the host's
+    instruction set, so one run on two CPU models can round differently (a warm start
+    re-created on another CPU is not the same tensors): run summaries name it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def machine() -> str:
     dev = jax.devices()[0]
+    cpu = cpu_model()
     return (
-        f"{platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{platform.machine()}{f' ({cpu})' if cpu else ''}, {os.cpu_count()} CPU cores, "
         f"{jax.device_count()} x {dev.platform} ({dev.device_kind})"
     )
 
