@@ -72,4 +72,8 @@ def get_config(arg=None):
         c.train.eval_every = 2
         c.train.checkpoint_every = 2
         c.train.progress = False
+        # One update-step shape: a smoke batch pads to max_len, not to the next multiple of
+        # 32 its longest rollout reaches, so a run compiles its update once (of a smoke run's
+        # ~100 s, the second bucket's trace and compile took ~40).
+        c.train.length_bucket = c.sampling.max_len
     return c

@@ -28,20 +28,34 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import pytest
 
+from tests.experiment_support import SharedRuns
+
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _session_root(tmp_path_factory) -> pathlib.Path:
+    """This session's folder that the xdist workers share: under xdist each worker's
+    temporary root is a folder of the session's, so beside them; alone, the root."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session")
 def jax_cache_dir(tmp_path_factory) -> pathlib.Path:
-    """The session's persistent compilation cache directory. Under xdist each worker's
-    temporary root is a folder of the session's: the cache goes beside them, shared;
-    alone, under the session's root. $SAO_TEST_JAX_CACHE names a directory to keep between
-    sessions instead."""
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    """The session's persistent compilation cache directory, shared by the xdist workers.
+    $SAO_TEST_JAX_CACHE names a directory to keep between sessions instead."""
+    root = _session_root(tmp_path_factory)
     cache = pathlib.Path(os.environ.get("SAO_TEST_JAX_CACHE") or root / "jax_cache")
     cache.mkdir(parents=True, exist_ok=True)
     return cache
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory, jax_cache_dir) -> SharedRuns:
+    """The smoke runs several experiment tests start alike, built once per session (by
+    the first test that asks; the other xdist worker waits on its lock) in the session's
+    shared folder, never kept between sessions (tests/experiment_support.py)."""
+    return SharedRuns(_session_root(tmp_path_factory) / "shared_smoke_runs", jax_cache_dir)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,9 +1,19 @@
 """Running the experiment scripts as the smoke tests do: `python -m experiments.<name>
 --mode=smoke` in the repository root, without the fake devices the in-process tests use,
-and checking the markdown report it writes."""
+and checking the markdown report it writes.
 
+`SharedRuns`: the smoke runs that several test modules' sweeps start with the same
+command (the ablations config's SFT warm start, its SAO row, the staleness grid's SAO
+cell) are built once per test session, under a lock that the xdist workers share, and
+copied into each test's sweep dir; the sweep runner then finds them finished and reuses
+them as it would in one sweep dir.
+"""
+
+import contextlib
+import fcntl
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -50,3 +60,64 @@ def check_report(out_dir: pathlib.Path, name: str, rows: list[str]) -> str:
             png = out_dir / line.split("(", 1)[1].rstrip(")")
             assert png.read_bytes()[:4] == b"\x89PNG", png
     return text
+
+
+# The points the pool holds: the scripts whose smoke sweeps start them with one command each.
+SHARED = {
+    "warm_start__ablations__smoke__seed=0": ("ablations", "--rows=sao"),
+    "ablations__sao__seed=0": ("ablations", "--rows=sao"),
+    "ablations__sao__max_staleness=1__queue_size=16__lr=0.0001__seed=0": (
+        "staleness_lr",
+        "--rows=sao",
+    ),
+}
+SIDE_DIR = "_sweep"  # sao_jax/sweep/results.py: the runner's files about each point
+TEXT_SUFFIXES = (".json", ".jsonl", ".md")  # files that name the run's own paths
+
+
+class SharedRuns:
+    """The session's pool of shared smoke runs under `root` (beside the compilation cache,
+    so the xdist workers share it): built by the first test that asks, under a file lock
+    (the others wait for it instead of building their own), then copied on request."""
+
+    def __init__(self, root: pathlib.Path, cache: pathlib.Path):
+        self.root, self.cache = root, cache
+        self.sweep = root / "sweep"
+
+    @contextlib.contextmanager
+    def _locked(self):
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / "lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _build(self) -> None:
+        done = self.root / "built"
+        if done.exists():
+            return
+        for script, rows in sorted(set(SHARED.values())):
+            run_experiment(script, self.sweep, self.root / "out", rows, cache=self.cache)
+        missing = [n for n in SHARED if not (self.sweep / n).is_dir()]
+        assert not missing, f"the shared smoke runs lack {missing}"
+        done.touch()
+
+    def copy_into(self, sweep_dir: pathlib.Path, *names: str) -> None:
+        """Copies the named runs (keys of SHARED) into `sweep_dir`, their recorded paths
+        rewritten to it: the runner finds each one finished with the command it would
+        start (sao_jax/sweep/runner.py: is_finished)."""
+        unknown = [n for n in names if n not in SHARED]
+        assert not unknown, f"not shared runs: {unknown}"
+        with self._locked():
+            self._build()
+        (sweep_dir / SIDE_DIR).mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.copytree(self.sweep / name, sweep_dir / name)
+            point = f"{name}.point.json"
+            shutil.copy(self.sweep / SIDE_DIR / point, sweep_dir / SIDE_DIR / point)
+            texts = [sweep_dir / SIDE_DIR / point]
+            texts += [p for p in (sweep_dir / name).iterdir() if p.suffix in TEXT_SUFFIXES]
+            for path in texts:
+                path.write_text(path.read_text().replace(str(self.sweep), str(sweep_dir)))

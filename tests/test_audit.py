@@ -17,7 +17,7 @@ from sao_jax import sweep
 from sao_jax.checkpointing import integrity
 from sao_jax.configs import online_shift
 from sao_jax.report import audit
-from sao_jax.report.experiment import Experiment
+from sao_jax.report.experiment import Experiment, machine_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUNS_FILES = sorted((ROOT / "results").rglob(f"*{audit.RUNS_SUFFIX}"))
@@ -133,6 +133,21 @@ def test_warm_starts_are_checked_per_seed(tmp_path):
     b[0].warm_start = {"policy": "d0", "critic": "c1"}  # value pretraining
     assert audit.warm_start_check([a[0], b[0]]) == ({"policy": [], "critic": [0]}, [])
     assert "pretrained critics differ within seed(s) 0" in exp.header("T", full, [a[0], b[0]], 1)
+
+
+def test_header_names_every_machine_the_runs_ran_on():
+    full = online_shift.get_sweep("mode=full,table=main")
+    runs = _runs(dataclasses.replace(full, variants=("sao", "ceiling"), seeds=(0, 1)))
+    amd, intel = "x86_64 (AMD EPYC), 2 CPU cores", "x86_64 (Intel Xeon), 2 CPU cores"
+    for r in runs:
+        r.summary["machine"] = amd
+    assert machine_of(runs) == amd  # one machine: named as it recorded itself
+    for r in runs[2:]:  # the ceiling's runs, added in a later session on another box
+        r.summary["machine"] = intel
+    runs[1].summary = None  # a run that did not finish is not counted
+    assert machine_of(runs) == f"{amd} (1 run); {intel} (2 runs)"
+    header = Experiment(mode="full", command="python -m y").header("T", full, runs, 1.0)
+    assert f"- machine: {amd} (1 run); {intel} (2 runs)" in header
 
 
 def test_stored_digest_reads_the_newest_steps_fingerprints(tmp_path):

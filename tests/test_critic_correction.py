@@ -229,7 +229,13 @@ def test_the_script_dry_run_lists_both_tasks_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir):
+def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs):
+    # the staleness cell's warm start and SAO run are the staleness grid smoke's
+    shared = (
+        "warm_start__ablations__smoke__seed=0",
+        "ablations__sao__max_staleness=1__queue_size=16__lr=0.0001__seed=0",
+    )
+    shared_runs.copy_into(tmp_path / "sweep", *shared)
     run_experiment(
         "critic_correction", tmp_path / "sweep", tmp_path / "out", cache=jax_cache_dir,
         timeout=1800,

@@ -131,8 +131,11 @@ def test_run_share_is_none_without_records_or_variance():
 
 
 @pytest.mark.slow
-def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir):
+def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs):
     out = tmp_path / "out"
+    # the graded task's warm start and SAO run are the ablations smoke's
+    shared = ("warm_start__ablations__smoke__seed=0", "ablations__sao__seed=0")
+    shared_runs.copy_into(tmp_path / "sweep", *shared)
     run_experiment("observation_signal", tmp_path / "sweep", out, cache=jax_cache_dir, timeout=1800)
     text = (out / "observation_signal.md").read_text()
     assert "Runs that did not finish" not in text

@@ -19,8 +19,9 @@ from tests.experiment_support import run_experiment as _experiment
 pytestmark = pytest.mark.slow
 
 
-def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path, jax_cache_dir):
+def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
+    shared_runs.copy_into(sweep_dir, "warm_start__ablations__smoke__seed=0")
     _experiment("mask_budget", sweep_dir, out, cache=jax_cache_dir)
     text = _check_report(out, "mask_budget", [])
     assert "| 5% | DIS, fixed band symmetric in log r |" in text

@@ -186,8 +186,16 @@ def by_row(results: Sequence[sweep.PointResult]) -> dict[str, list[sweep.PointRe
 
 
 def machine_of(results: Sequence[sweep.PointResult]) -> str:
-    """The machine the first finished run recorded ('' if none did)."""
-    return next((r.summary.get("machine", "") for r in results if r.summary), "")
+    """The machine the finished runs recorded ('' if none did); when they ran on several
+    (runs added with --add_to in a later session), each one with its count of runs, in
+    the order first seen: XLA:CPU compiles for the host's instruction set, so a reader
+    needs to know which runs share a machine."""
+    counts = collections.Counter(
+        r.summary.get("machine", "") for r in results if r.summary and r.summary.get("machine")
+    )
+    if len(counts) <= 1:
+        return next(iter(counts), "")
+    return "; ".join(f"{m} ({n} run{'s' * (n != 1)})" for m, n in counts.items())
 
 
 def _incomplete_text(results: Sequence[sweep.PointResult]) -> str:
