@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 
+from sao_jax.sweep.results import POINT_FILE, SIDE_DIR, side_file
 from tests import train_support as ts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -71,14 +72,13 @@ SHARED = {
         "--rows=sao",
     ),
 }
-SIDE_DIR = "_sweep"  # sao_jax/sweep/results.py: the runner's files about each point
 TEXT_SUFFIXES = (".json", ".jsonl", ".md")  # files that name the run's own paths
 
 
 class SharedRuns:
-    """The session's pool of shared smoke runs under `root` (beside the compilation cache,
-    so the xdist workers share it): built by the first test that asks, under a file lock
-    (the others wait for it instead of building their own), then copied on request."""
+    """The session's pool of shared smoke runs under `root` (a folder the xdist workers
+    share): built by the first test that asks, under a file lock (the others wait for it
+    instead of building their own), then copied on request."""
 
     def __init__(self, root: pathlib.Path, cache: pathlib.Path):
         self.root, self.cache = root, cache
@@ -87,12 +87,9 @@ class SharedRuns:
     @contextlib.contextmanager
     def _locked(self):
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / "lock", "w") as f:
+        with open(self.root / "lock", "w") as f:  # closing the file releases the lock
             fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+            yield
 
     def _build(self) -> None:
         done = self.root / "built"
@@ -115,9 +112,9 @@ class SharedRuns:
         (sweep_dir / SIDE_DIR).mkdir(parents=True, exist_ok=True)
         for name in names:
             shutil.copytree(self.sweep / name, sweep_dir / name)
-            point = f"{name}.point.json"
-            shutil.copy(self.sweep / SIDE_DIR / point, sweep_dir / SIDE_DIR / point)
-            texts = [sweep_dir / SIDE_DIR / point]
+            point = side_file(sweep_dir / name, POINT_FILE)
+            shutil.copy(side_file(self.sweep / name, POINT_FILE), point)
+            texts = [point]
             texts += [p for p in (sweep_dir / name).iterdir() if p.suffix in TEXT_SUFFIXES]
             for path in texts:
                 path.write_text(path.read_text().replace(str(self.sweep), str(sweep_dir)))
