@@ -28,8 +28,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import pytest
 
-from tests.experiment_support import SharedRuns
-
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
@@ -51,11 +49,11 @@ def jax_cache_dir(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def shared_runs(tmp_path_factory, jax_cache_dir) -> SharedRuns:
-    """The smoke runs several experiment tests start alike, built once per session (by
-    the first test that asks; the other xdist worker waits on its lock) in the session's
-    shared folder, never kept between sessions (tests/experiment_support.py)."""
-    return SharedRuns(_session_root(tmp_path_factory) / "shared_smoke_runs", jax_cache_dir)
+def shared_runs_dir(tmp_path_factory) -> pathlib.Path:
+    """The session's folder for the smoke runs several experiment tests start alike, shared
+    by the xdist workers and never kept between sessions (tests/experiment_support.py
+    `SharedRuns` builds them there once, under a lock)."""
+    return _session_root(tmp_path_factory) / "shared_smoke_runs"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,7 +20,7 @@ from sao_jax import sweep
 from sao_jax.report import audit
 from sao_jax.report import critic_correction as cc
 from sao_jax.report.experiment import Experiment
-from tests.experiment_support import ROOT, check_report, env, run_experiment
+from tests.experiment_support import ROOT, SharedRuns, check_report, env, run_experiment
 
 
 def _specs(mode="full"):
@@ -229,13 +229,13 @@ def test_the_script_dry_run_lists_both_tasks_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs):
+def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs_dir):
     # the staleness cell's warm start and SAO run are the staleness grid smoke's
     shared = (
         "warm_start__ablations__smoke__seed=0",
         "ablations__sao__max_staleness=1__queue_size=16__lr=0.0001__seed=0",
     )
-    shared_runs.copy_into(tmp_path / "sweep", *shared)
+    SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(tmp_path / "sweep", *shared)
     run_experiment(
         "critic_correction", tmp_path / "sweep", tmp_path / "out", cache=jax_cache_dir,
         timeout=1800,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.experiment_support import ROOT, SHARED
+from tests.experiment_support import ROOT, SHARED, SharedRuns
 from tests.experiment_support import check_report as _check_report
 from tests.experiment_support import env as _env
 from tests.experiment_support import run_experiment as _experiment
@@ -17,9 +17,11 @@ from tests.experiment_support import run_experiment as _experiment
 pytestmark = pytest.mark.slow
 
 
-def test_ablations_gae_and_staleness_share_one_sweep(tmp_path, jax_cache_dir, shared_runs):
+def test_ablations_gae_and_staleness_share_one_sweep(tmp_path, jax_cache_dir, shared_runs_dir):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
-    shared_runs.copy_into(sweep_dir, *SHARED)  # the warm start, SAO and staleness SAO runs
+    SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(
+        sweep_dir, *SHARED
+    )  # the warm start, SAO and staleness SAO runs
     _experiment("ablations", sweep_dir, out, cache=jax_cache_dir)
     text = _check_report(out, "ablations", ["SAO", "GRPO", "SFT warm start (step 0)"])
     assert "Does laptop scale reproduce the paper's ordering?" in text

@@ -15,7 +15,7 @@ from sao_jax.checkpointing.workdir import flatten_config
 from sao_jax.config import ConfigError
 from sao_jax.report import observation_signal as report
 from sao_jax.report.experiment import Experiment
-from tests.experiment_support import run_experiment
+from tests.experiment_support import SharedRuns, run_experiment
 
 
 def _flat(c) -> dict:
@@ -35,6 +35,9 @@ def test_rows_differ_only_in_the_estimator_and_the_task_only_in_its_fields(extra
     assert cross["rl.advantage"] == "cross_observation" and skip["rl.advantage"] == "gae"
     base = _flat(sao.get_config(extra.lstrip(",")))
     task_fields = {k for k in set(base) | set(skip) if base.get(k) != skip.get(k)}
+    if extra:  # smoke pads every update batch to max_len (one compile), so it follows max_len
+        assert skip["train.length_bucket"] == skip["sampling.max_len"]
+        task_fields -= {"train.length_bucket"}
     assert {f.split(".")[0] for f in task_fields} <= {"env", "sft", "sampling"}, task_fields
     assert skip["env.name"] == "code_feedback"
     assert {r: ablations.VARIANTS[r] for r in report.ROWS} == observation_signal.VARIANTS
@@ -131,11 +134,11 @@ def test_run_share_is_none_without_records_or_variance():
 
 
 @pytest.mark.slow
-def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs):
+def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs_dir):
     out = tmp_path / "out"
     # the graded task's warm start and SAO run are the ablations smoke's
     shared = ("warm_start__ablations__smoke__seed=0", "ablations__sao__seed=0")
-    shared_runs.copy_into(tmp_path / "sweep", *shared)
+    SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(tmp_path / "sweep", *shared)
     run_experiment("observation_signal", tmp_path / "sweep", out, cache=jax_cache_dir, timeout=1800)
     text = (out / "observation_signal.md").read_text()
     assert "Runs that did not finish" not in text

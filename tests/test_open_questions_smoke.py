@@ -11,7 +11,7 @@ import pytest
 from sao_jax.metrics import read_jsonl
 from sao_jax.rl import mask_budget as mb
 from sao_jax.run import token_dump
-from tests.experiment_support import ROOT
+from tests.experiment_support import ROOT, SharedRuns
 from tests.experiment_support import check_report as _check_report
 from tests.experiment_support import env as _env
 from tests.experiment_support import run_experiment as _experiment
@@ -19,9 +19,11 @@ from tests.experiment_support import run_experiment as _experiment
 pytestmark = pytest.mark.slow
 
 
-def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs):
+def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs_dir):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
-    shared_runs.copy_into(sweep_dir, "warm_start__ablations__smoke__seed=0")
+    SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(
+        sweep_dir, "warm_start__ablations__smoke__seed=0"
+    )
     _experiment("mask_budget", sweep_dir, out, cache=jax_cache_dir)
     text = _check_report(out, "mask_budget", [])
     assert "| 5% | DIS, fixed band symmetric in log r |" in text
