@@ -19,9 +19,8 @@ pytestmark = pytest.mark.slow
 
 def test_ablations_gae_and_staleness_share_one_sweep(tmp_path, jax_cache_dir, shared_runs_dir):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
-    SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(
-        sweep_dir, *SHARED
-    )  # the warm start, SAO and staleness SAO runs
+    # the warm start, SAO and staleness SAO runs
+    SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(sweep_dir, *SHARED)
     _experiment("ablations", sweep_dir, out, cache=jax_cache_dir)
     text = _check_report(out, "ablations", ["SAO", "GRPO", "SFT warm start (step 0)"])
     assert "Does laptop scale reproduce the paper's ordering?" in text
