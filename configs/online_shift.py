@@ -38,8 +38,9 @@ The previous design (one global style switch, sao_jax/envs/style.py) is the vari
       --workdir=workdirs/shift_ma8
 
 Variant keys (`:a,b=1`): one row name, global_style, smoke, sync, seed=N.
-`get_sweep('table=main|tracking|brace,mode=smoke|quick|full,design=user|global')` is the
-experiment's sao_jax.sweep.SweepSpec (`brace`: sao and sao_brace, per-user design; its
+`get_sweep('table=main|tracking|brace,mode=smoke|quick|full,design=user|global,
+payouts=narrow|wide')` is the experiment's sao_jax.sweep.SweepSpec (`wide`: PAYOUT_SETS, set as
+the shared override `env.params.payouts`) (`brace`: sao and sao_brace, per-user design; its
 sao points are `main`'s, the same commands).
 """
 
@@ -58,6 +59,11 @@ WINDOW_STEPS = (1, 8, 32)  # other windows, in steps of rewards (x rl.batch_size
 # paper's (2 steps) they span 1 to 32: a fourth row would cost the full run ~11 minutes
 USERS = 6
 PAYOUTS = (1.0, 0.75, 0.5, 0.5, 0.75, 1.0)  # the quality factor of user u (style-free)
+# `get_sweep('payouts=...')`: the pre-registered design's spread (narrow, PAYOUTS) or a
+# ten-fold one (wide), where a baseline blind to the user mis-centres the low-payout users
+# by more than their whole reward (a correct line of user 2 earns 0.1 against a global
+# average near 0.2): the pilot of a design in which a per-user baseline can separate
+PAYOUT_SETS = {"narrow": PAYOUTS, "wide": (1.0, 0.4, 0.1, 0.1, 0.4, 1.0)}
 
 # The critic-tracking factors: level 'high' of each (SAO's own level is 'low').
 TRACK_FACTORS = {
@@ -223,9 +229,13 @@ def get_config(arg=None):
 
 
 def get_sweep(arg=None) -> SweepSpec:
-    arg = parse_arg(arg, mode="quick", table="main", design="user")
+    arg = parse_arg(arg, mode="quick", table="main", design="user", payouts="narrow")
     if arg.mode not in MODES:
         raise ConfigError(f"get_sweep mode={arg.mode!r}: one of {MODES}")
+    if arg.payouts not in PAYOUT_SETS:
+        raise ConfigError(f"get_sweep payouts={arg.payouts!r}: one of {sorted(PAYOUT_SETS)}")
+    if arg.payouts != "narrow" and arg.design != "user":
+        raise ConfigError(f"get_sweep payouts={arg.payouts!r}: the per-user design's only")
     if arg.design not in DESIGNS:
         raise ConfigError(f"get_sweep design={arg.design!r}: one of {DESIGNS}")
     common = "smoke" if arg.mode == "smoke" else ""
@@ -262,6 +272,12 @@ def get_sweep(arg=None) -> SweepSpec:
             "train.checkpoint_every": b["steps"],
             "env.params.switch_steps": schedule(arg.mode),
             "train.progress": False,
+            # narrow: the config's own (the pre-registered runs' overrides, unchanged)
+            **(
+                {"env.params.payouts": PAYOUT_SETS[arg.payouts][: b["users"]]}
+                if arg.payouts != "narrow"
+                else {}
+            ),
         },
         common_arg=common,
     )

@@ -3,6 +3,7 @@ r"""Online learning with a moving target: SAO vs the moving-average baseline.
   python -m experiments.online_shift --mode=quick                   # per-user design
   python -m experiments.online_shift --mode=full --table=tracking   # critic-tracking sweep
   python -m experiments.online_shift --mode=full --design=global    # the previous design
+  python -m experiments.online_shift --mode=quick --payouts=wide    # ten-fold payout spread
 
 Runs a sweep of configs/online_shift.py and writes `<out_dir>/<table>.md` with its plots and
 `<out_dir>/<table>_runs.jsonl` (every run's logged numbers the table reads:
@@ -32,6 +33,12 @@ TABLE = flags.DEFINE_enum(
     [t for t in shift_cfg.TABLES if t != "brace"],  # brace: experiments/critic_correction.py
     "Table (user design).",
 )
+PAYOUTS = flags.DEFINE_enum(
+    "payouts",
+    "narrow",
+    list(shift_cfg.PAYOUT_SETS),
+    "Users' payouts (user design): narrow (the pre-registered design's) or wide (ten-fold).",
+)
 
 
 def main(argv):
@@ -40,7 +47,7 @@ def main(argv):
     else:
         name = f"online_shift_{TABLE.value}"
         report = user_shift.tracking_report if TABLE.value == "tracking" else user_shift.main_report
-    arg = f"design={DESIGN.value},table={TABLE.value}"
+    arg = f"design={DESIGN.value},table={TABLE.value},payouts={PAYOUTS.value}"
     sweep_of = lambda mode: shift_cfg.get_sweep(f"{arg},mode={mode}")
     return abl.table_main(name, sweep_of, report)(argv)
 

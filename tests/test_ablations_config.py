@@ -178,6 +178,24 @@ def test_every_sweep_point_and_warm_start_validates(module, arg):
         assert c.train.total_steps == 0
 
 
+@pytest.mark.parametrize("mode", online_shift.MODES)
+def test_online_shift_wide_payouts_reach_every_run_and_warm_start(mode):
+    narrow = online_shift.get_sweep(f"mode={mode}")
+    wide = online_shift.get_sweep(f"mode={mode},payouts=wide")
+    assert "env.params.payouts" not in narrow.fixed  # the pre-registered runs, unchanged
+    users = online_shift.USER_BUDGETS[mode]["users"]
+    want = online_shift.PAYOUT_SETS["wide"][:users]
+    assert max(want) / min(want) == 10 if users > 2 else want == (1.0, 0.4)
+    points = sweep.expand(wide)
+    assert len(points) == len(sweep.expand(narrow))
+    for p in [points[0], points[-1], sweep.warm_start_point(wide, wide.seeds[0])]:
+        assert tuple(_point_config(p).env.params.payouts) == want
+    with pytest.raises(ConfigError, match="payouts"):
+        online_shift.get_sweep("payouts=huge")
+    with pytest.raises(ConfigError, match="payouts"):
+        online_shift.get_sweep("design=global,payouts=wide")
+
+
 def test_full_tables_have_five_seeds_and_share_sao_runs():
     t4 = ablations.get_sweep("table=table4,mode=full")
     gae = ablations.get_sweep("table=gae,mode=full")

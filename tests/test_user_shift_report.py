@@ -141,6 +141,9 @@ def test_runs_file_keeps_what_the_report_reads_and_regenerates_it(tmp_path):
     path.write_text(path.read_text() + "{not json\n")
     with pytest.raises(ConfigError, match=r"r.jsonl:8 is not a runs record"):
         audit.read_runs(path)
+    assert "and pay" not in text  # the config's own payouts: not an override
+    wide = dataclasses.replace(spec, fixed={**spec.fixed, "env.params.payouts": (1.0, 0.1)})
+    assert "and pay (1.0, 0.1) for a correct line" in U.main_report(exp2, wide, back, 12.0)
 
 
 def test_secondary_family_is_the_preregistered_one(tmp_path):
