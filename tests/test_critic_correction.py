@@ -214,18 +214,26 @@ def test_success_reading_and_ratio_format():
     assert cc.stale_mean([{"step": 2, cc.LAG: 1.0, cc.EV: 0.5}], cc.EV) is None
 
 
-def test_the_script_dry_run_lists_both_tasks_rows(tmp_path):
-    argv = [sys.executable, "-m", "experiments.critic_correction", "--mode=smoke", "--dry_run"]
+def _dry_run(tmp_path, mode: str) -> str:
+    argv = [sys.executable, "-m", "experiments.critic_correction", f"--mode={mode}", "--dry_run"]
     proc = subprocess.run(
-        [*argv, f"--sweep_dir={tmp_path}"], cwd=ROOT, env=env(), capture_output=True, text=True,
-        timeout=300,
+        [*argv, f"--sweep_dir={tmp_path / mode}"], cwd=ROOT, env=env(), capture_output=True,
+        text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_the_script_dry_run_lists_both_tasks_rows_and_quick_the_graded_only(tmp_path):
+    out = _dry_run(tmp_path, "smoke")
     for config in ("configs/ablations.py", "configs/online_shift.py"):
         for row in cc.ROWS:
-            assert f"--config={config}:{row},smoke" in proc.stdout, (config, row)
-    assert "ablations__sao_brace__max_staleness=1__queue_size=16__lr=0.0001__seed=0" in proc.stdout
-    assert "online_shift__sao_brace__seed=0" in proc.stdout
+            assert f"--config={config}:{row},smoke" in out, (config, row)
+    assert "ablations__sao_brace__max_staleness=1__queue_size=16__lr=0.0001__seed=0" in out
+    assert "online_shift__sao_brace__seed=0" in out
+    quick = _dry_run(tmp_path, "quick")  # the 15-minute check: no online warm start
+    assert "configs/online_shift.py" not in quick
+    assert all(f"--config=configs/ablations.py:{row}" in quick for row in cc.ROWS)
 
 
 @pytest.mark.slow
