@@ -300,7 +300,7 @@ def _definitions(spec: sweep.SweepSpec, recovery_steps: int) -> str:
     payouts = spec.fixed.get("env.params.payouts")  # set when not the config's own
     offsets = spec.fixed.get("env.params.offsets")  # likewise
     paid = f" and pay {tuple(payouts)} for a correct line" if payouts else ""
-    paid += f" and {tuple(offsets)} for every line" if offsets else ""
+    paid += f" and earn {tuple(offsets)} on every line" if offsets else ""
     return (
         f"\n- Users switch their target style at their own steps {switches} (per user){paid}; "
         f"recovering = the lines judged within the user's first {recovery_steps} steps after "
