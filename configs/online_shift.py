@@ -39,8 +39,9 @@ The previous design (one global style switch, sao_jax/envs/style.py) is the vari
 
 Variant keys (`:a,b=1`): one row name, global_style, smoke, sync, seed=N.
 `get_sweep('table=main|tracking|brace,mode=smoke|quick|full,design=user|global,
-payouts=narrow|wide')` is the experiment's sao_jax.sweep.SweepSpec (`wide`: PAYOUT_SETS, set as
-the shared override `env.params.payouts`) (`brace`: sao and sao_brace, per-user design; its
+payouts=narrow|wide,offsets=none|spread')` is the experiment's sao_jax.sweep.SweepSpec (`wide`,
+`spread`: PAYOUT_SETS, OFFSET_SETS, set as the shared overrides `env.params.payouts`,
+`env.params.offsets`) (`brace`: sao and sao_brace, per-user design; its
 sao points are `main`'s, the same commands).
 """
 
@@ -64,6 +65,11 @@ PAYOUTS = (1.0, 0.75, 0.5, 0.5, 0.75, 1.0)  # the quality factor of user u (styl
 # by more than their whole reward (a correct line of user 2 earns 0.1 against a global
 # average near 0.2): the pilot of a design in which a per-user baseline can separate
 PAYOUT_SETS = {"narrow": PAYOUTS, "wide": (1.0, 0.4, 0.1, 0.1, 0.4, 1.0)}
+# `get_sweep('offsets=spread')`: every line of user u also earns OFFSET_SETS[...][u], judged
+# or not (sao_jax/envs/user_style.py): prompt-level variance (+-1 around the mean, against a
+# within-prompt Bernoulli variance <= 0.25) that only a baseline telling users apart removes;
+# each pair of users sharing a style sequence (u, u + 3) has two different offsets
+OFFSET_SETS = {"none": (0.0,) * USERS, "spread": (0.0, 1.0, 2.0, 1.0, 2.0, 0.0)}
 
 # The critic-tracking factors: level 'high' of each (SAO's own level is 'low').
 TRACK_FACTORS = {
@@ -209,6 +215,7 @@ def get_config(arg=None):
             dict(
                 switch_steps=schedule(mode),  # per user, staggered
                 payouts=PAYOUTS[: b["users"]],
+                offsets=OFFSET_SETS["none"][: b["users"]],
                 recovery_steps=RECOVERY_STEPS,
                 bin_steps=BIN_STEPS,
                 pretrain_targets="schedule",  # value pretraining judges the schedule's start
@@ -229,13 +236,21 @@ def get_config(arg=None):
 
 
 def get_sweep(arg=None) -> SweepSpec:
-    arg = parse_arg(arg, mode="quick", table="main", design="user", payouts="narrow")
+    arg = parse_arg(
+        arg, mode="quick", table="main", design="user", payouts="narrow", offsets="none"
+    )
     if arg.mode not in MODES:
         raise ConfigError(f"get_sweep mode={arg.mode!r}: one of {MODES}")
     if arg.payouts not in PAYOUT_SETS:
         raise ConfigError(f"get_sweep payouts={arg.payouts!r}: one of {sorted(PAYOUT_SETS)}")
-    if arg.payouts != "narrow" and arg.design != "user":
-        raise ConfigError(f"get_sweep payouts={arg.payouts!r}: the per-user design's only")
+    if arg.offsets not in OFFSET_SETS:
+        raise ConfigError(f"get_sweep offsets={arg.offsets!r}: one of {sorted(OFFSET_SETS)}")
+    for name, value, default in (
+        ("payouts", arg.payouts, "narrow"),
+        ("offsets", arg.offsets, "none"),
+    ):
+        if value != default and arg.design != "user":
+            raise ConfigError(f"get_sweep {name}={value!r}: the per-user design's only")
     if arg.design not in DESIGNS:
         raise ConfigError(f"get_sweep design={arg.design!r}: one of {DESIGNS}")
     common = "smoke" if arg.mode == "smoke" else ""
@@ -272,10 +287,15 @@ def get_sweep(arg=None) -> SweepSpec:
             "train.checkpoint_every": b["steps"],
             "env.params.switch_steps": schedule(arg.mode),
             "train.progress": False,
-            # narrow: the config's own (the pre-registered runs' overrides, unchanged)
+            # narrow / none: the config's own (the pre-registered runs' overrides, unchanged)
             **(
                 {"env.params.payouts": PAYOUT_SETS[arg.payouts][: b["users"]]}
                 if arg.payouts != "narrow"
+                else {}
+            ),
+            **(
+                {"env.params.offsets": OFFSET_SETS[arg.offsets][: b["users"]]}
+                if arg.offsets != "none"
                 else {}
             ),
         },

@@ -4,6 +4,7 @@ r"""Online learning with a moving target: SAO vs the moving-average baseline.
   python -m experiments.online_shift --mode=full --table=tracking   # critic-tracking sweep
   python -m experiments.online_shift --mode=full --design=global    # the previous design
   python -m experiments.online_shift --mode=quick --payouts=wide    # ten-fold payout spread
+  python -m experiments.online_shift --mode=quick --offsets=spread  # per-user reward offsets
 
 Runs a sweep of configs/online_shift.py and writes `<out_dir>/<table>.md` with its plots and
 `<out_dir>/<table>_runs.jsonl` (every run's logged numbers the table reads:
@@ -39,6 +40,12 @@ PAYOUTS = flags.DEFINE_enum(
     list(shift_cfg.PAYOUT_SETS),
     "Users' payouts (user design): narrow (the pre-registered design's) or wide (ten-fold).",
 )
+OFFSETS = flags.DEFINE_enum(
+    "offsets",
+    "none",
+    list(shift_cfg.OFFSET_SETS),
+    "Users' reward offsets (user design): none (the pre-registered design's) or spread.",
+)
 
 
 def main(argv):
@@ -47,7 +54,9 @@ def main(argv):
     else:
         name = f"online_shift_{TABLE.value}"
         report = user_shift.tracking_report if TABLE.value == "tracking" else user_shift.main_report
-    arg = f"design={DESIGN.value},table={TABLE.value},payouts={PAYOUTS.value}"
+    arg = (
+        f"design={DESIGN.value},table={TABLE.value},payouts={PAYOUTS.value},offsets={OFFSETS.value}"
+    )
     sweep_of = lambda mode: shift_cfg.get_sweep(f"{arg},mode={mode}")
     return abl.table_main(name, sweep_of, report)(argv)
 

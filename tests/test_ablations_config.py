@@ -179,8 +179,9 @@ def test_every_sweep_point_and_warm_start_validates(module, arg):
 
 
 @pytest.mark.parametrize("mode", online_shift.MODES)
-def test_online_shift_wide_payouts_reach_every_run_and_warm_start(mode):
+def test_online_shift_wide_payouts_and_offsets_reach_every_run_and_warm_start(mode):
     narrow = online_shift.get_sweep(f"mode={mode}")
+    narrow_payouts = _point_config(sweep.expand(narrow)[0]).env.params.payouts
     wide = online_shift.get_sweep(f"mode={mode},payouts=wide")
     assert "env.params.payouts" not in narrow.fixed  # the pre-registered runs, unchanged
     users = online_shift.USER_BUDGETS[mode]["users"]
@@ -194,6 +195,14 @@ def test_online_shift_wide_payouts_reach_every_run_and_warm_start(mode):
         online_shift.get_sweep("payouts=huge")
     with pytest.raises(ConfigError, match="payouts"):
         online_shift.get_sweep("design=global,payouts=wide")
+    spread = online_shift.get_sweep(f"mode={mode},offsets=spread")
+    offsets = online_shift.OFFSET_SETS["spread"][:users]
+    for p in [sweep.expand(spread)[-1], sweep.warm_start_point(spread, spread.seeds[0])]:
+        c = _point_config(p)
+        assert tuple(c.env.params.offsets) == offsets and c.env.params.payouts == narrow_payouts
+    assert tuple(_point_config(sweep.expand(narrow)[0]).env.params.offsets) == (0.0,) * users
+    with pytest.raises(ConfigError, match="offsets"):
+        online_shift.get_sweep("design=global,offsets=spread")
 
 
 def test_full_tables_have_five_seeds_and_share_sao_runs():

@@ -67,6 +67,24 @@ def test_reward_is_payout_times_a_correct_line_of_the_current_target():
         env.reset(U.make_prompt(7, ("tea",)))
 
 
+def test_offset_is_paid_on_every_line_of_its_user_whatever_the_line():
+    sched = U.UserSchedule(((10,), (20,)))
+    env = U.UserStyleEnv(schedule=sched, payouts=(1.0, 0.5), offsets=(0.0, 2.0))
+    prompt = U.make_prompt(1, ("tea",))
+    env.reset(prompt)
+    assert env.step(_line(prompt, "chuunibyou")).reward == 2.5  # 2.0 + 0.5 x correct
+    env.reset(prompt)
+    assert env.step(_line(prompt, "cute")).reward == 2.0  # wrong style: the offset alone
+    env.reset(prompt)
+    assert env.step("").reward == 2.0  # not even judged: still the prompt's own offset
+    zero = U.make_prompt(0, ("tea",))
+    env.reset(zero)
+    assert env.step(_line(zero, "cute")).reward == 1.0  # user 0: no offset
+    for bad in ((1.0,), (0.0, -1.0), (0.0, 11.0)):
+        with pytest.raises(ValueError, match="offsets"):
+            U.UserStyleEnv(schedule=sched, payouts=(1.0, 0.5), offsets=bad)
+
+
 def test_registered_task_shares_one_schedule_and_validates_params():
     assert "user_style" in registry.task_names()
     params = {"switch_steps": U.staggered(2, 10, 5, 30), "payouts": (1.0, 0.25)}

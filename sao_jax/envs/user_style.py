@@ -16,9 +16,12 @@ What differs from the global switch of sao_jax/envs/style.py, and why:
   the user tag can track each user's current target; a global reward average cannot
   tell users apart.
 - **A quality factor that varies by prompt and not with style.** A correct line pays
-  `payouts[u]` (e.g. 1.0, 0.75, 0.5, 0.25): reward = payout x r_quality x r_style, so
-  the expected reward of a prompt differs per user whatever the style; `success` is
-  r_quality x r_style = 1 (the line is right), which the tables score.
+  `payouts[u]` (e.g. 1.0, 0.75, 0.5, 0.25), and every line of user u, judged or not,
+  earns `offsets[u]` (default 0) besides: reward = offset + payout x r_quality x r_style,
+  so the expected reward of a prompt differs per user whatever the style (an offset is
+  variance that only a baseline which tells users apart removes, and says nothing about
+  the line); `success` is r_quality x r_style = 1 (the line is right), which the tables
+  score.
 - **The current target as privileged input for a critic only.** Every verdict carries
   `info["critic_hint"] = (" ", HINTS[style], "all")`: the digit a ceiling row's critic
   reads in place of every space of the trajectory, the prompt's included (its tag is
@@ -173,7 +176,8 @@ def success_bin(since: int, bin_steps: int) -> str:
 
 
 class UserStyleEnv:
-    """One turn; reward = payout[user] x r_quality x r_style of the user's current style."""
+    """One turn; reward = offset[user] + payout[user] x r_quality x r_style of the user's
+    current style."""
 
     stop_strings = style.STOP_STRINGS
     max_turns = 1
@@ -188,12 +192,20 @@ class UserStyleEnv:
         bin_steps: int = BIN_STEPS,
         pretrain_targets: str = "schedule",
         max_turn_chars: int = 256,
+        offsets: Sequence[float] | None = None,
     ) -> None:
         if len(payouts) != schedule.users or not all(0 < p <= 1 for p in payouts):
             raise ValueError(
                 f"user_style payouts={tuple(payouts)}: one value in (0, 1] per user "
                 f"({schedule.users} users)"
             )
+        offsets = (0.0,) * schedule.users if offsets is None else tuple(offsets)
+        if len(offsets) != schedule.users or not all(0 <= o <= 10 for o in offsets):
+            raise ValueError(
+                f"user_style offsets={offsets}: one value in [0, 10] per user "
+                f"({schedule.users} users)"
+            )
+        self.offsets = tuple(float(o) for o in offsets)
         if recovery_steps < 1 or bin_steps < 1:
             raise ValueError("user_style recovery_steps and bin_steps: must be >= 1")
         if pretrain_targets not in PRETRAIN_TARGETS:
@@ -244,11 +256,11 @@ class UserStyleEnv:
             self._judge(prompt), prompt, action_text, target, self.max_turn_chars, info
         )
         if scores is None:
-            return StepResult("", 0.0, True, info)
+            return StepResult("", self.offsets[user], True, info)
         correct = scores[0] * scores[1]
         info.update(success=correct == 1.0, r_quality=scores[0], r_style=scores[1])
         info["log"] = self._log(correct, since, user)
-        return StepResult("", self.payouts[user] * correct, True, info)
+        return StepResult("", self.offsets[user] + self.payouts[user] * correct, True, info)
 
     def _judge(self, prompt: Prompt) -> style.Judge:
         """The run's judge, or for a prompt in its user's dialect (prompt.meta) a lexicon
