@@ -39,10 +39,9 @@ The previous design (one global style switch, sao_jax/envs/style.py) is the vari
 
 Variant keys (`:a,b=1`): one row name, global_style, smoke, sync, seed=N.
 `get_sweep('table=main|tracking|brace,mode=smoke|quick|full,design=user|global,
-payouts=narrow|wide,offsets=none|spread')` is the experiment's sao_jax.sweep.SweepSpec (`wide`,
-`spread`: PAYOUT_SETS, OFFSET_SETS, set as the shared overrides `env.params.payouts`,
-`env.params.offsets`) (`brace`: sao and sao_brace, per-user design; its
-sao points are `main`'s, the same commands).
+payouts=narrow|wide,offsets=none|spread')` is the experiment's sao_jax.sweep.SweepSpec.
+`brace`: sao and sao_brace, per-user design (its sao points are `main`'s, the same
+commands); `payouts`, `offsets`: REWARD_KNOBS, set as shared overrides of env.params.
 """
 
 from __future__ import annotations
@@ -70,6 +69,12 @@ PAYOUT_SETS = {"narrow": PAYOUTS, "wide": (1.0, 0.4, 0.1, 0.1, 0.4, 1.0)}
 # within-prompt Bernoulli variance <= 0.25) that only a baseline telling users apart removes;
 # each pair of users sharing a style sequence (u, u + 3) has two different offsets
 OFFSET_SETS = {"none": (0.0,) * USERS, "spread": (0.0, 1.0, 2.0, 1.0, 2.0, 0.0)}
+# get_sweep's reward knobs: arg -> (the env.params field it overrides, its sets, the config's
+# own set, which sets no override so that the pre-registered runs' commands stay as they were)
+REWARD_KNOBS = {
+    "payouts": ("env.params.payouts", PAYOUT_SETS, "narrow"),
+    "offsets": ("env.params.offsets", OFFSET_SETS, "none"),
+}
 
 # The critic-tracking factors: level 'high' of each (SAO's own level is 'low').
 TRACK_FACTORS = {
@@ -241,16 +246,11 @@ def get_sweep(arg=None) -> SweepSpec:
     )
     if arg.mode not in MODES:
         raise ConfigError(f"get_sweep mode={arg.mode!r}: one of {MODES}")
-    if arg.payouts not in PAYOUT_SETS:
-        raise ConfigError(f"get_sweep payouts={arg.payouts!r}: one of {sorted(PAYOUT_SETS)}")
-    if arg.offsets not in OFFSET_SETS:
-        raise ConfigError(f"get_sweep offsets={arg.offsets!r}: one of {sorted(OFFSET_SETS)}")
-    for name, value, default in (
-        ("payouts", arg.payouts, "narrow"),
-        ("offsets", arg.offsets, "none"),
-    ):
-        if value != default and arg.design != "user":
-            raise ConfigError(f"get_sweep {name}={value!r}: the per-user design's only")
+    for name, (_, sets, own) in REWARD_KNOBS.items():
+        if arg[name] not in sets:
+            raise ConfigError(f"get_sweep {name}={arg[name]!r}: one of {sorted(sets)}")
+        if arg[name] != own and arg.design != "user":
+            raise ConfigError(f"get_sweep {name}={arg[name]!r}: the per-user design's only")
     if arg.design not in DESIGNS:
         raise ConfigError(f"get_sweep design={arg.design!r}: one of {DESIGNS}")
     common = "smoke" if arg.mode == "smoke" else ""
@@ -287,17 +287,11 @@ def get_sweep(arg=None) -> SweepSpec:
             "train.checkpoint_every": b["steps"],
             "env.params.switch_steps": schedule(arg.mode),
             "train.progress": False,
-            # narrow / none: the config's own (the pre-registered runs' overrides, unchanged)
-            **(
-                {"env.params.payouts": PAYOUT_SETS[arg.payouts][: b["users"]]}
-                if arg.payouts != "narrow"
-                else {}
-            ),
-            **(
-                {"env.params.offsets": OFFSET_SETS[arg.offsets][: b["users"]]}
-                if arg.offsets != "none"
-                else {}
-            ),
+            **{
+                field: sets[arg[name]][: b["users"]]
+                for name, (field, sets, own) in REWARD_KNOBS.items()
+                if arg[name] != own
+            },
         },
         common_arg=common,
     )
