@@ -27,7 +27,8 @@ FAKE_TRAIN = textwrap.dedent(
     signal.signal(signal.SIGTERM, _term)
     with open(os.environ["FAKE_LOG"], "a") as f:
         f.write(json.dumps({"name": wd.name, "flags": flags, "t0": time.time()}) + "\\n")
-    time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
+    slow = json.loads(os.environ.get("FAKE_SLOW", "{}"))  # name -> seconds
+    time.sleep(slow.get(wd.name, float(os.environ.get("FAKE_SLEEP", "0"))))
     if "fail" in flags["config"]:
         print("Traceback\\nRuntimeError: deliberate failure", file=sys.stderr)
         sys.exit(3)
@@ -235,6 +236,59 @@ def test_parallel_jobs_overlap(tmp_path, fake):
     ends = [sweep.collect(spec, tmp_path / "sw")[0].workdir.joinpath("summary.json").stat()]
     # Both started before the first one wrote its summary (it sleeps 1 s first).
     assert len(starts) == 2 and starts[1] < ends[0].st_mtime
+
+
+def test_a_point_starts_once_its_own_warm_start_is_done(tmp_path, fake):
+    """No barrier after the warm starts: seed 0's point runs beside seed 1's slow warm
+    start; seed 1's point waits for it."""
+    env, calls = fake
+    spec = _spec(variants=("sao",), seeds=(0, 1), grid=())
+    ws1 = sweep.warm_start_name(spec, 1)
+    env = dict(env, FAKE_SLOW=json.dumps({ws1: 2.0}))
+    results = sweep.run_sweep(spec, tmp_path / "sw", env=env, parallel=2, log=lambda _: None)
+    assert [r.status for r in results] == ["done", "done"]
+    t0 = {c["name"]: c["t0"] for c in calls()}
+    ws1_done = (tmp_path / "sw" / ws1 / "warm_start" / "0").stat().st_mtime
+    assert t0["ablations__sao__seed=0"] < ws1_done <= t0["ablations__sao__seed=1"]
+
+
+def test_a_failed_warm_start_blocks_only_its_seeds_points(tmp_path, fake):
+    env, calls = fake
+    spec = _spec(variants=("sao",), seeds=(0, 1), grid=())
+    lines = []
+    jobs, pairs = sweep.sweep_jobs(spec, tmp_path / "sw")
+    jobs[0].argv = [sys.executable, "-c", "raise SystemExit(3)"]  # seed 0's warm start
+    status = sweep.run_jobs(jobs + [j for _, j in pairs], env=env, log=lines.append)
+    assert status == {
+        jobs[0].name: "failed",
+        jobs[1].name: "done",
+        "ablations__sao__seed=0": "blocked",
+        "ablations__sao__seed=1": "done",
+    }
+    assert [c["name"] for c in calls()] == [jobs[1].name, "ablations__sao__seed=1"]
+    assert any(x.startswith("[sweep] blocked ablations__sao__seed=0") for x in lines)
+    with pytest.raises(ValueError, match="waits for 'nope'"):
+        sweep.run_jobs([sweep.Job("a", ["true"], tmp_path / "a", after="nope")])
+    with pytest.raises(ValueError, match="two jobs named 'a'"):
+        sweep.run_jobs([sweep.Job("a", ["true"], tmp_path / "a")] * 2)
+
+
+def test_run_sweeps_overlaps_the_sweeps_warm_starts(tmp_path, fake):
+    """A table's two tasks: both warm starts run at once, then every point; the results
+    in the sweeps' order. Sweeps that share a point are refused."""
+    env, calls = fake
+    a = _spec(variants=("sao",), seeds=(0,), grid=(), common_arg="task=a")
+    b = _spec(variants=("grpo",), seeds=(0,), grid=(), common_arg="task=b")
+    env = dict(env, FAKE_SLEEP="1.0")
+    results = sweep.run_sweeps((a, b), tmp_path / "sw", env=env, parallel=2, log=print)
+    assert [r.point.name for r in results] == [p.name for s in (a, b) for p in sweep.expand(s)]
+    assert [r.status for r in results] == ["done", "done"]
+    t0 = {c["name"]: c["t0"] for c in calls()}
+    ws = [sweep.warm_start_name(s, 0) for s in (a, b)]
+    first_done = min((tmp_path / "sw" / w / "warm_start" / "0").stat().st_mtime for w in ws)
+    assert max(t0[w] for w in ws) < first_done  # the second began before the first ended
+    with pytest.raises(ValueError, match="two jobs named"):
+        sweep.run_sweeps((a, a), tmp_path / "sw2", env=env, log=lambda _: None)
 
 
 def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path, fake):

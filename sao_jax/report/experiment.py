@@ -73,23 +73,13 @@ class Experiment:
             spec = dataclasses.replace(spec, variants=tuple(rows))
         return spec
 
-    def run(self, spec: sweep.SweepSpec) -> tuple[list[sweep.PointResult], float]:
-        """Runs (or resumes) the sweep with these settings; (results, wall s)."""
-        t0 = time.time()
-        how = dict(parallel=self.parallel, launcher=self.launcher, dry_run=self.dry_run)
-        results = sweep.run_sweep(spec, self.sweep_path, **how)
-        return results, time.time() - t0
-
-    def run_all(self, specs: Sequence[sweep.SweepSpec]) -> tuple[list[sweep.PointResult], float]:
-        """Runs (or resumes) each sweep in turn into the one sweep dir; (every result,
-        wall s). The sweeps' points and warm starts must not share names (another config
+    def run_all(self, specs: Sequence[sweep.SweepSpec]) -> list[sweep.PointResult]:
+        """Runs (or resumes) the sweeps with these settings into the one sweep dir, as one
+        set of jobs (`sweep.run_sweeps`: one sweep's warm starts overlap another's); every
+        result. The sweeps' points and warm starts must not share names (another config
         file, or other rows)."""
-        results, wall_s = [], 0.0
-        for spec in specs:
-            part, seconds = self.run(spec)
-            results += part
-            wall_s += seconds
-        return results, wall_s
+        how = dict(parallel=self.parallel, launcher=self.launcher, dry_run=self.dry_run)
+        return sweep.run_sweeps(specs, self.sweep_path, **how)
 
     def run_table(self, spec) -> tuple[list[sweep.PointResult], float, SystemExit | None]:
         """Runs (or resumes) a table's sweep, or its tuple of sweeps; (results, wall s,
@@ -102,7 +92,7 @@ class Experiment:
         done_before = {r.point.name for r in collect() if r.status == "done"}
         t0 = time.time()
         try:
-            results, _ = self.run_all(specs)
+            results = self.run_all(specs)
             return results, time.time() - t0, None
         except sweep.SweepStopped as stop:
             wall_s = time.time() - t0

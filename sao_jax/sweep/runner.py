@@ -2,8 +2,10 @@
 
 `sweep_jobs` builds each point's command (`point_argv`; on pods handed to
 experiments/launch.py by `launcher_argv`); `run_jobs` runs `parallel` of them at a time,
-skips finished ones, refuses workdirs of another command or config, and records failures
-without stopping; `run_sweep` does both and collects the results. SIGTERM or SIGINT to the
+each point once its seed's warm start is done, skips finished ones, refuses workdirs of
+another command or config, and records failures without stopping; `run_sweep` (one
+sweep) and `run_sweeps` (a table's several, as one set of jobs) do both and collect the
+results. SIGTERM or SIGINT to the
 sweep stops it cleanly: the running points get SIGTERM (a training run saves and exits
 0), none is started after, and the sweep exits 0 once they have ended (`SweepStopped`);
 the same command resumes every one of them.
@@ -158,6 +160,7 @@ class Job:
     warm_start: bool = False  # done once <workdir>/warm_start holds a checkpoint
     critic: bool = False  # a warm start that also pretrains the critic (warm_start_critic)
     config: tuple[str, int, dict[str, Any]] | None = None  # (file[:variant], seed, overrides)
+    after: str | None = None  # the job (its seed's warm start) that must be done first
 
 
 def has_output(job: Job) -> bool:
@@ -252,14 +255,23 @@ def run_jobs(
 ) -> dict[str, str]:
     """Runs every unfinished job, `parallel` at a time; returns name -> status.
 
-    Status: 'skipped' (already finished), 'done', or 'failed' (failed.json written with
-    the exit code and stderr tail). A failure never stops the other jobs. SIGTERM or
-    SIGINT forwards SIGTERM to the running jobs, starts no other, waits for them to end
-    and raises `SweepStopped` (exit 0); a job it stopped is neither done nor failed.
+    A free slot takes the first pending job, in the given order, whose `after` job is
+    done: a seed's points start as soon as its warm start is done, beside the warm starts
+    and points still running (no barrier between them). Status: 'skipped' (already
+    finished), 'done', 'failed' (failed.json written with the exit code and stderr tail)
+    or 'blocked' (its `after` job failed; not started). A failure never stops the other
+    jobs. SIGTERM or SIGINT forwards SIGTERM to the running jobs, starts no other, waits
+    for them to end and raises `SweepStopped` (exit 0); a job it stopped is neither done
+    nor failed.
     """
     if parallel < 1:
         raise ValueError(f"parallel: must be >= 1, got {parallel}")
+    names = [j.name for j in jobs]
     for job in jobs:
+        if names.count(job.name) > 1:
+            raise ValueError(f"sweep: two jobs named {job.name!r} (sweeps sharing a point?)")
+        if job.after is not None and job.after not in names:
+            raise ValueError(f"sweep: job {job.name!r} waits for {job.after!r}, not a job here")
         check_workdir(job)
     status = {j.name: "skipped" for j in jobs if is_finished(j)}
     for job in jobs:
@@ -275,10 +287,12 @@ def run_jobs(
                 log(f"[sweep] stopping: SIGTERM to {len(running)} running point(s)")
                 for _, proc, _, _ in running:
                     proc.send_signal(signal.SIGTERM)
-            while pending and len(running) < parallel:
-                job = pending.pop(0)
+            while len(running) < parallel and (job := _next_ready(pending, status, log)):
+                pending.remove(job)
                 running.append((job, *_start(job, env, cwd)))
                 log(f"[sweep] start {job.name}")
+            if pending and not running:  # each waits on another pending job
+                raise ValueError(f"sweep: jobs wait on each other: {[j.name for j in pending]}")
             time.sleep(poll_s)
             still = []
             for job, proc, t0, files in running:
@@ -298,6 +312,20 @@ def run_jobs(
         log("[sweep] stopped by a signal; rerun the same command to resume")
         raise SweepStopped(0)
     return status
+
+
+def _next_ready(pending: list[Job], status: dict[str, str], log) -> Job | None:
+    """The first pending job whose `after` job is done (or skipped); pending jobs whose
+    `after` job failed are marked 'blocked' and dropped on the way."""
+    for job in list(pending):
+        after = status.get(job.after) if job.after is not None else "done"
+        if after in ("done", "skipped"):
+            return job
+        if after in ("failed", "blocked"):
+            pending.remove(job)
+            status[job.name] = "blocked"
+            log(f"[sweep] blocked {job.name} ({job.after} failed)")
+    return None
 
 
 def _start(job: Job, env, cwd) -> tuple[subprocess.Popen, float, list]:
@@ -362,7 +390,8 @@ def sweep_jobs(
         )
         config = (p.config_path, p.seed, point_overrides(p, ws, critic=critic))
         argv = launcher_argv(launcher, argv, p.name)
-        pairs.append((p, Job(p.name, argv, root / p.name, config=config)))
+        after = warm[p.seed].name if spec.warm_start else None
+        pairs.append((p, Job(p.name, argv, root / p.name, config=config, after=after)))
     return list(warm.values()), pairs
 
 
@@ -387,24 +416,47 @@ def run_sweep(
     env: Mapping[str, str] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[PointResult]:
-    """Runs (or resumes) a sweep: warm starts first, then every point; collects results.
+    """Runs (or resumes) a sweep: warm starts first, each seed's points once its warm
+    start is done; collects results. `run_sweeps` of the one sweep."""
+    how = dict(parallel=parallel, launcher=launcher, dry_run=dry_run, python=python)
+    return run_sweeps((spec,), sweep_dir, env=env, log=log, **how)
+
+
+def run_sweeps(
+    specs: Sequence[SweepSpec],
+    sweep_dir: str | os.PathLike,
+    *,
+    parallel: int = 1,
+    launcher: str = "local",
+    dry_run: bool = False,
+    python: str = sys.executable,
+    env: Mapping[str, str] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[PointResult]:
+    """Runs (or resumes) several sweeps (a table's tasks, each with its own warm starts)
+    into one sweep dir as one set of jobs: every sweep's warm starts first, then the
+    points in the sweeps' order, each as soon as its seed's warm start is done, so one
+    sweep's warm starts overlap another's (`run_jobs`); the results of all, in order.
 
     Points whose seed's warm start failed are not started (their result says so).
-    `dry_run` prints the commands and runs nothing.
+    `dry_run` prints the commands and runs nothing. The sweeps' points and warm starts
+    must not share names (ValueError).
     """
-    warm, pairs = sweep_jobs(spec, sweep_dir, python=python, launcher=launcher)
+    built = [sweep_jobs(s, sweep_dir, python=python, launcher=launcher) for s in specs]
+    warm = [j for w, _ in built for j in w]
+    points = [j for _, pairs in built for _, j in pairs]
     if dry_run:
-        for job in warm + [j for _, j in pairs]:
+        for job in warm + points:
             log(shlex.join(job.argv))
-        return collect(spec, sweep_dir, [p for p, _ in pairs])
-    env = sweep_env(sweep_dir, env)
-    ws_status = run_jobs(warm, parallel=parallel, env=env, log=log)
-    failed_ws = {int(n.rsplit("=", 1)[1]) for n, s in ws_status.items() if s == "failed"}
-    jobs = [j for p, j in pairs if p.seed not in failed_ws]
-    status = run_jobs(jobs, parallel=parallel, env=env, log=log)
-    results = collect(spec, sweep_dir, [p for p, _ in pairs], failed_warm_starts=failed_ws)
-    for r in results:
-        r.reused = status.get(r.point.name) == "skipped"
+        return [r for s in specs for r in collect(s, sweep_dir)]
+    status = run_jobs(warm + points, parallel=parallel, env=sweep_env(sweep_dir, env), log=log)
+    results = []
+    for spec, (_, pairs) in zip(specs, built):
+        failed = {s for s in spec.seeds if status.get(warm_start_name(spec, s)) == "failed"}
+        part = collect(spec, sweep_dir, [p for p, _ in pairs], failed_warm_starts=failed)
+        for r in part:
+            r.reused = status.get(r.point.name) == "skipped"
+        results += part
     return results
 
 
