@@ -97,7 +97,7 @@ def table_main(
     """The main of a table script: the sweep of the mode (`sweep_of(mode)`) with the
     command line's seeds and rows, run (or resumed), then `write(...)` as <out>/<name>.md.
     `sweep_of` may return a tuple of sweeps (one per task, each with its own warm starts):
-    they run into the one sweep dir as one set of jobs (`sweep.run_sweeps`: one task's
+    they run into the one sweep dir as one set of jobs (`sweep.run_sweep`: one task's
     warm starts overlap the other's), `write` gets the tuple and every result. A bad
     flag exits 2 with one line."""
 

@@ -182,7 +182,7 @@ def test_a_stopped_table_keeps_what_finished_and_says_so(tmp_path, monkeypatch):
         write(points[1], finished)  # this invocation finished one more, then a signal came
         raise sweep.SweepStopped(0)
 
-    monkeypatch.setattr(sweep, "run_sweeps", stopped_sweep)
+    monkeypatch.setattr(sweep, "run_sweep", stopped_sweep)
     exp = Experiment(mode="smoke", sweep_dir=str(tmp_path), command="python -m z")
     results, wall_s, stop = exp.run_table(spec)
     assert isinstance(stop, sweep.SweepStopped) and wall_s >= 0
@@ -193,7 +193,7 @@ def test_a_stopped_table_keeps_what_finished_and_says_so(tmp_path, monkeypatch):
     def stop_at_once(specs, sweep_dir, **_):
         raise sweep.SweepStopped(0)
 
-    monkeypatch.setattr(sweep, "run_sweeps", stop_at_once)
+    monkeypatch.setattr(sweep, "run_sweep", stop_at_once)
     results, _, _ = exp.run_table(spec)
     assert [r.status for r in results] == ["done", "stopped"]
     assert "- **incomplete**: 1 of 2 runs finished" in exp.header("T", spec, results, 1.0)

@@ -273,14 +273,14 @@ def test_a_failed_warm_start_blocks_only_its_seeds_points(tmp_path, fake):
         sweep.run_jobs([sweep.Job("a", ["true"], tmp_path / "a")] * 2)
 
 
-def test_run_sweeps_overlaps_the_sweeps_warm_starts(tmp_path, fake):
+def test_run_sweep_overlaps_the_sweeps_warm_starts(tmp_path, fake):
     """A table's two tasks: both warm starts run at once, then every point; the results
     in the sweeps' order. Sweeps that share a point are refused."""
     env, calls = fake
     a = _spec(variants=("sao",), seeds=(0,), grid=(), common_arg="task=a")
     b = _spec(variants=("grpo",), seeds=(0,), grid=(), common_arg="task=b")
     env = dict(env, FAKE_SLEEP="1.0")
-    results = sweep.run_sweeps((a, b), tmp_path / "sw", env=env, parallel=2, log=print)
+    results = sweep.run_sweep((a, b), tmp_path / "sw", env=env, parallel=2, log=print)
     assert [r.point.name for r in results] == [p.name for s in (a, b) for p in sweep.expand(s)]
     assert [r.status for r in results] == ["done", "done"]
     t0 = {c["name"]: c["t0"] for c in calls()}
@@ -288,7 +288,7 @@ def test_run_sweeps_overlaps_the_sweeps_warm_starts(tmp_path, fake):
     first_done = min((tmp_path / "sw" / w / "warm_start" / "0").stat().st_mtime for w in ws)
     assert max(t0[w] for w in ws) < first_done  # the second began before the first ended
     with pytest.raises(ValueError, match="two jobs named"):
-        sweep.run_sweeps((a, a), tmp_path / "sw2", env=env, log=lambda _: None)
+        sweep.run_sweep((a, a), tmp_path / "sw2", env=env, log=lambda _: None)
 
 
 def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path, fake):

@@ -73,14 +73,6 @@ class Experiment:
             spec = dataclasses.replace(spec, variants=tuple(rows))
         return spec
 
-    def run_all(self, specs: Sequence[sweep.SweepSpec]) -> list[sweep.PointResult]:
-        """Runs (or resumes) the sweeps with these settings into the one sweep dir, as one
-        set of jobs (`sweep.run_sweeps`: one sweep's warm starts overlap another's); every
-        result. The sweeps' points and warm starts must not share names (another config
-        file, or other rows)."""
-        how = dict(parallel=self.parallel, launcher=self.launcher, dry_run=self.dry_run)
-        return sweep.run_sweeps(specs, self.sweep_path, **how)
-
     def run_table(self, spec) -> tuple[list[sweep.PointResult], float, SystemExit | None]:
         """Runs (or resumes) a table's sweep, or its tuple of sweeps; (results, wall s,
         the stop). A signal that stops the sweep (`sweep.SweepStopped`, after the running
@@ -92,7 +84,8 @@ class Experiment:
         done_before = {r.point.name for r in collect() if r.status == "done"}
         t0 = time.time()
         try:
-            results = self.run_all(specs)
+            how = dict(parallel=self.parallel, launcher=self.launcher, dry_run=self.dry_run)
+            results = sweep.run_sweep(specs, self.sweep_path, **how)  # one set of jobs
             return results, time.time() - t0, None
         except sweep.SweepStopped as stop:
             wall_s = time.time() - t0

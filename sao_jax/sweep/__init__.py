@@ -4,9 +4,8 @@ A `SweepSpec` (a config file's `get_sweep(arg)`) is a product: config variants x
 levels x seeds, plus overrides every point shares. Each point is one `python -m
 experiments.train --config=<file>:<variant> --workdir=<sweep_dir>/<name> --config.seed=<n>
 --config.<field>=<value> ...` process; `run_sweep` runs `parallel` of them at a time
-(each point as soon as its seed's warm start is done; `run_sweeps` runs several sweeps as
-one set) and never stops for a failed one. Names:
-`<config stem>__<variant>__<field>=<value>...__seed=<n>`.
+(each point as soon as its seed's warm start is done; several sweeps as one set) and
+never stops for a failed one. Names: `<config stem>__<variant>__<field>=<value>...__seed=<n>`.
 
 Resumable: a point is finished when its workdir holds `summary.json` and the runner's
 `<sweep_dir>/_sweep/<name>.point.json` records the same command; it is then skipped. An
@@ -57,7 +56,6 @@ from sao_jax.sweep.runner import (
     pretrains_critic,
     run_jobs,
     run_sweep,
-    run_sweeps,
     shares_critic,
     sweep_env,
     sweep_jobs,
@@ -119,7 +117,6 @@ __all__ = [
     "pretrains_critic",
     "run_jobs",
     "run_sweep",
-    "run_sweeps",
     "set_field",
     "shares_critic",
     "side_file",

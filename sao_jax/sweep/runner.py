@@ -3,12 +3,11 @@
 `sweep_jobs` builds each point's command (`point_argv`; on pods handed to
 experiments/launch.py by `launcher_argv`); `run_jobs` runs `parallel` of them at a time,
 each point once its seed's warm start is done, skips finished ones, refuses workdirs of
-another command or config, and records failures without stopping; `run_sweep` (one
-sweep) and `run_sweeps` (a table's several, as one set of jobs) do both and collect the
-results. SIGTERM or SIGINT to the
-sweep stops it cleanly: the running points get SIGTERM (a training run saves and exits
-0), none is started after, and the sweep exits 0 once they have ended (`SweepStopped`);
-the same command resumes every one of them.
+another command or config, and records failures without stopping; `run_sweep` does both
+for a sweep, or a table's several as one set of jobs, and collects the results. SIGTERM
+or SIGINT to the sweep stops it cleanly: the running points get SIGTERM (a training run
+saves and exits 0), none is started after, and the sweep exits 0 once they have ended
+(`SweepStopped`); the same command resumes every one of them.
 """
 
 from __future__ import annotations
@@ -406,7 +405,7 @@ def _shares(ws_config: ConfigDict | None, point: Point, ws: pathlib.Path) -> boo
 
 
 def run_sweep(
-    spec: SweepSpec,
+    specs: SweepSpec | Sequence[SweepSpec],
     sweep_dir: str | os.PathLike,
     *,
     parallel: int = 1,
@@ -416,32 +415,17 @@ def run_sweep(
     env: Mapping[str, str] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[PointResult]:
-    """Runs (or resumes) a sweep: warm starts first, each seed's points once its warm
-    start is done; collects results. `run_sweeps` of the one sweep."""
-    how = dict(parallel=parallel, launcher=launcher, dry_run=dry_run, python=python)
-    return run_sweeps((spec,), sweep_dir, env=env, log=log, **how)
-
-
-def run_sweeps(
-    specs: Sequence[SweepSpec],
-    sweep_dir: str | os.PathLike,
-    *,
-    parallel: int = 1,
-    launcher: str = "local",
-    dry_run: bool = False,
-    python: str = sys.executable,
-    env: Mapping[str, str] | None = None,
-    log: Callable[[str], None] = print,
-) -> list[PointResult]:
-    """Runs (or resumes) several sweeps (a table's tasks, each with its own warm starts)
-    into one sweep dir as one set of jobs: every sweep's warm starts first, then the
-    points in the sweeps' order, each as soon as its seed's warm start is done, so one
-    sweep's warm starts overlap another's (`run_jobs`); the results of all, in order.
+    """Runs (or resumes) a sweep, or several (a table's tasks, each with its own warm
+    starts) into one sweep dir as one set of jobs: every sweep's warm starts first, then
+    the points in the sweeps' order, each as soon as its seed's warm start is done, so
+    points overlap the last warm starts and one sweep's warm starts overlap another's
+    (`run_jobs`); collects the results of all, in order.
 
     Points whose seed's warm start failed are not started (their result says so).
     `dry_run` prints the commands and runs nothing. The sweeps' points and warm starts
     must not share names (ValueError).
     """
+    specs = (specs,) if isinstance(specs, SweepSpec) else tuple(specs)
     built = [sweep_jobs(s, sweep_dir, python=python, launcher=launcher) for s in specs]
     warm = [j for w, _ in built for j in w]
     points = [j for _, pairs in built for _, j in pairs]
