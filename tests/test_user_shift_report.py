@@ -109,10 +109,10 @@ def test_main_effects_of_the_half_fraction_match_a_loop():
         assert len(high) == 4
 
 
-def _results(tmp_path):
+def _results(tmp_path, variants=("sao", "moving_average"), **fixed):
     spec = sweep.SweepSpec(
-        name="t", config="configs/online_shift.py", variants=("sao", "moving_average"),
-        seeds=(0, 1, 2), fixed={"train.total_steps": 40, "env.params.switch_steps": ((5, 25),)},
+        name="t", config="configs/online_shift.py", variants=variants, seeds=(0, 1, 2),
+        fixed={"train.total_steps": 40, "env.params.switch_steps": ((5, 25),), **fixed},
     )  # fmt: skip
     rng = np.random.default_rng(3)
     out = []
@@ -184,3 +184,17 @@ def test_verdict_waits_for_every_seed_of_the_primary_rows(tmp_path):
     text = U.main_report(exp, spec, results, 1.0)
     assert "- **Not the pre-registered reading yet** (unfinished runs in: moving average" in text
     assert "- **incomplete**: 5 of 6 runs finished" in text
+
+
+def test_tracking_report_states_the_task_and_the_main_effects(tmp_path):
+    """The tracking table says which task ran (switches, offsets) as the main table does,
+    and reads its main effects from the cells' recovering success."""
+    offsets = {"env.params.offsets": (0.0, 1.0, 2.0)}
+    spec, results = _results(tmp_path, ("sao", "track_lr_k"), **offsets)
+    exp = Experiment(mode="full", out_dir=str(tmp_path / "out"), command="python -m x")
+    text = U.tracking_report(exp, spec, results, 12.0)
+    assert "switch their target style at their own steps ((5, 25),)" in text
+    assert "earn (0.0, 1.0, 2.0) on every line" in text
+    primary = {v: U.scores(rs, U._metric(U.PRIMARY)) for v, rs in U.by_row(results).items()}
+    effect = U.main_effects({"sao": primary["sao"], "track_lr_k": primary["track_lr_k"]}, ["lr"])
+    assert f"| lr | {U.compare.fmt_difference(effect['lr'])} |" in text

@@ -431,8 +431,9 @@ def tracking_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: flo
     ]
     text = exp.header("Critic tracking on the per-user online shift", spec, results, wall_s)
     text += "\n" + tables.markdown_table(headers, body) + "\n"
+    text += _definitions(spec, _env_params(results).get("recovery_steps", RECOVERY_STEPS))
     text += (
-        "\n- Cells: SAO (every factor at its default: critic lr 1e-3, K = 2, frozen "
+        "- Cells: SAO (every factor at its default: critic lr 1e-3, K = 2, frozen "
         "attention, critic grad clip 1.0) and the cells of the half fraction I = ABCD of "
         "lr x4, K = 4, trained attention, no clip (each named by its factors at 'high'). "
         "Clip fraction: share of critic optimizer steps whose gradient norm exceeded the "
