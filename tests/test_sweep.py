@@ -216,6 +216,10 @@ def test_a_workdir_of_another_command_is_refused(tmp_path, fake):
     changed = _spec(variants=("sao",), seeds=(0,), grid=(), fixed={"train.total_steps": 5})
     with pytest.raises(ValueError, match="records another"):
         sweep.run_sweep(changed, tmp_path / "sw", env=env, log=lambda _: None)
+    # Another interpreter path (a re-created virtualenv, a second checkout): the same command
+    (tmp_path / "py").symlink_to(sys.executable)
+    again = sweep.run_sweep(spec, tmp_path / "sw", env=env, python=str(tmp_path / "py"))
+    assert [r.reused for r in again] == [True]
 
 
 def test_dry_run_runs_nothing(tmp_path, fake, capsys):

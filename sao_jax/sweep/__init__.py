@@ -8,7 +8,8 @@ experiments.train --config=<file>:<variant> --workdir=<sweep_dir>/<name> --confi
 never stops for a failed one. Names: `<config stem>__<variant>__<field>=<value>...__seed=<n>`.
 
 Resumable: a point is finished when its workdir holds `summary.json` and the runner's
-`<sweep_dir>/_sweep/<name>.point.json` records the same command; it is then skipped. An
+`<sweep_dir>/_sweep/<name>.point.json` records the same command (the interpreter's path
+aside); it is then skipped. An
 unfinished workdir resumes (the trainer restores its last checkpoint). A workdir whose
 recorded command, or whose config.json, differs from what the point builds now is
 refused, never reused nor overwritten. A failure writes `_sweep/<name>.failed.json`

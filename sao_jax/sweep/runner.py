@@ -180,7 +180,14 @@ def _committed(path: pathlib.Path) -> bool:
 
 def is_finished(job: Job) -> bool:
     """Its output is there and point.json records this command."""
-    return has_output(job) and _recorded_argv(job.workdir) == job.argv
+    return has_output(job) and _same_command(_recorded_argv(job.workdir), job.argv)
+
+
+def _same_command(recorded: list[str] | None, argv: list[str]) -> bool:
+    """The same command but for the interpreter's path (argv[0]: a virtualenv re-created
+    elsewhere, or a second checkout's, runs the same command; config.json is checked on
+    its own)."""
+    return recorded is not None and recorded[1:] == argv[1:]
 
 
 def check_workdir(job: Job) -> None:
@@ -188,7 +195,7 @@ def check_workdir(job: Job) -> None:
     differs from what the command builds now (the config file was edited since): such
     results are never reused nor overwritten."""
     recorded = _recorded_argv(job.workdir)
-    if recorded is not None and recorded != job.argv:
+    if recorded is not None and not _same_command(recorded, job.argv):
         raise ValueError(
             f"sweep point {job.name!r}: {side_file(job.workdir, POINT_FILE)} records another "
             f"command; move it away or use another sweep dir.\n  recorded: {shlex.join(recorded)}\n"
