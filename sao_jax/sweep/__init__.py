@@ -9,11 +9,10 @@ never stops for a failed one. Names: `<config stem>__<variant>__<field>=<value>.
 
 Resumable: a point is finished when its workdir holds `summary.json` and the runner's
 `<sweep_dir>/_sweep/<name>.point.json` records the same command (the interpreter's path
-aside); it is then skipped. An
-unfinished workdir resumes (the trainer restores its last checkpoint). A workdir whose
-recorded command, or whose config.json, differs from what the point builds now is
-refused, never reused nor overwritten. A failure writes `_sweep/<name>.failed.json`
-(exit code, stderr tail) and is retried by the next call.
+aside); it is then skipped. An unfinished workdir resumes (the trainer restores its last
+checkpoint). A workdir whose recorded command, or whose config.json, differs from what
+the point builds now is refused, never reused nor overwritten. A failure writes
+`_sweep/<name>.failed.json` (exit code, stderr tail) and is retried by the next call.
 
 Shared warm start: with `spec.warm_start`, each seed first gets one run of SFT and value
 pretraining (`warm_start__<config>__<arg>__seed=<n>`, `train.total_steps=0`) whose
