@@ -64,7 +64,9 @@ def sweep_of(mode: str) -> sweep.SweepSpec:
             return ablations_cfg.get_sweep(f"table=mask_budget,mode={mode},calibration={path}")
         logging.info("dry run: the budget sweep's commands follow from the pilots' calibration")
         return pilot
-    results, _ = dataclasses.replace(exp, seeds=None, rows=None).run(pilot)
+    results, _, stop = dataclasses.replace(exp, seeds=None, rows=None).run_table(pilot)
+    if stop is not None:  # a signal stopped the pilots: nothing to calibrate yet
+        raise stop
     bad = [r.point.name for r in results if r.status != "done"]
     if bad:
         raise RuntimeError(f"mask_budget: pilot runs did not finish: {bad}")
