@@ -163,13 +163,14 @@ def host_commands(cluster: Cluster, argv: Sequence[str]) -> list[list[str]]:
 
 
 def sweep_argvs(config: str, workdir: str, python: str) -> list[tuple[str, list[str]]]:
-    """(name, argv) of every run of `config`'s get_sweep(): shared warm starts first,
-    then each point (workdir/<point name>), commands as sao_jax.sweep builds them."""
+    """(name, argv) of every run of `config`'s get_sweep(), seed by seed: each seed's
+    shared warm start, then its points (workdir/<point name>), in the order and with the
+    commands sao_jax.sweep runs them."""
     from sao_jax import sweep
 
     spec = sweep.load_sweep(config)
-    warm, pairs = sweep.sweep_jobs(spec, workdir, python=python)
-    return [(job.name, job.argv) for job in warm] + [(job.name, job.argv) for _, job in pairs]
+    jobs = sweep.seed_order((spec,), [sweep.sweep_jobs(spec, workdir, python=python)])
+    return [(job.name, job.argv) for job in jobs]
 
 
 def run_commands(

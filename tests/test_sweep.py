@@ -171,7 +171,7 @@ def test_launcher_argv():
 # --------------------------------------------------------------------------- running
 
 
-def test_run_sweep_warm_starts_first_then_points_resumably(tmp_path, fake):
+def test_run_sweep_seed_by_seed_warm_start_then_points_resumably(tmp_path, fake):
     env, calls = fake
     spec = _spec(variants=("sao", "fail"))
     logs = []
@@ -180,14 +180,16 @@ def test_run_sweep_warm_starts_first_then_points_resumably(tmp_path, fake):
     )
     first = calls()
     names = [c["name"] for c in first]
-    assert names[:2] == [sweep.warm_start_name(spec, 0), sweep.warm_start_name(spec, 1)]
-    assert sorted(names[2:]) == sorted(p.name for p in sweep.expand(spec))
-    for c in first[2:]:
+    warm = [sweep.warm_start_name(spec, s) for s in (0, 1)]
+    seed = lambda s: [p.name for p in sweep.expand(spec) if p.seed == s]
+    assert names == [warm[0], *seed(0), warm[1], *seed(1)]  # one process at a time
+    for c in first:
+        if c["name"] in warm:  # the warm starts pretrain the critic (no value_pretrain.steps=0)
+            assert "config.value_pretrain.steps" not in c["flags"]
+            continue
         ws = tmp_path / "sw" / sweep.warm_start_name(spec, int(c["flags"]["config.seed"]))
         assert c["flags"]["config.init.params_path"] == str(ws / "warm_start")
         assert c["flags"]["config.model.hidden_size"] == "32"
-    for c in first[:2]:  # the warm starts pretrain the critic (no value_pretrain.steps=0)
-        assert "config.value_pretrain.steps" not in c["flags"]
     status = {r.point.name: r.status for r in results}
     assert all(s == "done" for n, s in status.items() if n.startswith("sao"))
     failed = [r for r in results if r.point.variant == "fail"]
@@ -254,6 +256,18 @@ def test_a_point_starts_once_its_own_warm_start_is_done(tmp_path, fake):
     t0 = {c["name"]: c["t0"] for c in calls()}
     ws1_done = (tmp_path / "sw" / ws1 / "warm_start" / "0").stat().st_mtime
     assert t0["ablations__sao__seed=0"] < ws1_done <= t0["ablations__sao__seed=1"]
+
+
+def test_the_seeds_finish_in_order(tmp_path, fake):
+    """Two slots, three seeds: the first two seeds' points start before the third seed's
+    warm start (a sweep stopped early leaves whole seeds, not every warm start)."""
+    env, calls = fake
+    spec = _spec(variants=("sao",), seeds=(0, 1, 2), grid=())
+    env = dict(env, FAKE_SLEEP="0.3")
+    sweep.run_sweep(spec, tmp_path / "sw", env=env, parallel=2, log=lambda _: None)
+    t0 = {c["name"]: c["t0"] for c in calls()}
+    points = [f"ablations__sao__seed={s}" for s in (0, 1)]
+    assert max(t0[p] for p in points) < t0[sweep.warm_start_name(spec, 2)]
 
 
 def test_a_failed_warm_start_blocks_only_its_seeds_points(tmp_path, fake):

@@ -1,4 +1,4 @@
-"""Sweep runner: one process per point, resumable, with shared warm starts first.
+"""Sweep runner: one process per point, resumable, seed by seed from shared warm starts.
 
 `sweep_jobs` builds each point's command (`point_argv`; on pods handed to
 experiments/launch.py by `launcher_argv`); `run_jobs` runs `parallel` of them at a time,
@@ -423,10 +423,11 @@ def run_sweep(
     log: Callable[[str], None] = print,
 ) -> list[PointResult]:
     """Runs (or resumes) a sweep, or several (a table's tasks, each with its own warm
-    starts) into one sweep dir as one set of jobs: every sweep's warm starts first, then
-    the points in the sweeps' order, each as soon as its seed's warm start is done, so
-    points overlap the last warm starts and one sweep's warm starts overlap another's
-    (`run_jobs`); collects the results of all, in order.
+    starts) into one sweep dir as one set of jobs, seed by seed (`seed_order`): a free
+    slot takes a ready point of the earliest seed first, else the next warm start, so the
+    seeds finish in order (a sweep stopped early leaves whole seeds), points overlap the
+    later warm starts and one sweep's warm starts overlap another's (`run_jobs`);
+    collects the results of all, in the sweeps' order.
 
     Points whose seed's warm start failed are not started (their result says so).
     `dry_run` prints the commands and runs nothing. The sweeps' points and warm starts
@@ -434,13 +435,12 @@ def run_sweep(
     """
     specs = (specs,) if isinstance(specs, SweepSpec) else tuple(specs)
     built = [sweep_jobs(s, sweep_dir, python=python, launcher=launcher) for s in specs]
-    warm = [j for w, _ in built for j in w]
-    points = [j for _, pairs in built for _, j in pairs]
+    jobs = seed_order(specs, built)
     if dry_run:
-        for job in warm + points:
+        for job in jobs:
             log(shlex.join(job.argv))
         return [r for s in specs for r in collect(s, sweep_dir)]
-    status = run_jobs(warm + points, parallel=parallel, env=sweep_env(sweep_dir, env), log=log)
+    status = run_jobs(jobs, parallel=parallel, env=sweep_env(sweep_dir, env), log=log)
     results = []
     for spec, (_, pairs) in zip(specs, built):
         failed = {s for s in spec.seeds if status.get(warm_start_name(spec, s)) == "failed"}
@@ -449,6 +449,18 @@ def run_sweep(
             r.reused = status.get(r.point.name) == "skipped"
         results += part
     return results
+
+
+def seed_order(specs: Sequence[SweepSpec], built) -> list[Job]:
+    """The sweeps' jobs (`built`: each sweep's `sweep_jobs`) seed by seed, in the order the
+    seeds first appear: a seed's warm starts (every sweep's), then its points, each group
+    in the sweeps' order and the points in each sweep's order."""
+    rank = {s: i for i, s in enumerate(dict.fromkeys(s for spec in specs for s in spec.seeds))}
+    keyed = []  # (seed's rank, 0 warm start | 1 point, job)
+    for spec, (warm, pairs) in zip(specs, built, strict=True):
+        keyed += [(rank[s], 0, j) for s, j in zip(spec.seeds, warm)]  # warm: one per seed
+        keyed += [(rank[p.seed], 1, j) for p, j in pairs]
+    return [j for *_, j in sorted(keyed, key=lambda k: k[:2])]  # stable: keeps the order
 
 
 def sweep_env(sweep_dir: str | os.PathLike, env: Mapping[str, str] | None) -> dict[str, str]:
