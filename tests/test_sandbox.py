@@ -135,6 +135,21 @@ def test_file_count_cap(run, mode):
     assert r.ok, (r.error, r.stderr[-300:])
 
 
+def test_tree_usage_stops_at_the_cap_passed_first(tmp_path):
+    """Many empty files, measured late (a loaded box polls seldom), still read as the file
+    count cap: counting stops at the first cap passed, before their blocks add up to the
+    byte cap (the weak mode reported the disk cap in a CI run)."""
+    (tmp_path / "d").mkdir()
+    for i in range(3000):
+        (tmp_path / "d" / f"f{i}").touch()
+    byte_cap, file_cap = 8 << 20, 300
+    used, files = sandbox_host.tree_usage(str(tmp_path), byte_cap, file_cap)
+    assert files == file_cap + 1 and used <= byte_cap
+    (tmp_path / "big").write_bytes(b"x" * (1 << 20))  # bytes pass first here
+    used, files = sandbox_host.tree_usage(str(tmp_path), 1 << 19, 10**6)
+    assert used > 1 << 19 and files <= 3002
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_own_sigkill_is_not_reported_as_the_cpu_limit(run, mode):
     r = run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", mode)

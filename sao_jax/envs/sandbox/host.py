@@ -46,7 +46,9 @@ class Collected:
 
 def tree_usage(root: str, byte_cap: int, file_cap: int) -> tuple[int, int]:
     """(bytes, entries) of the tree under `root` (each entry at least BLOCK bytes),
-    counted until a cap is passed; iterative and fd-relative, so any depth works and no
+    counted until a cap is passed, entry by entry (so only the cap passed first reads as
+    passed: many empty files pass the file count, not the bytes their blocks add up to);
+    iterative and fd-relative, so any depth works and no
     symlink is followed."""
     total = files = 0
     try:
@@ -64,6 +66,8 @@ def tree_usage(root: str, byte_cap: int, file_cap: int) -> tuple[int, int]:
                         continue
                     total += max(BLOCK, st.st_blocks * 512)
                     files += 1
+                    if total > byte_cap or files > file_cap:
+                        break  # the cap passed first is the one reported
                     if stat.S_ISDIR(st.st_mode):
                         with contextlib.suppress(OSError):
                             stack.append(os.open(entry.name, _DIR_FLAGS, dir_fd=fd))
