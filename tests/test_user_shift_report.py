@@ -88,6 +88,10 @@ def test_verdicts_follow_the_preregistered_reading():
     opposite = fam(_d(-0.05), _d(0.09))
     assert U.verdict_text(opposite, holm(opposite)).startswith("**No, the opposite**")
     assert U.verdict_text({}, {}).startswith("**Not decidable**")
+    no_ceiling = {("sao", "moving_average"): _d(0.001)}  # a null needs the ceiling's test
+    assert U.verdict_text(no_ceiling, holm(no_ceiling)).startswith("**No reading**")
+    no_ceiling = {("sao", "moving_average"): _d(0.05)}  # a difference holds without it
+    assert U.verdict_text(no_ceiling, holm(no_ceiling)).startswith("**Yes**")
 
 
 def test_main_effects_of_the_half_fraction_match_a_loop():

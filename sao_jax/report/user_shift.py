@@ -157,6 +157,11 @@ def verdict_text(diffs, holm) -> str:
         return f"**Yes**: SAO recovers faster than the moving average: {said}; {ceiling}{room}."
     if p < compare.ALPHA:
         return f"**No, the opposite**: the moving average recovers faster: {said}; {ceiling}."
+    if dc is None:  # a table of other rows (e.g. the secondary family's own run)
+        return (
+            f"**No reading**: without the ceiling row a null cannot be told from a design "
+            f"that cannot see the effect; {said}."
+        )
     if ceiling_ok:
         return (
             f"**Powered null**: the design sees the effect ({ceiling}) but SAO's critic does "
