@@ -126,7 +126,8 @@ def verdict_text(diffs, holm) -> str:
     """The pre-registered reading (results/online_shift/PREREGISTRATION.md): SAO faster
     than the moving average at the paper's window, with the ceiling bounding it; or a
     powered null (the ceiling separates from the moving average, SAO does not); or a
-    design that cannot see the effect (not even the ceiling separates)."""
+    design that cannot see the effect (not even the ceiling separates); or no reading of a
+    null when the ceiling row did not run."""
     sao, ceil = ("sao", PAPER_ROW), ("ceiling", PAPER_ROW)
     if sao not in diffs:
         return "**Not decidable**: SAO or the moving average did not run."

@@ -48,8 +48,7 @@ def tree_usage(root: str, byte_cap: int, file_cap: int) -> tuple[int, int]:
     """(bytes, entries) of the tree under `root` (each entry at least BLOCK bytes),
     counted until a cap is passed, entry by entry (so only the cap passed first reads as
     passed: many empty files pass the file count, not the bytes their blocks add up to);
-    iterative and fd-relative, so any depth works and no
-    symlink is followed."""
+    iterative and fd-relative, so any depth works and no symlink is followed."""
     total = files = 0
     try:
         stack = [os.open(root, _DIR_FLAGS)]
