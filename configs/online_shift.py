@@ -3,9 +3,14 @@ r"""Online learning with a moving target (docs/method.md section 6).
 Default design, `user_style` (sao_jax/envs/user_style.py): the prompt names a user and one
 or two topics; the model writes one judged line (single turn, one trajectory per prompt:
 GRPO cannot run here). User u wants its own style and switches it at its own steps
-(`staggered`: users' switches are spread over the run), and a correct line pays the
-user's own payout, so the current target and the expected reward are predictable from the
-prompt: a critic can track them per user, a global reward average cannot. The warm start
+(`staggered`: users' switches are spread over the run), a correct line pays the user's own
+payout, and every line of user u also earns the user's offset (`offsets=spread`, the
+default: prompt-level reward variance that only a baseline telling users apart removes), so
+the current target and the expected reward are predictable from the prompt: a critic can
+track them per user, a global reward average cannot. The variant `offsets=none` is the
+first per-user design (payouts only), on which the pre-registered run could not show the
+effect (results/online_shift/README.md); the offsets design can
+(results/online_shift_offsets/README.md). The warm start
 (SFT) writes each user's initial style half the time (`sft.error_rate` 0.5: the other
 half in another style), so the trunk the critic is copied from reads the user tag.
 Value pretraining has its own lr and clip (`value_pretrain.lr`, `.max_grad_norm`), so the
@@ -37,11 +42,13 @@ The previous design (one global style switch, sao_jax/envs/style.py) is the vari
   python -m experiments.train --config=configs/online_shift.py:moving_average_w8 \
       --workdir=workdirs/shift_ma8
 
-Variant keys (`:a,b=1`): one row name, global_style, smoke, sync, seed=N.
+Variant keys (`:a,b=1`): one row name, global_style, smoke, sync, seed=N,
+offsets=spread|none (user design; default spread).
 `get_sweep('table=main|tracking|brace,mode=smoke|quick|full,design=user|global,
 payouts=narrow|wide,offsets=none|spread')` is the experiment's sao_jax.sweep.SweepSpec.
 `brace`: sao and sao_brace, per-user design (its sao points are `main`'s, the same
-commands); `payouts`, `offsets`: REWARD_KNOBS, set as shared overrides of env.params.
+commands); `payouts`, `offsets`: REWARD_KNOBS, set as shared overrides of env.params
+(offsets always, default spread: every sweep records which design it ran).
 """
 
 from __future__ import annotations
@@ -69,11 +76,15 @@ PAYOUT_SETS = {"narrow": PAYOUTS, "wide": (1.0, 0.4, 0.1, 0.1, 0.4, 1.0)}
 # within-prompt Bernoulli variance <= 0.25) that only a baseline telling users apart removes;
 # each pair of users sharing a style sequence (u, u + 3) has two different offsets
 OFFSET_SETS = {"none": (0.0,) * USERS, "spread": (0.0, 1.0, 2.0, 1.0, 2.0, 0.0)}
-# get_sweep's reward knobs: arg -> (the env.params field it overrides, its sets, the config's
-# own set, which sets no override so that the pre-registered runs' commands stay as they were)
+DEFAULT_OFFSETS = "spread"  # the design where the claim is testable (get_config, get_sweep)
+# get_sweep's reward knobs: arg -> (the env.params field it overrides, its sets, the set that
+# sets no override: payouts 'narrow', so that the pre-registered runs' commands stay as they
+# were; offsets None, always set, as every offsets run recorded it, so that the runs of the
+# first per-user design (recorded before offsets existed: no override) are never mistaken
+# for a default sweep's by --add_to)
 REWARD_KNOBS = {
     "payouts": ("env.params.payouts", PAYOUT_SETS, "narrow"),
-    "offsets": ("env.params.offsets", OFFSET_SETS, "none"),
+    "offsets": ("env.params.offsets", OFFSET_SETS, None),
 }
 
 # The critic-tracking factors: level 'high' of each (SAO's own level is 'low').
@@ -190,8 +201,18 @@ def schedule(mode: str) -> tuple[tuple[int, ...], ...]:
 
 def get_config(arg=None):
     arg = parse_arg(
-        arg, smoke=False, sync=False, seed=0, global_style=False, **dict.fromkeys(VARIANTS, False)
+        arg,
+        smoke=False,
+        sync=False,
+        seed=0,
+        global_style=False,
+        offsets=DEFAULT_OFFSETS,
+        **dict.fromkeys(VARIANTS, False),
     )
+    if arg.offsets not in OFFSET_SETS:
+        raise ConfigError(
+            f"configs/online_shift.py: offsets={arg.offsets!r}, one of {sorted(OFFSET_SETS)}"
+        )
     chosen = [v for v in VARIANTS if arg[v]]
     if len(chosen) > 1:
         raise ConfigError(f"configs/online_shift.py: pick one row, got {chosen}")
@@ -220,7 +241,7 @@ def get_config(arg=None):
             dict(
                 switch_steps=schedule(mode),  # per user, staggered
                 payouts=PAYOUTS[: b["users"]],
-                offsets=OFFSET_SETS["none"][: b["users"]],
+                offsets=OFFSET_SETS[arg.offsets][: b["users"]],
                 recovery_steps=RECOVERY_STEPS,
                 bin_steps=BIN_STEPS,
                 pretrain_targets="schedule",  # value pretraining judges the schedule's start
@@ -242,14 +263,21 @@ def get_config(arg=None):
 
 def get_sweep(arg=None) -> SweepSpec:
     arg = parse_arg(
-        arg, mode="quick", table="main", design="user", payouts="narrow", offsets="none"
+        arg,
+        mode="quick",
+        table="main",
+        design="user",
+        payouts="narrow",
+        offsets="",  # '': the design's own (user: DEFAULT_OFFSETS; global: none to set)
     )
+    if arg.design == "user" and not arg.offsets:
+        arg.offsets = DEFAULT_OFFSETS
     if arg.mode not in MODES:
         raise ConfigError(f"get_sweep mode={arg.mode!r}: one of {MODES}")
     for name, (_, sets, own) in REWARD_KNOBS.items():
-        if arg[name] not in sets:
+        if arg[name] not in sets and (arg[name] or arg.design == "user"):
             raise ConfigError(f"get_sweep {name}={arg[name]!r}: one of {sorted(sets)}")
-        if arg[name] != own and arg.design != "user":
+        if arg[name] and arg[name] != own and arg.design != "user":
             raise ConfigError(f"get_sweep {name}={arg[name]!r}: the per-user design's only")
     if arg.design not in DESIGNS:
         raise ConfigError(f"get_sweep design={arg.design!r}: one of {DESIGNS}")

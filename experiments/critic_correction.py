@@ -35,7 +35,8 @@ def sweeps(mode: str):
     graded = ablations_cfg.get_sweep(f"table=brace_staleness,mode={mode}")
     if mode == "quick":
         return (graded,)
-    return (graded, shift_cfg.get_sweep(f"table=brace,mode={mode}"))
+    # the per-user design it was pre-registered on: payouts only, no offsets
+    return (graded, shift_cfg.get_sweep(f"table=brace,mode={mode},offsets=none"))
 
 
 main = abl.table_main("critic_correction", sweeps, report.report)

@@ -1,10 +1,10 @@
 r"""Online learning with a moving target: SAO vs the moving-average baseline.
 
-  python -m experiments.online_shift --mode=quick                   # per-user design
+  python -m experiments.online_shift --mode=quick                   # per-user design, offsets
   python -m experiments.online_shift --mode=full --table=tracking   # critic-tracking sweep
-  python -m experiments.online_shift --mode=full --design=global    # the previous design
+  python -m experiments.online_shift --mode=full --design=global    # the first design
+  python -m experiments.online_shift --mode=quick --offsets=none    # per-user, payouts only
   python -m experiments.online_shift --mode=quick --payouts=wide    # ten-fold payout spread
-  python -m experiments.online_shift --mode=quick --offsets=spread  # per-user reward offsets
 
 Runs a sweep of configs/online_shift.py and writes `<out_dir>/<table>.md` with its plots and
 `<out_dir>/<table>_runs.jsonl` (every run's logged numbers the table reads:
@@ -42,9 +42,10 @@ PAYOUTS = flags.DEFINE_enum(
 )
 OFFSETS = flags.DEFINE_enum(
     "offsets",
-    "none",
+    None,
     list(shift_cfg.OFFSET_SETS),
-    "Users' reward offsets (user design): none (the pre-registered design's) or spread.",
+    f"Users' reward offsets (user design): spread (unset: {shift_cfg.DEFAULT_OFFSETS}, the "
+    "design where the claim is testable) or none (the first per-user design's).",
 )
 
 
@@ -55,7 +56,8 @@ def main(argv):
         name = f"online_shift_{TABLE.value}"
         report = user_shift.tracking_report if TABLE.value == "tracking" else user_shift.main_report
     arg = (
-        f"design={DESIGN.value},table={TABLE.value},payouts={PAYOUTS.value},offsets={OFFSETS.value}"
+        f"design={DESIGN.value},table={TABLE.value},payouts={PAYOUTS.value},"
+        f"offsets={OFFSETS.value or ''}"
     )
     sweep_of = lambda mode: shift_cfg.get_sweep(f"{arg},mode={mode}")
     return abl.table_main(name, sweep_of, report)(argv)

@@ -196,13 +196,30 @@ def test_online_shift_wide_payouts_and_offsets_reach_every_run_and_warm_start(mo
     with pytest.raises(ConfigError, match="payouts"):
         online_shift.get_sweep("design=global,payouts=wide")
     spread = online_shift.get_sweep(f"mode={mode},offsets=spread")
+    assert spread == narrow  # the offsets design is the default
     offsets = online_shift.OFFSET_SETS["spread"][:users]
+    assert spread.fixed["env.params.offsets"] == offsets  # recorded, as its full runs were
     for p in [sweep.expand(spread)[-1], sweep.warm_start_point(spread, spread.seeds[0])]:
         c = _point_config(p)
         assert tuple(c.env.params.offsets) == offsets and c.env.params.payouts == narrow_payouts
-    assert tuple(_point_config(sweep.expand(narrow)[0]).env.params.offsets) == (0.0,) * users
+    first = online_shift.get_sweep(f"mode={mode},offsets=none")  # the first per-user design
+    for p in [sweep.expand(first)[0], sweep.warm_start_point(first, first.seeds[0])]:
+        assert tuple(_point_config(p).env.params.offsets) == (0.0,) * users
+    assert "env.params.offsets" not in online_shift.get_sweep("design=global").fixed
     with pytest.raises(ConfigError, match="offsets"):
         online_shift.get_sweep("design=global,offsets=spread")
+    with pytest.raises(ConfigError, match="offsets"):
+        online_shift.get_sweep("offsets=huge")
+
+
+def test_online_shift_config_defaults_to_the_offsets_design():
+    users = online_shift.USER_BUDGETS["full"]["users"]
+    c = online_shift.get_config()
+    assert tuple(c.env.params.offsets) == online_shift.OFFSET_SETS["spread"][:users]
+    first = online_shift.get_config("offsets=none,moving_average_w8")
+    assert tuple(first.env.params.offsets) == (0.0,) * users
+    with pytest.raises(ConfigError, match="offsets='huge'"):
+        online_shift.get_config("offsets=huge")
 
 
 def test_full_tables_have_five_seeds_and_share_sao_runs():
@@ -277,8 +294,8 @@ def test_brace_tables_share_their_sao_points_and_warm_starts(mode):
     pairs = (
         (ablations.get_sweep(f"table=brace_staleness,mode={mode}"),
          ablations.get_sweep(f"table=staleness_lr,mode={mode}")),
-        (online_shift.get_sweep(f"table=brace,mode={mode}"),
-         online_shift.get_sweep(f"table=main,mode={mode}")),
+        (online_shift.get_sweep(f"table=brace,mode={mode},offsets=none"),
+         online_shift.get_sweep(f"table=main,mode={mode},offsets=none")),
     )  # fmt: skip
     for brace, other in pairs:
         assert brace.variants == ("sao", "sao_brace")

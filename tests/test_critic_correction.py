@@ -26,7 +26,7 @@ from tests.experiment_support import ROOT, SharedRuns, check_report, env, run_ex
 def _specs(mode="full"):
     return (
         ablations.get_sweep(f"table=brace_staleness,mode={mode}"),
-        online_shift.get_sweep(f"table=brace,mode={mode}"),
+        online_shift.get_sweep(f"table=brace,mode={mode},offsets=none"),  # as the script
     )
 
 
