@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -439,7 +440,11 @@ def test_markdown_table_and_plots(tmp_path):
     curve = (np.array([0, 1, 2]), np.array([0.1, 0.2, 0.3]), np.array([0.0, 0.1, 0.0]))
     tables.plot_curves(tmp_path / "c.png", "t", "y", {"x": curve}, vlines=[1], vline_label="s")
     tables.plot_bars(tmp_path / "b.png", "t", "y", {"x": (0.5, 0.1)}, reference={"x": 0.6})
-    for name in ("c.png", "b.png"):
+    empty = (np.array([]), np.array([]), np.array([]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no empty-legend warning: the figure says "no points"
+        tables.plot_curves(tmp_path / "e.png", "t", "y", {"x": empty})
+    for name in ("c.png", "b.png", "e.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

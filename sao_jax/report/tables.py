@@ -328,7 +328,10 @@ def plot_curves(
         )
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="x-small")
+    if any(len(steps) for steps, _, _ in curves.values()):
+        ax.legend(fontsize="x-small")
+    else:  # say so in the figure, not an empty frame (runs that logged none of these keys)
+        ax.text(0.5, 0.5, "no logged points", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, format="png", metadata={"Software": None})
 
