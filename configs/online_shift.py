@@ -275,9 +275,11 @@ def get_sweep(arg=None) -> SweepSpec:
     if arg.mode not in MODES:
         raise ConfigError(f"get_sweep mode={arg.mode!r}: one of {MODES}")
     for name, (_, sets, own) in REWARD_KNOBS.items():
-        if arg[name] not in sets and (arg[name] or arg.design == "user"):
+        if not arg[name]:  # the global design's offsets, unset
+            continue
+        if arg[name] not in sets:
             raise ConfigError(f"get_sweep {name}={arg[name]!r}: one of {sorted(sets)}")
-        if arg[name] and arg[name] != own and arg.design != "user":
+        if arg[name] != own and arg.design != "user":
             raise ConfigError(f"get_sweep {name}={arg[name]!r}: the per-user design's only")
     if arg.design not in DESIGNS:
         raise ConfigError(f"get_sweep design={arg.design!r}: one of {DESIGNS}")
