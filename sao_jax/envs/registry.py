@@ -73,7 +73,7 @@ class Task:
     prompts: Callable[..., Callable[[Any], Prompt]] | None = None
     demonstrations: Callable[..., list[tuple[str, bool]]] | None = None
     setup: Callable[[dict[str, Any]], tuple[dict[str, Any], Callable | None]] | None = None
-    chat: bool = False  # the env accepts `chat=` (a sao_jax.chat.ChatFormat) and uses it
+    chat: bool = False  # the env accepts `chat=` (a text.chat_template.ChatFormat), uses it
     rewards: bool = False  # the env accepts `reward=` (a name or import path) and params
     runs_code: bool = False  # the env runs model-written code (in the sandbox)
 

@@ -40,7 +40,6 @@ from sao_jax.report.experiment import Experiment, by_row, failures
 from sao_jax.run.accounting import ENV_PREFIX
 
 PRIMARY = "success_recovering"
-SECONDARY = ("success_initial", "success_settled")
 PAPER_ROW = "moving_average"  # R - mean of the last 128 rewards: the paper's baseline
 PRIMARY_FAMILY = (("sao", PAPER_ROW), ("ceiling", PAPER_ROW), ("ceiling", "sao"))
 LABELS = {

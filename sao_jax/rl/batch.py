@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from sao_jax.schema import ConfigError
@@ -103,20 +102,3 @@ def _check_fields(batch, fields, *, need_groups: bool, packed: bool) -> None:
             t = shape[1] if t is None else t
             if shape[1] != t:
                 raise ConfigError(f"batch field {name!r}: length {shape[1]} != {t}")
-
-
-def zeros_batch(b: int, t: int) -> dict[str, jnp.ndarray]:
-    """An all-padding batch of the given shape (for abstract shapes and warm-up)."""
-    z = lambda dt: jnp.zeros((b, t), dt)
-    return dict(
-        tokens=z(jnp.int32),
-        positions=z(jnp.int32),
-        segment_ids=z(jnp.int32),
-        action_mask=z(jnp.bool_),
-        rollout_logp=z(jnp.float32),
-        versions=z(jnp.int32),
-        rewards=z(jnp.float32),
-        outcome=jnp.zeros((b,), jnp.float32),
-        terminated=jnp.ones((b,), jnp.bool_),
-        turn_ids=jnp.full((b, t), -1, jnp.int32),
-    )

@@ -46,11 +46,6 @@ def frozen_labels(params: Params, patterns: Sequence[str]) -> Params:
     )
 
 
-def frozen_paths(params: Params, patterns: Sequence[str]) -> list[str]:
-    labels = frozen_labels(params, patterns)
-    return [path_str(p) for p, v in jax.tree_util.tree_leaves_with_path(labels) if v == "frozen"]
-
-
 def schedule(cfg: ConfigDict, *, every: int = 1) -> optax.Schedule:
     """Linear warm-up from 0 to `lr` over `warmup_steps`, then constant or cosine decay.
 
