@@ -1,0 +1,367 @@
+"""The native engine as a generation backend (sao_jax/sampling/backend.py).
+
+`NativeBackend` drives the continuous-batching engine (sao_jax/sampling/engine.py) from
+one background thread: requests of any number of callers wait in a bounded queue, fill
+the engine's free slots as they open, and decode together, each at its own position.
+The engine is used unchanged, through a subclass that replaces its environment hooks:
+
+* a slot starts from the request's token ids (no env.reset, no tokenization, no bos);
+* its turn ends at one of the request's stop ids or eos, a stop string in the decoded
+  completion, or `max_tokens` (the engine's own `max_turn_tokens` is the cache length);
+* the turn's "environment" ends the episode at once (`_OneTurn`), so the slot's
+  trajectory is the prompt plus the sampled tokens, with both log-probs and versions;
+* a cancelled request's slot is emptied between scheduling rounds (its pages return).
+
+Streaming: after every engine step the thread reports each request's new tokens
+(`on_tokens`). Weights: `publish` goes through a ParamsStore; every step reads the latest
+pair, so requests in flight continue on new weights and each token carries the version
+that sampled it. Sampling: the engine's `EngineConfig` values apply to every request (one
+compiled law for all slots); a request's own values are not applied and `GenResult.sampling`
+says what was used (the gateway counts the difference).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sao_jax.envs.base import Prompt, StepResult
+from sao_jax.sampling.backend import (
+    BackendBusy,
+    GenChunk,
+    GenerationError,
+    GenHandle,
+    GenRequest,
+    GenResult,
+)
+from sao_jax.sampling.engine import Engine, EngineConfig, generate_fns
+from sao_jax.sampling.params_store import ParamsStore
+from sao_jax.sampling.slots import DropError, Slot
+
+
+class _OneTurn:
+    """The environment of a request: its only turn ends the episode."""
+
+    max_turns = 1
+
+    def reset(self, prompt):  # never called: _RequestEngine._start takes the ids
+        return ""
+
+    def step(self, action_text):
+        return StepResult("", 0.0, True, {})
+
+
+class _RequestEngine(Engine):
+    """The engine with request-driven slot starts and turn ends (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decode_calls = 0
+        self.active_sum = 0  # slots decoding, summed over decode calls
+        self.active_max = 0
+
+    def _start(self, s: int, prompt: Prompt, version: int) -> Slot:
+        req: GenRequest = prompt.meta["request"]
+        if len(req.prompt_ids) >= self.cfg.max_len:
+            err = ValueError(f"{len(req.prompt_ids)} prompt tokens; max_len={self.cfg.max_len}")
+            raise DropError("prompt_too_long", err)
+        vocab = self.fns.model_cfg.vocab_size
+        if any(not 0 <= i < vocab for i in req.prompt_ids):
+            raise DropError("tokenizer_error", ValueError(f"a prompt id is outside [0, {vocab})"))
+        slot = Slot(prompt, self.cfg.max_len, self._routing, serial=self._serial - 1)
+        slot.append_context(list(req.prompt_ids), version)
+        return slot
+
+    def _turn_ended(self, sl: Slot, token: int) -> bool:
+        req: GenRequest = sl.prompt.meta["request"]
+        if token in req.stop_ids or token == getattr(self.tok, "eos_id", None):
+            return True
+        if sl.n - sl.turn_start >= req.max_tokens:
+            return True
+        if req.stop_strings:
+            tail = self._decode_text(sl.tokens[sl.turn_start : sl.n])
+            return any(st in tail for st in req.stop_strings)
+        return False
+
+    def _decode(self, params):
+        running = sum(self._running(s) is not None for s in range(self.cfg.num_slots))
+        self.decode_calls += 1
+        self.active_sum += running
+        self.active_max = max(self.active_max, running)
+        return super()._decode(params)
+
+    def slots_of(self) -> dict[str, Slot]:
+        """uid -> the slot record of every request holding a slot."""
+        held = [sl for sl in self._slots if sl is not None]
+        held += [sl for sl, _ in self._parked.values()]
+        return {sl.prompt.uid: sl for sl in held}
+
+    def evict(self, uid: str) -> Slot | None:
+        """Empties the slot of request `uid` (between steps); returns its record."""
+        for s, sl in enumerate(self._slots):
+            if sl is not None and sl.prompt.uid == uid:
+                self._slots[s] = None
+                break
+        else:
+            for s, (sl, _) in list(self._parked.items()):
+                if sl.prompt.uid == uid:
+                    del self._parked[s]
+                    break
+            else:
+                return None
+        if self.pool is not None:
+            self.pool.release(s)
+        return sl
+
+
+class _Live:
+    """A request's bookkeeping on the backend thread."""
+
+    def __init__(self, handle: GenHandle, on_tokens):
+        self.handle = handle
+        self.on_tokens = on_tokens
+        self.reported = 0  # sampled tokens already reported
+
+
+def _records(sl_tokens, rollout, sampled, versions, lo: int, hi: int) -> GenChunk:
+    return GenChunk(
+        [int(t) for t in sl_tokens[lo:hi]],
+        [float(x) for x in rollout[lo:hi]],
+        [float(x) for x in sampled[lo:hi]],
+        [int(v) for v in versions[lo:hi]],
+    )
+
+
+class NativeBackend:
+    """The native engine behind the GenerationBackend interface; see the module docstring.
+
+    Args:
+      mdef: the policy model def; params: its initial weights (version `version`).
+      tokenizer: the engine's tokenizer (eos ends every request; stop strings decode).
+      cfg: the engine's settings (slots, max_len, sampling); max_turn_tokens is ignored.
+      max_pending: requests waiting for a slot beyond which `submit` raises BackendBusy.
+    """
+
+    def __init__(
+        self,
+        mdef,
+        params,
+        tokenizer,
+        cfg: EngineConfig,
+        *,
+        version: int = 0,
+        seed: int = 0,
+        max_pending: int = 256,
+        sharder=None,
+    ):
+        cfg = dataclasses.replace(cfg, max_turn_tokens=cfg.max_len)
+        self.cfg = cfg
+        self.max_len = cfg.max_len
+        self.eos_id = getattr(tokenizer, "eos_id", None)
+        self.max_pending = max_pending
+        self._engine = _RequestEngine(
+            generate_fns(mdef, cfg, sharder), tokenizer, _OneTurn, cfg, seed=seed
+        )
+        self._store = ParamsStore()
+        self._store.publish(params, version, copy=False)
+        self._cond = threading.Condition()
+        self._pending: collections.deque[_Live] = collections.deque()
+        self._cancels: list[GenHandle] = []
+        self._live: dict[str, _Live] = {}
+        self._uids = itertools.count()
+        self._closed = False
+        self._error: BaseException | None = None
+        self.counters = collections.Counter()
+        self._thread = threading.Thread(target=self._run, name="sao-native-backend", daemon=True)
+        self._thread.start()
+
+    # ---- the interface -------------------------------------------------------------------
+
+    def submit(
+        self, request: GenRequest, on_tokens: Callable[[GenChunk], None] | None = None
+    ) -> GenHandle:
+        if len(request.prompt_ids) >= self.max_len:
+            raise GenerationError(
+                f"{len(request.prompt_ids)} prompt tokens leave no room in max_len={self.max_len}"
+            )
+        handle = GenHandle(request, self._request_cancel)
+        with self._cond:
+            if self._closed:
+                raise GenerationError("the backend is closed")
+            if self._error is not None:
+                raise GenerationError(f"the backend failed: {self._error!r}")
+            if len(self._pending) >= self.max_pending:
+                self.counters["busy"] += 1
+                raise BackendBusy(f"{len(self._pending)} requests already wait for a slot")
+            handle.uid = f"r{next(self._uids)}"
+            self._pending.append(_Live(handle, on_tokens))
+            self.counters["submitted"] += 1
+            self._cond.notify_all()
+        return handle
+
+    def _request_cancel(self, handle: GenHandle) -> None:
+        with self._cond:
+            self._cancels.append(handle)
+            self._cond.notify_all()
+
+    def publish(self, params: Any, version: int) -> None:
+        self._store.publish(params, version)
+
+    @property
+    def version(self) -> int | None:
+        return self._store.version
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        return dict(temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k)
+
+    def stats(self) -> dict[str, float]:
+        eng = self._engine
+        calls = max(eng.decode_calls, 1)
+        with self._cond:
+            waiting = len(self._pending)
+        return dict(
+            self.counters,
+            num_slots=self.cfg.num_slots,
+            waiting=waiting,
+            active_slots=eng.active,
+            decode_calls=eng.decode_calls,
+            max_active_slots=eng.active_max,
+            mean_active_slots=eng.active_sum / calls,
+            **eng.stats(),
+        )
+
+    def close(self) -> None:
+        """Stops the thread; requests still waiting or running fail with GenerationError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        self._store.close()
+
+    # ---- the backend thread --------------------------------------------------------------
+
+    def _next_prompt(self) -> Prompt | None:
+        with self._cond:
+            while self._pending:
+                live = self._pending.popleft()
+                if live.handle.cancelled:
+                    self._finish_cancelled(live, None)
+                    continue
+                self._live[live.handle.uid] = live
+                return Prompt(live.handle.uid, "", None, {"request": live.handle.request})
+        return None
+
+    def _run(self) -> None:
+        eng = self._engine
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(
+                        lambda: self._closed or self._pending or self._cancels or eng.active
+                    )
+                    if self._closed:
+                        break
+                    cancels, self._cancels = self._cancels, []
+                for handle in cancels:
+                    self._cancel_now(handle)
+                if not (eng.active or self._pending):
+                    continue
+                version, params = self._store.latest()
+                out = eng.step(params, version, self._next_prompt)
+                self._report_progress()
+                for traj in out.finished:
+                    self._finish(traj)
+                for drop in out.dropped:
+                    live = self._live.pop(drop.prompt_uid, None)
+                    if live is not None:
+                        self.counters["dropped"] += 1
+                        live.handle.future.set_exception(
+                            GenerationError(f"request dropped: {drop.reason}: {drop.error}")
+                        )
+        except BaseException as e:  # a model / jit failure: every caller hears of it
+            with self._cond:
+                self._error = e
+            self._fail_all(GenerationError(f"the backend failed: {e!r}"))
+            raise
+        self._fail_all(GenerationError("the backend closed"))
+
+    def _fail_all(self, error: GenerationError) -> None:
+        with self._cond:
+            lives = list(self._live.values()) + list(self._pending)
+            self._live.clear()
+            self._pending.clear()
+        for live in lives:
+            if not live.handle.future.done():
+                live.handle.future.set_exception(error)
+
+    def _report_progress(self) -> None:
+        for uid, sl in self._engine.slots_of().items():
+            live = self._live.get(uid)
+            if live is None:
+                continue
+            start = len(live.handle.request.prompt_ids)
+            self._report(live, sl.tokens, sl.rollout_logp, sl.sampled_logp, sl.versions,
+                         start, sl.n)  # fmt: skip
+
+    def _report(self, live: _Live, tokens, rollout, sampled, versions, start: int, n: int):
+        lo = start + live.reported
+        if n > lo and live.on_tokens is not None:
+            try:
+                live.on_tokens(_records(tokens, rollout, sampled, versions, lo, n))
+            except Exception:  # a caller's callback never stops the engine
+                self.counters["callback_errors"] += 1
+        live.reported = max(live.reported, n - start)
+
+    def _finish(self, traj) -> None:
+        live = self._live.pop(traj.prompt_uid)
+        start = len(live.handle.request.prompt_ids)
+        n = len(traj.tokens)
+        self._report(live, traj.tokens, traj.rollout_logp, traj.sampled_logp, traj.versions,
+                     start, n)  # fmt: skip
+        chunk = _records(traj.tokens, traj.rollout_logp, traj.sampled_logp, traj.versions,
+                         start, n)  # fmt: skip
+        req = live.handle.request
+        last = chunk.token_ids[-1] if chunk.token_ids else None
+        stopped = last is not None and (last in req.stop_ids or last == self.eos_id)
+        if not stopped and req.stop_strings and len(chunk.token_ids) < req.max_tokens:
+            stopped = True  # ended by a stop string (not by the cache: see below)
+        if traj.info.get("truncation") == "max_len":
+            stopped = False
+        self.counters["finished"] += 1
+        live.handle.future.set_result(
+            GenResult(
+                chunk.token_ids,
+                chunk.rollout_logp,
+                chunk.sampled_logp,
+                chunk.versions,
+                "stop" if stopped else "length",
+                self.sampling,
+            )
+        )
+
+    def _cancel_now(self, handle: GenHandle) -> None:
+        """Cancels on the backend thread: out of the queue, or out of its slot."""
+        with self._cond:
+            live = self._live.pop(handle.uid, None)
+        if live is None:  # still queued: `_next_prompt` resolves it when it comes up
+            return
+        sl = self._engine.evict(handle.uid)
+        self._finish_cancelled(live, sl)
+
+    def _finish_cancelled(self, live: _Live, sl: Slot | None) -> None:
+        start = len(live.handle.request.prompt_ids)
+        if sl is None:
+            chunk = GenChunk([], [], [], [])
+        else:
+            chunk = _records(sl.tokens, sl.rollout_logp, sl.sampled_logp, sl.versions,
+                             start, sl.n)  # fmt: skip
+        self.counters["cancelled"] += 1
+        if not live.handle.future.done():
+            live.handle.future.set_result(
+                GenResult(*dataclasses.astuple(chunk), "cancelled", self.sampling)
+            )
