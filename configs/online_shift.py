@@ -35,20 +35,17 @@ Rows (`VARIANTS`; every row is `sao` with only the fields its name says changed)
   sao_brace                 rl.critic_target = 'brace' (BRACE-style critic targets,
                             docs/method.md section 8): only in the table `brace`
                             (experiments/critic_correction.py), not in `main`
-The previous design (one global style switch, sao_jax/envs/style.py) is the variant
-`global_style` with its rows sao, moving_average, sao_sync, moving_average_sync.
 
   python -m experiments.online_shift --mode=quick
   python -m experiments.train --config=configs/online_shift.py:moving_average_w8 \
       --workdir=workdirs/shift_ma8
 
-Variant keys (`:a,b=1`): one row name, global_style, smoke, sync, seed=N,
-offsets=spread|none (user design; default spread).
-`get_sweep('table=main|tracking|brace,mode=smoke|quick|full,design=user|global,
-payouts=narrow|wide,offsets=none|spread')` is the experiment's sao_jax.sweep.SweepSpec.
-`brace`: sao and sao_brace, per-user design (its sao points are `main`'s, the same
-commands); `payouts`, `offsets`: REWARD_KNOBS, set as shared overrides of env.params
-(offsets always, default spread: every sweep records which design it ran).
+Variant keys (`:a,b=1`): one row name, smoke, sync, seed=N, offsets=spread|none
+(default spread).
+`get_sweep('table=main|tracking|brace,mode=smoke|quick|full,offsets=none|spread')` is the
+experiment's sao_jax.sweep.SweepSpec. `brace`: sao and sao_brace (its sao points are
+`main`'s, the same commands); `offsets`: a shared override of env.params, always set
+(default spread: every sweep records which design it ran).
 """
 
 from __future__ import annotations
@@ -66,26 +63,16 @@ WINDOW_STEPS = (1, 8, 32)  # other windows, in steps of rewards (x rl.batch_size
 # paper's (2 steps) they span 1 to 32: a fourth row would cost the full run ~11 minutes
 USERS = 6
 PAYOUTS = (1.0, 0.75, 0.5, 0.5, 0.75, 1.0)  # the quality factor of user u (style-free)
-# `get_sweep('payouts=...')`: the pre-registered design's spread (narrow, PAYOUTS) or a
-# ten-fold one (wide), where a baseline blind to the user mis-centres the low-payout users
-# by more than their whole reward (a correct line of user 2 earns 0.1 against a global
-# average near 0.2): the pilot of a design in which a per-user baseline can separate
-PAYOUT_SETS = {"narrow": PAYOUTS, "wide": (1.0, 0.4, 0.1, 0.1, 0.4, 1.0)}
 # `get_sweep('offsets=spread')`: every line of user u also earns OFFSET_SETS[...][u], judged
 # or not (sao_jax/envs/user_style.py): prompt-level variance (+-1 around the mean, against a
 # within-prompt Bernoulli variance <= 0.25) that only a baseline telling users apart removes;
 # each pair of users sharing a style sequence (u, u + 3) has two different offsets
 OFFSET_SETS = {"none": (0.0,) * USERS, "spread": (0.0, 1.0, 2.0, 1.0, 2.0, 0.0)}
 DEFAULT_OFFSETS = "spread"  # the design where the claim is testable (get_config, get_sweep)
-# get_sweep's reward knobs: arg -> (the env.params field it overrides, its sets, the set that
-# sets no override: payouts 'narrow', so that the pre-registered runs' commands stay as they
-# were; offsets None, always set, as every offsets run recorded it, so that the runs of the
-# first per-user design (recorded before offsets existed: no override) are never mistaken
-# for a default sweep's by --add_to)
-REWARD_KNOBS = {
-    "payouts": ("env.params.payouts", PAYOUT_SETS, "narrow"),
-    "offsets": ("env.params.offsets", OFFSET_SETS, None),
-}
+# get_sweep sets the offsets as a shared override of every point, also the default's, so
+# that runs recorded without the override (the first per-user design's) are never taken
+# for a default sweep's by --add_to.
+OFFSETS_FIELD = "env.params.offsets"
 
 # The critic-tracking factors: level 'high' of each (SAO's own level is 'low').
 TRACK_FACTORS = {
@@ -138,13 +125,7 @@ USER_VARIANTS: dict[str, dict[str, Any]] = {
     **TRACK_CELLS,
     "sao_brace": {"rl.critic_target": "brace"},
 }
-GLOBAL_VARIANTS: dict[str, dict[str, Any]] = {
-    "sao": {},
-    "moving_average": {"rl.advantage": "moving_average"},
-    "sao_sync": {"train.rollouts": "sync"},
-    "moving_average_sync": {"rl.advantage": "moving_average", "train.rollouts": "sync"},
-}
-VARIANTS = {**GLOBAL_VARIANTS, **USER_VARIANTS}
+VARIANTS = USER_VARIANTS
 MAIN_ROWS = (
     "sao",
     "moving_average",
@@ -156,7 +137,6 @@ MAIN_ROWS = (
 )
 TABLES = {"main": MAIN_ROWS, "tracking": ("sao", *TRACK_CELLS), "brace": ("sao", "sao_brace")}
 MODES = ("smoke", "quick", "full")
-DESIGNS = ("user", "global")
 
 # Per mode (user design), sized from the pilot (docs/experiments.md, results/online_shift/
 # pilot/): rows, seeds, RL steps and the staggered schedule (first switch,
@@ -183,14 +163,6 @@ USER_BUDGETS = {
         tracking_rows=TABLES["tracking"],
     ),
 }  # fmt: skip
-# The previous design: phases of 50 steps (docs/experiments.md, "Budgets").
-GLOBAL_BUDGETS = {
-    "smoke": dict(seeds=(0,), steps=4, switch_steps=(1, 2), rows=("sao", "moving_average")),
-    "quick": dict(seeds=(0, 1), steps=90, switch_steps=(30, 60), rows=("sao", "moving_average")),
-    "full": dict(
-        seeds=tuple(range(5)), steps=150, switch_steps=(50, 100), rows=tuple(GLOBAL_VARIANTS)
-    ),
-}  # fmt: skip
 
 
 def schedule(mode: str) -> tuple[tuple[int, ...], ...]:
@@ -205,7 +177,6 @@ def get_config(arg=None):
         smoke=False,
         sync=False,
         seed=0,
-        global_style=False,
         offsets=DEFAULT_OFFSETS,
         **dict.fromkeys(VARIANTS, False),
     )
@@ -216,89 +187,45 @@ def get_config(arg=None):
     chosen = [v for v in VARIANTS if arg[v]]
     if len(chosen) > 1:
         raise ConfigError(f"configs/online_shift.py: pick one row, got {chosen}")
-    rows = GLOBAL_VARIANTS if arg.global_style else USER_VARIANTS
     row = chosen[0] if chosen else "sao"
-    if row not in rows:
-        design = "global_style" if arg.global_style else "the per-user design (default)"
-        raise ConfigError(f"configs/online_shift.py: row {row!r} is not a row of {design}")
     c = sao.get_config(f"smoke={arg.smoke},sync={arg.sync},seed={arg.seed}")
     c.sampling.max_turn_tokens = 64  # one line of up to ~60 characters
     c.sampling.max_len = 96
     c.sft.steps = 4 if arg.smoke else 600  # 200 left ~2% reward: too sparse to learn from
     c.train.eval_every = 0  # held-out eval only before/after (the target moves)
-    if arg.global_style:
-        c.env.name = "style"
-        c.env.params = ConfigDict(dict(switch_steps=GLOBAL_BUDGETS["full"]["switch_steps"]))
-        c.env.prompts = ConfigDict(dict(n_topics=(1, 2)))  # one or two topics per prompt
-        c.env.eval_size = 8 if arg.smoke else 40  # the held-out split has ~45 prompts
-        c.train.total_steps = 4 if arg.smoke else GLOBAL_BUDGETS["full"]["steps"]
-        c.train.log_every = 1 if arg.smoke else 2  # reward curve resolution
-    else:
-        mode = "smoke" if arg.smoke else "full"
-        b = USER_BUDGETS[mode]
-        c.env.name = "user_style"
-        c.env.params = ConfigDict(
-            dict(
-                switch_steps=schedule(mode),  # per user, staggered
-                payouts=PAYOUTS[: b["users"]],
-                offsets=OFFSET_SETS[arg.offsets][: b["users"]],
-                recovery_steps=RECOVERY_STEPS,
-                bin_steps=BIN_STEPS,
-                pretrain_targets="schedule",  # value pretraining judges the schedule's start
-            )
+    mode = "smoke" if arg.smoke else "full"
+    b = USER_BUDGETS[mode]
+    c.env.name = "user_style"
+    c.env.params = ConfigDict(
+        dict(
+            switch_steps=schedule(mode),  # per user, staggered
+            payouts=PAYOUTS[: b["users"]],
+            offsets=OFFSET_SETS[arg.offsets][: b["users"]],
+            recovery_steps=RECOVERY_STEPS,
+            bin_steps=BIN_STEPS,
+            pretrain_targets="schedule",  # value pretraining judges the schedule's start
         )
-        c.env.prompts = ConfigDict(dict(users=b["users"], n_topics=(1, 2), dialects=True))
-        c.env.eval_size = 8 if arg.smoke else 48
-        c.sft.error_rate = 0.5  # demos: the user's initial style half the time
-        c.value_pretrain.lr = c.optim.critic.lr  # its own: the tracking rows change RL's
-        c.value_pretrain.max_grad_norm = c.optim.critic.max_grad_norm
-        c.train.total_steps = b["steps"]
-        c.train.log_every = 1  # per-step records: the recovery bins pool exact counts
-        if arg.smoke:  # the sampler one batch ahead, not the whole 4-step run judged at
-            c.sampling.queue_size = c.rl.batch_size  # step 0 while the first update compiles
-    for field, value in rows[row].items():
+    )
+    c.env.prompts = ConfigDict(dict(users=b["users"], n_topics=(1, 2), dialects=True))
+    c.env.eval_size = 8 if arg.smoke else 48
+    c.sft.error_rate = 0.5  # demos: the user's initial style half the time
+    c.value_pretrain.lr = c.optim.critic.lr  # its own: the tracking rows change RL's
+    c.value_pretrain.max_grad_norm = c.optim.critic.max_grad_norm
+    c.train.total_steps = b["steps"]
+    c.train.log_every = 1  # per-step records: the recovery bins pool exact counts
+    if arg.smoke:  # the sampler one batch ahead, not the whole 4-step run judged at
+        c.sampling.queue_size = c.rl.batch_size  # step 0 while the first update compiles
+    for field, value in VARIANTS[row].items():
         set_field(c, field, value(c) if callable(value) else value)
     return c
 
 
 def get_sweep(arg=None) -> SweepSpec:
-    arg = parse_arg(
-        arg,
-        mode="quick",
-        table="main",
-        design="user",
-        payouts="narrow",
-        offsets="",  # '': the design's own (user: DEFAULT_OFFSETS; global: none to set)
-    )
-    if arg.design == "user" and not arg.offsets:
-        arg.offsets = DEFAULT_OFFSETS
+    arg = parse_arg(arg, mode="quick", table="main", offsets=DEFAULT_OFFSETS)
     if arg.mode not in MODES:
         raise ConfigError(f"get_sweep mode={arg.mode!r}: one of {MODES}")
-    for name, (_, sets, own) in REWARD_KNOBS.items():
-        if not arg[name]:  # the global design's offsets, unset
-            continue
-        if arg[name] not in sets:
-            raise ConfigError(f"get_sweep {name}={arg[name]!r}: one of {sorted(sets)}")
-        if arg[name] != own and arg.design != "user":
-            raise ConfigError(f"get_sweep {name}={arg[name]!r}: the per-user design's only")
-    if arg.design not in DESIGNS:
-        raise ConfigError(f"get_sweep design={arg.design!r}: one of {DESIGNS}")
-    common = "smoke" if arg.mode == "smoke" else ""
-    if arg.design == "global":
-        g = GLOBAL_BUDGETS[arg.mode]
-        return SweepSpec(
-            name="online_shift",
-            config="configs/online_shift.py",
-            variants=g["rows"],
-            seeds=g["seeds"],
-            fixed={
-                "train.total_steps": g["steps"],
-                "train.checkpoint_every": g["steps"],
-                "env.params.switch_steps": g["switch_steps"],
-                "train.progress": False,
-            },
-            common_arg=",".join(a for a in (common, "global_style") if a),
-        )
+    if arg.offsets not in OFFSET_SETS:
+        raise ConfigError(f"get_sweep offsets={arg.offsets!r}: one of {sorted(OFFSET_SETS)}")
     if arg.table not in TABLES:
         raise ConfigError(f"get_sweep table={arg.table!r}: one of {sorted(TABLES)}")
     b = USER_BUDGETS[arg.mode]
@@ -317,11 +244,7 @@ def get_sweep(arg=None) -> SweepSpec:
             "train.checkpoint_every": b["steps"],
             "env.params.switch_steps": schedule(arg.mode),
             "train.progress": False,
-            **{
-                field: sets[arg[name]][: b["users"]]
-                for name, (field, sets, own) in REWARD_KNOBS.items()
-                if arg[name] != own
-            },
+            OFFSETS_FIELD: OFFSET_SETS[arg.offsets][: b["users"]],
         },
-        common_arg=common,
+        common_arg="smoke" if arg.mode == "smoke" else "",
     )

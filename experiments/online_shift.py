@@ -1,22 +1,19 @@
 r"""Online learning with a moving target: SAO vs the moving-average baseline.
 
-  python -m experiments.online_shift --mode=quick                   # per-user design, offsets
+  python -m experiments.online_shift --mode=quick                   # per-user offsets design
   python -m experiments.online_shift --mode=full --table=tracking   # critic-tracking sweep
-  python -m experiments.online_shift --mode=full --design=global    # the first design
   python -m experiments.online_shift --mode=quick --offsets=none    # per-user, payouts only
-  python -m experiments.online_shift --mode=quick --payouts=wide    # ten-fold payout spread
 
 Runs a sweep of configs/online_shift.py and writes `<out_dir>/<table>.md` with its plots and
 `<out_dir>/<table>_runs.jsonl` (every run's logged numbers the table reads:
-`--from_runs=<that file>` writes the table again without training). Design `user` (default,
-sao_jax/envs/user_style.py): each user switches its target style at its own steps; tables
-`main` (`online_shift_main.md`: every row, the pre-registered family, the moving average's
-window against the paper's 128 rewards, recovery curves; sao_jax/report/user_shift.py) and
+`--from_runs=<that file>` writes the table again without training). Each user switches its
+target style at its own steps (sao_jax/envs/user_style.py); tables `main`
+(`online_shift_main.md`: every row, the pre-registered family, the moving average's window
+against the paper's 128 rewards, recovery curves; sao_jax/report/user_shift.py) and
 `tracking` (`online_shift_tracking.md`: the critic-tracking half fraction and its main
-effects). Design `global` (`online_shift.md`, sao_jax/report/style_shift.py): one style
-switch for every prompt. Other flags: see experiments/ablations.py. The trainer moves the
-task's schedule to the policy step after every update (sao_jax.envs.registry.env_factory),
-so each run is a plain `experiments.train` run.
+effects). Other flags: see experiments/ablations.py. The trainer moves the task's schedule
+to the policy step after every update (sao_jax.envs.registry.env_factory), so each run is a
+plain `experiments.train` run.
 """
 
 from __future__ import annotations
@@ -25,40 +22,27 @@ from absl import app, flags
 
 from sao_jax.configs import online_shift as shift_cfg
 from sao_jax.experiments import ablations as abl
-from sao_jax.report import style_shift, user_shift
+from sao_jax.report import user_shift
 
-DESIGN = flags.DEFINE_enum("design", "user", list(shift_cfg.DESIGNS), "Task design.")
 TABLE = flags.DEFINE_enum(
     "table",
     "main",
     [t for t in shift_cfg.TABLES if t != "brace"],  # brace: experiments/critic_correction.py
-    "Table (user design).",
-)
-PAYOUTS = flags.DEFINE_enum(
-    "payouts",
-    "narrow",
-    list(shift_cfg.PAYOUT_SETS),
-    "Users' payouts (user design): narrow (the pre-registered design's) or wide (ten-fold).",
+    "Table.",
 )
 OFFSETS = flags.DEFINE_enum(
     "offsets",
     None,
     list(shift_cfg.OFFSET_SETS),
-    f"Users' reward offsets (user design): spread (unset: {shift_cfg.DEFAULT_OFFSETS}, the "
-    "design where the claim is testable) or none (the first per-user design's).",
+    f"Users' reward offsets: spread (unset: {shift_cfg.DEFAULT_OFFSETS}, the design where "
+    "the claim is testable) or none (the first per-user design's).",
 )
 
 
 def main(argv):
-    if DESIGN.value == "global":
-        name, report = "online_shift", style_shift.report
-    else:
-        name = f"online_shift_{TABLE.value}"
-        report = user_shift.tracking_report if TABLE.value == "tracking" else user_shift.main_report
-    arg = (
-        f"design={DESIGN.value},table={TABLE.value},payouts={PAYOUTS.value},"
-        f"offsets={OFFSETS.value or ''}"
-    )
+    name = f"online_shift_{TABLE.value}"
+    report = user_shift.tracking_report if TABLE.value == "tracking" else user_shift.main_report
+    arg = f"table={TABLE.value},offsets={OFFSETS.value or shift_cfg.DEFAULT_OFFSETS}"
     sweep_of = lambda mode: shift_cfg.get_sweep(f"{arg},mode={mode}")
     return abl.table_main(name, sweep_of, report)(argv)
 

@@ -112,8 +112,6 @@ def test_online_shift_rows_change_only_the_fields_their_names_say():
     config_lib.validate(online_shift.get_config("sao_brace,smoke"))
     assert online_shift.get_config("sao_brace").rl.critic_target == "brace"
     assert "sao_brace" not in online_shift.MAIN_ROWS + online_shift.TABLES["tracking"]
-    with pytest.raises(ConfigError, match="ceiling.*global_style"):
-        online_shift.get_config("ceiling,global_style")
 
 
 def test_online_shift_tracking_cells_are_the_half_fraction():
@@ -135,17 +133,6 @@ def test_online_shift_rows_share_the_pretrained_critic_except_the_ceiling():
     assert not shares_critic(sao, online_shift.get_config("ceiling"))  # it pretrains its own
 
 
-def test_online_shift_previous_design_rows():
-    a = _flat(online_shift.get_config("global_style,sao"))
-    b = _flat(online_shift.get_config("global_style,moving_average"))
-    assert _differing(a, b) == {"rl.advantage"}
-    assert a["env.name"] == "style"
-    sync = _flat(online_shift.get_config("global_style,sao_sync"))
-    assert _differing(a, sync) == {"train.rollouts"}
-    full = sweep.expand(online_shift.get_sweep("design=global,mode=full"))
-    assert {p.variant for p in full} == set(online_shift.GLOBAL_VARIANTS)
-
-
 def _point_config(point: sweep.Point):
     return config_lib.validate(
         sweep.point_config(point.config_path, point.seed, point.all_overrides())
@@ -157,12 +144,7 @@ SWEEPS = [
     for t in ablations.TABLES
     for m in ablations.MODES
     if t != "mask_budget"  # needs a calibration file: test_mask_budget_sweep_...
-] + [
-    (online_shift, f"table={t},mode={m},design={d}")
-    for t in online_shift.TABLES
-    for m in online_shift.MODES
-    for d in online_shift.DESIGNS
-]
+] + [(online_shift, f"table={t},mode={m}") for t in online_shift.TABLES for m in online_shift.MODES]
 
 
 @pytest.mark.parametrize(("module", "arg"), SWEEPS, ids=[a for _, a in SWEEPS])
@@ -179,24 +161,12 @@ def test_every_sweep_point_and_warm_start_validates(module, arg):
 
 
 @pytest.mark.parametrize("mode", online_shift.MODES)
-def test_online_shift_wide_payouts_and_offsets_reach_every_run_and_warm_start(mode):
-    narrow = online_shift.get_sweep(f"mode={mode}")
-    narrow_payouts = _point_config(sweep.expand(narrow)[0]).env.params.payouts
-    wide = online_shift.get_sweep(f"mode={mode},payouts=wide")
-    assert "env.params.payouts" not in narrow.fixed  # the pre-registered runs, unchanged
+def test_online_shift_offsets_reach_every_run_and_warm_start(mode):
+    spread = online_shift.get_sweep(f"mode={mode}")
+    narrow_payouts = _point_config(sweep.expand(spread)[0]).env.params.payouts
+    assert "env.params.payouts" not in spread.fixed  # the pre-registered runs, unchanged
     users = online_shift.USER_BUDGETS[mode]["users"]
-    want = online_shift.PAYOUT_SETS["wide"][:users]
-    assert max(want) / min(want) == 10 if users > 2 else want == (1.0, 0.4)
-    points = sweep.expand(wide)
-    assert len(points) == len(sweep.expand(narrow))
-    for p in [points[0], points[-1], sweep.warm_start_point(wide, wide.seeds[0])]:
-        assert tuple(_point_config(p).env.params.payouts) == want
-    with pytest.raises(ConfigError, match="payouts"):
-        online_shift.get_sweep("payouts=huge")
-    with pytest.raises(ConfigError, match="payouts"):
-        online_shift.get_sweep("design=global,payouts=wide")
-    spread = online_shift.get_sweep(f"mode={mode},offsets=spread")
-    assert spread == narrow  # the offsets design is the default
+    assert spread == online_shift.get_sweep(f"mode={mode},offsets=spread")  # the default
     offsets = online_shift.OFFSET_SETS["spread"][:users]
     assert spread.fixed["env.params.offsets"] == offsets  # recorded, as its full runs were
     for p in [sweep.expand(spread)[-1], sweep.warm_start_point(spread, spread.seeds[0])]:
@@ -205,9 +175,6 @@ def test_online_shift_wide_payouts_and_offsets_reach_every_run_and_warm_start(mo
     first = online_shift.get_sweep(f"mode={mode},offsets=none")  # the first per-user design
     for p in [sweep.expand(first)[0], sweep.warm_start_point(first, first.seeds[0])]:
         assert tuple(_point_config(p).env.params.offsets) == (0.0,) * users
-    assert "env.params.offsets" not in online_shift.get_sweep("design=global").fixed
-    with pytest.raises(ConfigError, match="offsets"):
-        online_shift.get_sweep("design=global,offsets=spread")
     with pytest.raises(ConfigError, match="offsets"):
         online_shift.get_sweep("offsets=huge")
 

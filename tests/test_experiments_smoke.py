@@ -104,17 +104,6 @@ def test_online_shift_tables_and_their_runs_files(tmp_path, jax_cache_dir):
     assert "## Main effects on recovering success" in text
 
 
-def test_online_shift_previous_design_is_a_variant(tmp_path, jax_cache_dir):
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.online_shift", "--mode=smoke", "--design=global",
-         "--dry_run", f"--sweep_dir={tmp_path}"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "--config=configs/online_shift.py:sao,smoke,global_style" in proc.stdout
-    assert "online_shift__moving_average__seed=0" in proc.stdout
-
-
 def _dry_run(*extra: str) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "experiments.ablations", "--mode=smoke", "--dry_run", *extra]
     return subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)

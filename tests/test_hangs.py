@@ -411,11 +411,17 @@ def test_judge_trickle_in_rollouts_ends_with_the_judge_named(model, trickle_serv
 # ------------------------------------------------------------------ the main job
 
 JOB_CONFIG = """
-from configs import online_shift
+from configs import sao
+from sao_jax.config import ConfigDict
 
 
 def get_config(arg=None):
-    c = online_shift.get_config("global_style,smoke")  # the style task: a judge scores it
+    c = sao.get_config("smoke")
+    c.sampling.max_turn_tokens, c.sampling.max_len = 64, 96
+    c.sft.steps, c.train.eval_every, c.train.total_steps, c.train.log_every = 4, 0, 4, 1
+    c.env.name = "style"  # the style task: a judge scores it
+    c.env.params = ConfigDict(dict(switch_steps=(50, 100)))
+    c.env.prompts = ConfigDict(dict(n_topics=(1, 2)))
     c.env.params.judge = dict(base_url="http://127.0.0.1:{port}/v1", model="judge", **{judge})
     c.sampling.env_timeout_s = {env_timeout}
     c.sampling.max_env_errors = 4

@@ -145,12 +145,9 @@ def test_runs_file_keeps_what_the_report_reads_and_regenerates_it(tmp_path):
     path.write_text(path.read_text() + "{not json\n")
     with pytest.raises(ConfigError, match=r"r.jsonl:8 is not a runs record"):
         audit.read_runs(path)
-    assert "and pay" not in text  # the config's own payouts: not an override
-    wide = dataclasses.replace(spec, fixed={**spec.fixed, "env.params.payouts": (1.0, 0.1)})
-    assert "and pay (1.0, 0.1) for a correct line" in U.main_report(exp2, wide, back, 12.0)
-    both = dataclasses.replace(wide, fixed={**wide.fixed, "env.params.offsets": (0.0, 2.0)})
-    assert "for a correct line and earn (0.0, 2.0) on every line" in U.main_report(
-        exp2, both, back, 12.0
+    offsets = dataclasses.replace(spec, fixed={**spec.fixed, "env.params.offsets": (0.0, 2.0)})
+    assert "(per user) and earn (0.0, 2.0) on every line" in U.main_report(
+        exp2, offsets, back, 12.0
     )
 
 

@@ -302,11 +302,9 @@ def _family_table(diffs, holm, name: str) -> str:
 
 def _definitions(spec: sweep.SweepSpec, recovery_steps: int) -> str:
     switches = spec.fixed.get("env.params.switch_steps")
-    payouts = spec.fixed.get("env.params.payouts")  # set when not the config's own
     offsets = spec.fixed.get("env.params.offsets")  # always set since offsets=spread is the
     # default; the runs of the first per-user design recorded none (no offsets then)
-    paid = f" and pay {tuple(payouts)} for a correct line" if payouts else ""
-    paid += f" and earn {tuple(offsets)} on every line" if offsets and any(offsets) else ""
+    paid = f" and earn {tuple(offsets)} on every line" if offsets and any(offsets) else ""
     return (
         f"\n- Users switch their target style at their own steps {switches} (per user){paid}; "
         f"recovering = the lines judged within the user's first {recovery_steps} steps after "
