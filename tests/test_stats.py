@@ -98,3 +98,49 @@ def test_pooling_by_hand():
     assert tuple(one) == pytest.approx((2.7, 0.8, 4))
     with pytest.raises(ValueError, match="se > 0"):
         S.pool_equal_weight([S.Estimate(1.0, 0.0, 4)])
+
+
+def _tost_reference(diffs, low, high):
+    """TOST written out from its definition with scipy's one-sample t tests: the
+    difference is above `low` and below `high`, each one-sided; p is the larger."""
+    above = scipy_stats.ttest_1samp(diffs, low, alternative="greater").pvalue
+    below = scipy_stats.ttest_1samp(diffs, high, alternative="less").pvalue
+    return above, below, max(above, below)
+
+
+def test_tost_against_two_literal_one_sided_t_tests():
+    cases = [
+        ([0.1, -0.2, 0.05, 0.3, -0.1], -1.0, 1.0),  # tight around 0: equivalent
+        ([-2.0, 0.4, 1.1, -0.3, 0.9], -1.0, 1.0),  # wide: not
+        ([1.5, 1.8, 2.1, 1.7, 1.9, 2.0], -0.5, 2.5),  # asymmetric margin
+        ([-0.7, 0.3, -1.2, 0.4, -0.9, 0.1, -0.5, 0.2, -0.3, -0.6], -2.0, 2.0),
+    ]
+    for diffs, low, high in cases:
+        got = S.tost_paired(diffs, low, high)
+        assert tuple(got) == pytest.approx(_tost_reference(diffs, low, high), rel=1e-9, abs=1e-14)
+    assert S.tost_paired(cases[0][0], -1.0, 1.0).equivalent()
+    assert not S.tost_paired(cases[1][0], -1.0, 1.0).equivalent()
+
+
+def test_tost_is_the_ninety_percent_interval_inside_the_margin():
+    # p < alpha exactly when the 1 - 2 alpha interval lies inside (low, high)
+    for mean, se, df in ((0.2, 0.3, 9), (-0.5, 0.4, 4), (1.1, 0.25, 19), (0.0, 1.0, 4)):
+        lo, hi = S.t_interval(mean, se, df, alpha=0.10)
+        for margin in (0.5, 1.0, 1.5, 3.0):
+            inside = -margin < lo and hi < margin
+            assert S.tost(mean, se, df, -margin, margin).equivalent() == inside
+    # at the edge of the interval the larger one-sided p is alpha itself
+    lo, hi = S.t_interval(0.2, 0.3, 9, alpha=0.10)
+    assert S.tost(0.2, 0.3, 9, lo, 10.0).p == pytest.approx(0.05, abs=1e-9)
+
+
+def test_tost_edges():
+    with pytest.raises(ValueError, match="low < high"):
+        S.tost(0.0, 1.0, 4, 1.0, 1.0)
+    assert math.isnan(S.tost(0.0, 0.0, 4, -1.0, 1.0).p)  # no spread: no test
+    assert math.isnan(S.tost_paired([0.3], -1.0, 1.0).p)
+    # a "no difference shown" verdict is not equivalence: the offsets design's per-user
+    # oracle - SAO, -0.3 ± 0.6 points over 10 seeds, is not equivalent within ±1 point
+    assert not S.tost(-0.3, 0.6, 9, -1.0, 1.0).equivalent()
+    assert S.upper_tail(40.0, 4) == pytest.approx(scipy_stats.t.sf(40.0, 4), rel=1e-9)
+    assert S.upper_tail(-1.5, 4) == pytest.approx(scipy_stats.t.sf(-1.5, 4), rel=1e-12)
