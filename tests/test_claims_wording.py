@@ -1,0 +1,110 @@
+"""No committed text claims that two rows are equivalent without an equivalence test
+(issue 43): "level with", "equivalent", "same as" and "powered null" (any case, whole
+words, across line breaks) may appear in README.md, docs/*.md and results/**/README.md only
+beside a TOST, i.e. in a unit of text that also names "TOST" (the two one-sided tests
+against a margin stated before the runs, sao_jax/report/stats.py `tost_paired`).
+
+A unit is what a reader takes in as one statement: a paragraph (lines up to a blank line),
+one list item (a line starting "- ", "* " or "N. " begins a new one), one table row, one
+heading. Fenced code blocks are commands, not claims, and are skipped. A "no difference
+shown" verdict needs none of these words: write "no difference shown (MDD x)" instead
+(docs/results.md, "How to read these tables"). Pure text: no import of the library.
+"""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PHRASES = re.compile(r"\b(level with|equivalent|same as|powered null)\b", re.IGNORECASE)
+TOST = re.compile(r"\bTOST\b")
+NEW_UNIT = re.compile(r"^\s*(?:[-*]|\d+\.)\s|^\s*\||^#")
+
+
+def claim_files(root: pathlib.Path) -> list[pathlib.Path]:
+    """README.md, docs/*.md and every README.md under results/ (what a reader reads)."""
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    files += sorted((root / "results").rglob("README.md"))
+    return [f for f in files if f.is_file()]
+
+
+def units(text: str) -> list[tuple[int, str]]:
+    """(first line number, text) of each unit (module docstring), fenced code left out."""
+    out: list[tuple[int, list[str]]] = []
+    fenced = False
+    open_unit = False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("```"):
+            fenced, open_unit = not fenced, False
+            continue
+        if fenced or not line.strip():
+            open_unit = False
+            continue
+        if not open_unit or NEW_UNIT.match(line) or out[-1][1][-1].lstrip().startswith("|"):
+            out.append((number, []))
+        out[-1][1].append(line)
+        open_unit = not line.lstrip().startswith("#")
+    return [(number, re.sub(r"\s+", " ", " ".join(lines))) for number, lines in out]
+
+
+def unbacked_claims(text: str) -> list[tuple[int, str]]:
+    """(line, phrase) of every banned phrase in a unit that names no TOST."""
+    return [
+        (number, m.group(0))
+        for number, unit in units(text)
+        if not TOST.search(unit)
+        for m in PHRASES.finditer(unit)
+    ]
+
+
+def test_committed_text_claims_no_equivalence_without_a_tost():
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: '{phrase}'"
+        for path in claim_files(ROOT)
+        for line, phrase in unbacked_claims(path.read_text())
+    ]
+    assert not found, (
+        "an equivalence-sounding phrase without a TOST beside it (same paragraph, list item or"
+        " table row); write 'no difference shown (MDD x)', or cite the TOST row:\n"
+        + "\n".join(found)
+    )
+
+
+def test_the_files_read_are_the_readers_pages():
+    names = {p.relative_to(ROOT).as_posix() for p in claim_files(ROOT)}
+    assert {"README.md", "docs/results.md"} <= names
+    assert any(n.startswith("results/") and n.endswith("/README.md") for n in names)
+    assert all(n == "README.md" or n.startswith(("docs/", "results/")) for n in names)
+
+
+def test_what_counts_as_beside():
+    def flagged(text):
+        return [phrase for _, phrase in unbacked_claims(text)]
+
+    assert flagged("SAO is level with the oracle.") == ["level with"]
+    assert flagged("A Powered\nNull here.") == ["Powered Null"]  # across a line break
+    assert flagged("the same as before; equivalent rows") == ["same as", "equivalent"]
+    # whole words only: no hit inside another word
+    assert flagged("Equivalently, the same assumptions; the levels with care") == []
+    # a TOST in the same paragraph backs it; in the next paragraph it does not
+    assert flagged("Equivalent within 1 point\n(TOST p 0.01, margin 1).") == []
+    assert flagged("Equivalent within 1 point.\n\nTOST p 0.01.") == ["Equivalent"]
+    # list items and table rows are units of their own
+    assert flagged("- level with SAO\n- TOST p 0.01") == ["level with"]
+    assert flagged("| a | level with SAO |\n| b | TOST p 0.01 |") == ["level with"]
+    assert flagged("| a | level with SAO, TOST p 0.01 |") == []
+    assert flagged("# Level with\ntext naming TOST") == ["Level with"]
+    # code is not a claim; "tost" in lower case is no citation
+    assert flagged("```\necho the same as\n```\nrest") == []
+    assert flagged("equivalent, tost") == ["equivalent"]
+
+
+def test_units_split_where_a_reader_does():
+    text = "para one\ncontinues\n\n- item\n  wraps\n- next\n| row |\n| row2 |\n```\ncode\n```\nlast"
+    assert units(text) == [
+        (1, "para one continues"),
+        (4, "- item wraps"),
+        (6, "- next"),
+        (7, "| row |"),
+        (8, "| row2 |"),
+        (12, "last"),
+    ]
