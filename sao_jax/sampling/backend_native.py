@@ -24,10 +24,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from sao_jax.envs.base import Prompt, StepResult
 from sao_jax.sampling.backend import (
@@ -41,6 +46,16 @@ from sao_jax.sampling.backend import (
 from sao_jax.sampling.engine import Engine, EngineConfig, generate_fns
 from sao_jax.sampling.params_store import ParamsStore
 from sao_jax.sampling.slots import DropError, Slot
+
+TOP_K_MAX = 20  # top log-probs a pass reports (OpenAI's limit)
+
+
+def _top_logprobs(mdef, params, tokens_1t):
+    """[T, TOP_K_MAX] values and ids of log_softmax(logits) at every position."""
+    t = tokens_1t.shape[1]
+    positions_1t = jnp.arange(t, dtype=jnp.int32)[None]
+    logits_tv = mdef.bind(params)(tokens_1t, positions_1t, jnp.ones_like(tokens_1t)).out[0]
+    return jax.lax.top_k(jax.nn.log_softmax(logits_tv.astype(jnp.float32), axis=-1), TOP_K_MAX)
 
 
 class _OneTurn:
@@ -176,6 +191,7 @@ class NativeBackend:
         self._closed = False
         self._error: BaseException | None = None
         self.counters = collections.Counter()
+        self._top = jax.jit(functools.partial(_top_logprobs, mdef))
         self._thread = threading.Thread(target=self._run, name="sao-native-backend", daemon=True)
         self._thread.start()
 
@@ -218,6 +234,26 @@ class NativeBackend:
     @property
     def sampling(self) -> dict[str, Any]:
         return dict(temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.fns.model_cfg.vocab_size
+
+    def top_logprobs(self, token_ids, start: int, k: int) -> list[list[tuple[int, float]]]:
+        """For each token at positions [start, len): the k most likely (id, log-prob) of
+        log_softmax(logits[t - 1]) under the current weights, by a teacher-forced pass
+        (one compiled program per power-of-two length)."""
+        if not 0 < k <= TOP_K_MAX:
+            raise ValueError(f"k: must be in [1, {TOP_K_MAX}], got {k}")
+        _, params = self._store.latest()
+        t = len(token_ids)
+        width = min(1 << max(t - 1, 1).bit_length(), self.max_len)
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, :t] = token_ids
+        vals, ids = jax.device_get(self._top(params, tokens))
+        return [
+            [(int(ids[i - 1, j]), float(vals[i - 1, j])) for j in range(k)] for i in range(start, t)
+        ]
 
     def stats(self) -> dict[str, float]:
         eng = self._engine

@@ -33,10 +33,6 @@ class Reply:
     tool_calls: list[dict[str, Any]]
     malformed: str | None  # why the tool calls were left as text, or None
 
-    @property
-    def finish_reason_if_stopped(self) -> str:
-        return "tool_calls" if self.tool_calls else "stop"
-
     def message(self) -> dict[str, Any]:
         """The OpenAI assistant message."""
         out: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -72,10 +68,10 @@ def parse_reply(text: str, *, tools_allowed: bool = True) -> Reply:
     `tools_allowed=False` (tool_choice 'none', no tools) tool-call markup stays text."""
     reasoning, rest = split_reasoning(text)
     if not tools_allowed or not tc.has_tool_call(rest):
-        return Reply(rest, reasoning, [], None)
+        return Reply(rest.strip(), reasoning, [], None)
     calls, error = tc.parse_tool_calls(rest)
     if error is not None:
-        return Reply(rest, reasoning, [], error)
+        return Reply(rest.strip(), reasoning, [], error)
     content = tc.content_of(rest) or None
     out = [
         {
