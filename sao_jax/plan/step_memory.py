@@ -41,14 +41,13 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 
+from sao_jax import batch_schema
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.moe.dispatch import resolve_impl
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef
-from sao_jax.rl.synthetic import synthetic_batch
 
 _SHAPE = re.compile(r"\b(pred|s8|s16|s32|s64|u8|u16|u32|u64|bf16|f16|f32|f64)\[([\d,]*)\]")
 
@@ -81,16 +80,10 @@ class StepBytes:
 
 
 def abstract_batch(rows: int, length: int, cfg: ModelConfig, sharding=None, routing=False):
-    """ShapeDtypeStructs of an update-step batch [rows, length] (the synthetic layout)."""
-    like = synthetic_batch(2, 16, cfg.vocab_size)
-    out = {}
-    for name, x in like.items():
-        shape = (rows, length, *x.shape[2:]) if x.ndim >= 2 else (rows,)
-        out[name] = jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
-    if routing:
-        shape = (rows, length, len(cfg.moe_layers), cfg.num_experts_per_tok)
-        out["forced_experts"] = jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
-    return out
+    """ShapeDtypeStructs of an update-step batch [rows, length] (sao_jax/batch_schema.py)."""
+    sizes = dict(B=rows, T=length, L=len(cfg.moe_layers), K=cfg.num_experts_per_tok)
+    names = batch_schema.fields_for({"routing"} if routing else ())
+    return batch_schema.abstract_batch(names, sizes, sharding)
 
 
 # XLA's CPU backend at optimisation level 0 compiles about twice as fast; the buffer

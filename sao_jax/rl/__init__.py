@@ -8,8 +8,9 @@ lambda; the batch's checks; the optimizers; metrics as (sum, count) pairs, avera
 host by `reduce_metrics`. Each name comes from the module that holds it.
 """
 
+from sao_jax.batch_schema import BATCH_FIELDS
 from sao_jax.rl.advantages import ESTIMATORS, Advantages, compute_advantages, whiten_advantages
-from sao_jax.rl.batch import BATCH_FIELDS, check_batch, check_divisible
+from sao_jax.rl.batch import check_batch, check_divisible
 from sao_jax.rl.checks import checked_mode
 from sao_jax.rl.gae import length_adaptive_lambda, skip_observation_gae
 from sao_jax.rl.losses import LOSSES, policy_loss, value_loss

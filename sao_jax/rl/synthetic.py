@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sao_jax.batch_schema import empty_batch, fields_for
 from sao_jax.rl.batch import check_batch
 
 
@@ -26,7 +27,7 @@ def synthetic_batch(
     groups: int = 0,
     truncated_fraction: float = 0.25,
 ) -> dict[str, np.ndarray]:
-    """A batch dict (sao_jax.rl.batch format) of random multi-turn trajectories.
+    """A batch dict (sao_jax/batch_schema.py) of random multi-turn trajectories.
 
     Rows have random real lengths in [length // 2, length]; after a prompt of
     `prompt_len` tokens the rest splits into `turns` action spans, each followed by an
@@ -36,11 +37,9 @@ def synthetic_batch(
     """
     rng = np.random.default_rng(seed)
     b, t = batch_size, length
-    tokens = np.zeros((b, t), np.int32)
-    segment = np.zeros((b, t), np.int32)
-    positions = np.zeros((b, t), np.int32)
-    action = np.zeros((b, t), bool)
-    turn_ids = np.full((b, t), -1, np.int32)
+    batch = empty_batch(fields_for(), dict(B=b, T=t))
+    tokens, segment, positions = batch["tokens"], batch["segment_ids"], batch["positions"]
+    action, turn_ids, rewards = batch["action_mask"], batch["turn_ids"], batch["rewards"]
     for i in range(b):
         n = int(rng.integers(max(length // 2, prompt_len + 2 * turns), length + 1))
         tokens[i, :n] = rng.integers(1, vocab_size, n)
@@ -53,7 +52,6 @@ def synthetic_batch(
             action[i, lo:act_end] = True
             turn_ids[i, lo:act_end] = k
     outcome = rng.integers(0, 2, b).astype(np.float32)
-    rewards = np.zeros((b, t), np.float32)
     for i in range(b):
         idx = np.flatnonzero(action[i])
         if idx.size:
@@ -61,17 +59,11 @@ def synthetic_batch(
     rollout_logp = np.where(action, -rng.uniform(0.5, 4.0, (b, t)), 0.0).astype(np.float32)
     lag = rng.integers(0, max_lag + 1, (b, t)) if max_lag else np.zeros((b, t), int)
     versions = np.where(segment != 0, np.maximum(version - lag, 0), 0).astype(np.int32)
-    batch = dict(
-        tokens=tokens,
-        positions=positions,
-        segment_ids=segment,
-        action_mask=action,
+    batch.update(
         rollout_logp=rollout_logp,
         versions=versions,
-        rewards=rewards,
         outcome=outcome,
         terminated=rng.uniform(size=b) >= truncated_fraction,
-        turn_ids=turn_ids,
     )
     if groups:
         batch["group_ids"] = (np.arange(b) % groups).astype(np.int32)

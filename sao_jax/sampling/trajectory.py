@@ -1,7 +1,7 @@
 """A finished single trajectory, and its padding / packing into the [B, T] training batch.
 
 A trajectory is one token sequence `[prompt, a0, o0, a1, o1, ..., aN]` with per-token
-records aligned to the token itself (the convention of sao_jax/rl/batch.py): the action
+records aligned to the token itself (the convention of sao_jax/batch_schema.py): the action
 mask, the two log-probs the rollout engine gave each generated token, the policy version
 of each token and the model-turn index of each action token.
 
@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from sao_jax.batch_schema import BATCH_FIELDS, empty_batch, fields_for
 from sao_jax.schema import ConfigError
 
 
@@ -128,27 +129,19 @@ def _row_length(trajs: list[Trajectory], length: int | None, length_bucket: int)
     return length
 
 
-def _empty(b: int, t: int, routing_lk: tuple[int, int] | None) -> dict[str, np.ndarray]:
-    out = dict(
-        tokens=np.zeros((b, t), np.int32),
-        positions=np.zeros((b, t), np.int32),
-        segment_ids=np.zeros((b, t), np.int32),
-        action_mask=np.zeros((b, t), np.bool_),
-        rollout_logp=np.zeros((b, t), np.float32),
-        versions=np.zeros((b, t), np.int32),
-        rewards=np.zeros((b, t), np.float32),
-        outcome=np.zeros((b,), np.float32),
-        terminated=np.ones((b,), np.bool_),
-        turn_ids=np.full((b, t), -1, np.int32),
-    )
+def _sizes(routing_lk: tuple[int, int] | None, **sizes: int) -> dict[str, int]:
+    """Axis sizes of sao_jax/batch_schema.py, with L and K from a routing record shape."""
+    return sizes if routing_lk is None else dict(sizes, L=routing_lk[0], K=routing_lk[1])
+
+
+def _needs(routing_lk, critic_tokens) -> set[str]:
+    """The needs (sao_jax/batch_schema.py) that a routing record and critic tokens meet."""
+    needs = set()
     if routing_lk is not None:
-        l_moe, k = routing_lk
-        # Unrecorded routing (padding, a trajectory's final token) -> experts 0..k-1: valid
-        # indices whose outputs no loss reads.
-        out["forced_experts"] = np.broadcast_to(
-            np.arange(k, dtype=np.int32), (b, t, l_moe, k)
-        ).copy()
-    return out
+        needs.add("routing")
+    if critic_tokens is not None:
+        needs.add("critic_tokens")
+    return needs
 
 
 def _routing_shape(trajs: list[Trajectory], with_routing: bool) -> tuple[int, int] | None:
@@ -271,7 +264,7 @@ def pad_batch(
     baseline_key: str = "",
     num_keys: int = 0,
 ) -> dict[str, np.ndarray]:
-    """One trajectory per row, right-padded: the rl/batch.py dict as numpy arrays.
+    """One trajectory per row, right-padded: the batch of sao_jax/batch_schema.py as numpy.
 
     T = `length` if given, else the longest trajectory rounded up to a multiple of
     `length_bucket` (few shapes -> few compilations of the update step). Rows beyond the
@@ -286,18 +279,17 @@ def pad_batch(
     b = len(trajs) if num_rows is None else num_rows
     if b < len(trajs):
         raise ValueError(f"num_rows={num_rows} < {len(trajs)} trajectories")
-    batch = _empty(b, t, _routing_shape(trajs, with_routing))
+    routing = _routing_shape(trajs, with_routing)
+    needs = _needs(routing, critic_tokens) | ({"groups"} if with_groups else set())
+    batch = empty_batch(fields_for(needs), _sizes(routing, B=b, T=t))
     for row, tr in enumerate(trajs):
         _place(batch, tr, row, 0, 1)
     if critic_tokens is not None:
         _check_critic_tokens(trajs, critic_tokens)
-        batch["critic_tokens"] = batch["tokens"].copy()
         for row, ids in enumerate(critic_tokens):
             batch["critic_tokens"][row, : len(ids)] = ids
     if with_groups:
-        groups = np.full((b,), -1, np.int32)
-        groups[: len(trajs)] = _group_ids(trajs)
-        batch["group_ids"] = groups
+        batch["group_ids"][: len(trajs)] = _group_ids(trajs)
     if baseline_key:
         batch["baseline_keys"] = baseline_keys(trajs, baseline_key, num_keys, b)
     return batch
@@ -388,20 +380,10 @@ def pack_batch(
             )
         r_g = packed_rows // groups
     routing = _routing_shape(trajs, with_routing)
-    packed = {
-        "packed_tokens": np.zeros((groups * r_g, lp), np.int32),
-        "packed_positions": np.zeros((groups * r_g, lp), np.int32),
-        "packed_segment_ids": np.zeros((groups * r_g, lp), np.int32),
-    }
-    if critic_tokens is not None:
-        packed["packed_critic_tokens"] = np.zeros((groups * r_g, lp), np.int32)
-    if routing is not None:
-        l_moe, k = routing  # unrecorded routing -> experts 0..k-1, as in pad_batch
-        packed["packed_forced_experts"] = np.broadcast_to(
-            np.arange(k, dtype=np.int32), (groups * r_g, lp, l_moe, k)
-        ).copy()
-    pack_row = np.zeros(n, np.int32)
-    pack_start = np.zeros(n, np.int32)
+    needs = _needs(routing, critic_tokens) | {"packed"}
+    names = [k for k in fields_for(needs) if "packed" in BATCH_FIELDS[k].needs]
+    packed = empty_batch(names, _sizes(routing, B=n, R=groups * r_g, Lp=lp))
+    pack_row, pack_start = packed["pack_row"], packed["pack_start"]
     placements = []
     for g, rows in enumerate(members):
         for local, row_members in enumerate(rows):
@@ -422,7 +404,7 @@ def pack_batch(
                 pack_start[i] = start
                 placements.append(Placement(i, row, start, tr.length, seg))
                 start += tr.length
-    batch.update(packed, pack_row=pack_row, pack_start=pack_start)
+    batch.update(packed)
     placements.sort(key=lambda p: p.index)
     return batch, placements
 
