@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 --dist loadscope --no-loadscope-reorder --durations=20
 WORKDIR ?= workdirs/demo
 
-.PHONY: demo test lint format install install-dev sandbox-deps wheel clean
+.PHONY: demo test lint format install install-dev sandbox-deps wheel clean build-file
 
 $(VENV)/.runtime: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ test: $(VENV)/.dev sandbox-deps
 format: $(VENV)/.dev
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
+
+## BUILD (Bazel targets), generated from the sources' imports (tests/build_gen.py, standard
+## library only: no install); run it after adding, moving or re-wiring a module, and commit
+## BUILD (tests/test_build.py checks it is current).
+build-file:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m tests.build_gen
 
 ## The wheel (dist/): library, shipped configs (sao_jax.configs), sao-* console scripts.
 wheel: $(VENV)/.dev

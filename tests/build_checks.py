@@ -1,38 +1,27 @@
 """The checks of tests/test_build.py, each `check(repo) -> list of errors` (empty: true).
 
-Checked against the sources found on disk (so files added later are covered too):
+BUILD is generated (tests/build_gen.py); these checks read it as Bazel would, against the
+sources found on disk, so they hold the generator to what Bazel needs:
 - every module under sao_jax/, configs/, experiments/ is in the srcs of exactly one target,
   every tests/test_*.py is run by one py_test, every other tests/*.py is in some target;
 - every ':name' dep exists, every requirement("x") is pinned in requirements*.txt, no cycle;
 - every import (found with `ast` anywhere in the file) resolves to a module the target reaches
-  through its deps (or data), every third-party import to a requirement() it reaches; so do
-  `[sys.executable, "-m", "<module>"]` runs, exact file paths ("configs/sao.py") outside test
-  files, and `--config=<file>` launch lines of py_binary mains;
+  through its deps (or data), every third-party import to a requirement() it reaches (an
+  unpinned import inside a try that catches ImportError is optional); so do the modules a
+  file runs (tests/build_rules.py `Need`; a non-test library's runs are its binaries'),
+  exact .py paths ("configs/sao.py") outside test files, files tests/ names by path, and
+  `--config=<file>` launch lines of py_binary mains;
 - py_binary mains have a `__main__` block; py_tests run pytest on their file with the config.
 """
 
 import collections
 import pathlib
 
-from tests.build_rules import Need, Repo, Target, normalise
+from tests.build_rules import IMPORT_TO_PIP as IMPORT_TO_PIP  # tests/test_packaging.py reads it
+from tests.build_rules import PROVIDED_BY, Need, Repo, Target, is_test_file, pip_of
 
 SIZES = ("small", "medium", "large", "enormous")
-# Import name -> pip distribution where they differ (normalised names; dotted keys first).
-# fmt: off
-IMPORT_TO_PIP = {
-    "google.protobuf": "protobuf", "absl": "absl-py", "ml_collections": "ml-collections",
-    "orbax": "orbax-checkpoint", "PIL": "pillow", "yaml": "pyyaml", "attr": "attrs",
-    "sklearn": "scikit-learn", "cv2": "opencv-python", "dateutil": "python-dateutil",
-    "xdist": "pytest-xdist", "_pytest": "pytest",
-}
-# Unpinned distributions that a pinned one installs: importing them needs one of these.
-PROVIDED_BY = {
-    "ml-dtypes": ("jax",), "opt-einsum": ("jax",), "scipy": ("jax",), "jaxlib": ("jax",),
-    "etils": ("orbax-checkpoint", "clu"), "msgpack": ("flax", "orbax-checkpoint"),
-    "pyyaml": ("flax", "orbax-checkpoint"), "treescope": ("flax",),
-    "typing-extensions": ("flax", "orbax-checkpoint", "clu"),
-}
-# fmt: on
+FIX = "run `make build-file` (tests/build_gen.py writes BUILD)"
 
 
 def check_parse(repo: Repo) -> list[str]:
@@ -47,15 +36,15 @@ def check_coverage(repo: Repo) -> list[str]:
     binaries = {repo.main_file(t) for t in repo.targets.values() if t.kind == "py_binary"}
     for rel in repo.sources:
         owners = repo.owners.get(rel, [])
-        if rel.startswith("tests/") and pathlib.PurePosixPath(rel).name.startswith("test_"):
+        if is_test_file(rel):
             if mains[rel] != 1:
-                errors.append(f"{rel} is run by {mains[rel]} py_tests, not 1: {repo.suggest(rel)}")
+                errors.append(f"{rel} is run by {mains[rel]} py_tests, not 1: {FIX}")
         elif not owners:
-            errors.append(f"{rel} is in no target: {repo.suggest(rel)}")
+            errors.append(f"{rel} is in no target: {FIX}")
         elif len(owners) > 1 and not rel.startswith("tests/"):
             errors.append(f"{rel} is in the srcs of {', '.join(owners)}: keep it in one target")
         elif rel.startswith("experiments/") and rel not in binaries and repo.is_main(rel):
-            errors.append(f"{rel} has a __main__ block: {repo.suggest(rel)}")
+            errors.append(f"{rel} has a __main__ block but no py_binary runs it: {FIX}")
     return errors
 
 
@@ -103,33 +92,33 @@ def check_cycles(repo: Repo) -> list[str]:
     return errors
 
 
-def _pip_of(import_name: str) -> str:
-    parts = import_name.split(".")
-    for i in range(len(parts), 0, -1):
-        if ".".join(parts[:i]) in IMPORT_TO_PIP:
-            return IMPORT_TO_PIP[".".join(parts[:i])]
-    return normalise(parts[0])
+def _exempt(t: Target, need: Need) -> bool:
+    """Needs that bind only some targets."""
+    testonly = t.kind == "py_test" or t.attrs.get("testonly") is True
+    if need.kind == "config":  # a launch line binds entry points only
+        return t.kind != "py_binary"
+    if need.kind == "path":  # a file's exact path binds all but test files; names no test
+        return t.kind == "py_test" or is_test_file(need.file)
+    if need.kind == "run":  # a library's runs are its binaries' (BUILD would cycle)
+        return not testonly and t.kind == "py_library"
+    return False
 
 
 def _unmet(repo: Repo, t: Target, need: Need) -> tuple[str, str] | None:
     """None when the target reaches what `need` names, else (what it lacks, the fix)."""
     files, reqs = repo.reach(t.name)
     if need.file is not None:
-        if need.what.startswith("--config="):  # a launch line binds entry points only
-            exempt = t.kind != "py_binary"
-        else:  # a file's exact path ('configs/sao.py') binds all but test files
-            exempt = need.what.startswith("'") and t.kind == "py_test"
-        if need.file in files or exempt:
+        if need.file in files or _exempt(t, need):
             return None
         owners = repo.owners.get(need.file, [])
         kinds = ["deps" if repo.targets[o].kind == "py_library" else "data" for o in owners]
         fix = " or ".join(f"add :{o} to its {k}" for o, k in zip(owners, kinds))
         return need.file, fix or "that file is in no target"
-    pip = _pip_of(need.what)
+    pip = pip_of(need.what)
     if pip in repo.pins:
         return None if pip in reqs else (pip, f'add requirement("{pip}") to its deps')
     providers = PROVIDED_BY.get(pip, ())
-    if reqs & set(providers):
+    if reqs & set(providers) or need.optional:
         return None
     hint = " or ".join(f'requirement("{p}")' for p in providers)
     return f"{pip} (not pinned)", f"add {hint} to its deps" if hint else "pin it first"

@@ -1,10 +1,11 @@
-"""The BUILD model behind tests/test_build.py: parse BUILD, evaluate its globs, resolve imports.
+"""The BUILD model shared by the generator (tests/build_gen.py) and the checks
+(tests/build_checks.py): the sources and what each needs, and a parsed BUILD file.
 
-Starlark BUILD files are Python expressions, so `ast.parse` reads them; nothing is executed.
-`Repo` holds one checkout's targets (`parse_build`), its sources on disk and its pins
-(`read_pins`); `Repo.needs` finds what a source file needs at run time (imports anywhere in
-the file, its packages, `[sys.executable, "-m", "<module>"]` runs, files named by path) and
-`Repo.reach` what a target's runfiles hold. tests/build_checks.py holds the checks.
+`Sources` holds one checkout's Python files under FIRST_PARTY and its pins (`read_pins`);
+`Sources.needs` finds what a file needs at run time (`Need`: imports anywhere in the file,
+its packages, modules it runs, files it names by path). Starlark BUILD files are Python
+expressions, so `ast.parse` reads them (`parse_build`, nothing executed); `Repo` adds the
+targets to the sources and `Repo.reach` says what a target's runfiles hold.
 """
 
 import ast
@@ -19,6 +20,24 @@ RULES_BZL = "@rules_python//python:defs.bzl"
 PIP_BZL = "@pip//:requirements.bzl"
 PY_RULES = ("py_library", "py_binary", "py_test")
 NATIVE = ("package", "exports_files", "filegroup", "licenses")
+# Import name -> pip distribution where they differ (normalised names; dotted keys first).
+# fmt: off
+IMPORT_TO_PIP = {
+    "google.protobuf": "protobuf", "absl": "absl-py", "ml_collections": "ml-collections",
+    "orbax": "orbax-checkpoint", "PIL": "pillow", "yaml": "pyyaml", "attr": "attrs",
+    "sklearn": "scikit-learn", "cv2": "opencv-python", "dateutil": "python-dateutil",
+    "xdist": "pytest-xdist", "_pytest": "pytest",
+}
+# Unpinned distributions that a pinned one installs: importing them needs one of these.
+PROVIDED_BY = {
+    "ml-dtypes": ("jax",), "opt-einsum": ("jax",), "scipy": ("jax",), "jaxlib": ("jax",),
+    "etils": ("orbax-checkpoint", "clu"), "msgpack": ("flax", "orbax-checkpoint"),
+    "pyyaml": ("flax", "orbax-checkpoint"), "treescope": ("flax",),
+    "typing-extensions": ("flax", "orbax-checkpoint", "clu"),
+}
+# fmt: on
+# Folders skipped when looking for files that tests name by path.
+NOT_DATA = (".git", ".venv", "__pycache__", "workdirs", "build", "dist")
 
 
 class BuildError(ValueError):
@@ -117,9 +136,10 @@ class _Evaluator:
         return files
 
 
-def parse_build(root: pathlib.Path) -> tuple[dict[str, Target], list[str]]:
-    """Targets of root/BUILD by name, and the errors found while reading them."""
-    tree = ast.parse((root / "BUILD").read_text(), filename="BUILD")
+def parse_build(root: pathlib.Path, text: str) -> tuple[dict[str, Target], list[str]]:
+    """Targets of a BUILD file's text by name (globs evaluated under root), and the errors
+    found while reading them."""
+    tree = ast.parse(text, filename="BUILD")
     loaded, targets, errors = {}, {}, []
     ev = _Evaluator(root, loaded)
     for stmt in tree.body:
@@ -175,16 +195,36 @@ def _target(root, kind, line, attrs) -> Target:
     return Target(kind, name, line, srcs, deps, reqs, data_files, data_targets, attrs)
 
 
-def read_pins(path: pathlib.Path) -> set[str]:
-    """Normalised names pinned in a requirements file, following `-r` includes."""
-    names = set()
+def read_pin_spellings(path: pathlib.Path) -> dict[str, str]:
+    """Normalised name -> the name as written, for the packages pinned in a requirements
+    file, following `-r` includes."""
+    names = {}
     for raw in path.read_text().splitlines():
         line = raw.split("#")[0].strip()
         if line.startswith("-r"):
-            names |= read_pins(path.parent / line[2:].strip())
+            names |= read_pin_spellings(path.parent / line[2:].strip())
         elif m := re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", line):
-            names.add(normalise(m.group()))
+            names[normalise(m.group())] = m.group()
     return names
+
+
+def read_pins(path: pathlib.Path) -> set[str]:
+    """Normalised names pinned in a requirements file, following `-r` includes."""
+    return set(read_pin_spellings(path))
+
+
+def pip_of(import_name: str) -> str:
+    """The pip distribution (normalised) an import name comes from."""
+    parts = import_name.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in IMPORT_TO_PIP:
+            return IMPORT_TO_PIP[".".join(parts[:i])]
+    return normalise(parts[0])
+
+
+def is_test_file(rel: str) -> bool:
+    """tests/test_*.py: a file pytest runs (its py_test's own)."""
+    return rel.startswith("tests/") and pathlib.PurePosixPath(rel).name.startswith("test_")
 
 
 def module_name(rel: str) -> str:
@@ -206,26 +246,74 @@ def has_main_block(tree: ast.Module) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Need:
-    """Something one source file needs at run time: a first-party file or an import name."""
+    """Something one source file needs at run time.
+
+    kind: "import" (a module it imports, or its package: `file` is the first-party file,
+    None for a third-party import), "run" (a module it runs: `[sys.executable, "-m", m]`, a
+    string equal to an entry point's module name, or in a file that runs
+    f"experiments.{name}", a string equal to that name), "path" (a first-party .py file
+    named by its exact path), "config" (a `--config=<file>` launch line) or "data" (a file
+    of the checkout that a file under tests/ names by path). `optional`: an import inside a
+    `try` that catches ImportError.
+    """
 
     line: int
     what: str  # the import / reference as written
     file: str | None  # first-party file, or None for a third-party import
+    kind: str = "import"
+    optional: bool = False
 
 
-class Repo:
-    """The BUILD targets, the sources on disk and the pins of one checkout."""
+_IMPORT_ERRORS = ("ImportError", "ModuleNotFoundError", "Exception", "BaseException")
+
+
+def _catches_import_error(node: ast.Try) -> bool:
+    for h in node.handlers:
+        types = h.type.elts if isinstance(h.type, ast.Tuple) else [h.type]
+        if any(t is None or (isinstance(t, ast.Name) and t.id in _IMPORT_ERRORS) for t in types):
+            return True
+    return False
+
+
+def _optional_imports(tree: ast.Module) -> set[int]:
+    """id() of the imports inside a `try` that catches ImportError."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try | ast.TryStar) and _catches_import_error(node):
+            for stmt in node.body:
+                out |= {id(n) for n in ast.walk(stmt) if isinstance(n, ast.Import | ast.ImportFrom)}
+    return out
+
+
+def _joined_path(node: ast.AST) -> str | None:
+    """'a/b.py' for `x / "a" / "b.py"` (two or more string parts joined by `/`), else None:
+    a path from the root when x is the root, as in the tests (ROOT / "tests" / "x.py")."""
+    parts = []
+    while (
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.Div)
+        and isinstance(node.right, ast.Constant)
+        and isinstance(node.right.value, str)
+    ):
+        parts.insert(0, node.right.value)
+        node = node.left
+    return "/".join(parts) if len(parts) > 1 else None
+
+
+class Sources:
+    """The Python files under FIRST_PARTY of one checkout, what each needs, and the pins."""
 
     def __init__(self, root: pathlib.Path):
         self.root = root
-        self.targets, self.parse_errors = parse_build(root)
-        self.pins = read_pins(root / "requirements-dev.txt")
+        self.spellings = read_pin_spellings(root / "requirements-dev.txt")
+        self.pins = set(self.spellings)
         self.sources = sorted(
             p.relative_to(root).as_posix()
             for d in FIRST_PARTY
             for p in (root / d).rglob("*.py")
             if "__pycache__" not in p.parts
         )
+        self._source_set = set(self.sources)
         self.modules = {module_name(rel): rel for rel in self.sources}
         # sao_jax.configs / sao_jax.experiments: in a checkout, pointers (their __init__.py)
         # to the top-level configs/ and experiments/ folders, shipped under those names.
@@ -236,11 +324,7 @@ class Repo:
             for name, rel in list(self.modules.items()):
                 if name.startswith(folder + "."):
                     self.modules[alias + name[len(folder) :]] = rel
-        self._trees, self._needs, self._reach = {}, {}, {}
-        self.owners = collections.defaultdict(list)  # file -> names of targets with it in srcs
-        for t in self.targets.values():
-            for s in t.srcs:
-                self.owners[s].append(t.name)
+        self._trees, self._needs = {}, {}
 
     def tree(self, rel: str) -> ast.Module:
         if rel not in self._trees:
@@ -261,8 +345,19 @@ class Repo:
             name = name.rpartition(".")[0]
         return name or None
 
+    def run_file(self, module: str) -> str | None:
+        """The first-party file `python -m module` runs (a package's __main__.py)."""
+        if module.split(".")[0] not in FIRST_PARTY:
+            return None
+        return self.modules.get(module + ".__main__") or self.modules.get(module)
+
+    def _runnable(self, module: str) -> bool:
+        """A first-party module with a __main__ block (`python -m` runs it)."""
+        rel = self.run_file(module)
+        return rel is not None and self.is_main(rel)
+
     def needs(self, rel: str) -> list[Need]:
-        """Imports anywhere in the file, its packages, `-m module` runs and files named by path."""
+        """Imports anywhere in the file, its packages, modules it runs, files named by path."""
         if rel not in self._needs:
             self._needs[rel] = self._find_needs(rel)
         return self._needs[rel]
@@ -271,7 +366,10 @@ class Repo:
         mod = module_name(rel)
         pkg = mod if rel.endswith("__init__.py") else mod.rpartition(".")[0]
         out = [Need(0, "its package", f) for f in self._files_of(pkg)]
-        for node in ast.walk(self.tree(rel)):
+        strings, run_prefixes = [], set()
+        tree = self.tree(rel)
+        optional = _optional_imports(tree)
+        for node in ast.walk(tree):
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -282,27 +380,85 @@ class Repo:
                     base = ".".join(up + ([base] if base else []))
                 names = [base] + [f"{base}.{a.name}" for a in node.names]
                 names = [n for n in names[1:] if n in self.modules] or names[:1]
-            elif isinstance(node, ast.List | ast.Tuple):  # [sys.executable, "-m", "<module>"]
+            elif isinstance(node, ast.List | ast.Tuple) and any(
+                isinstance(e, ast.Constant) and e.value == "-m" for e in node.elts
+            ):  # [sys.executable, "-m", "<module>"]
                 code = [ast.unparse(e) for e in node.elts]
-                names = [
-                    node.elts[i + 2].value
+                out += [
+                    n
                     for i in range(len(code) - 2)
                     if code[i : i + 2] == ["sys.executable", "'-m'"]
                     and isinstance(getattr(node.elts[i + 2], "value", None), str)
+                    for n in self.run_needs(node.elts[i + 2].value, node.lineno)
                 ]
+            elif isinstance(node, ast.JoinedStr) and node.values[1:]:  # f"experiments.{name}"
+                first = node.values[0]
+                if isinstance(first, ast.Constant) and first.value.split(".")[0] in FIRST_PARTY:
+                    run_prefixes.add(first.value)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                paths = re.findall(r"--config=([\w./-]+\.py)", node.value)
-                refs = [(f"--config={p}", p) for p in paths] + [(repr(node.value), node.value)]
-                out += [Need(node.lineno, what, f) for what, f in refs if f in self.sources]
+                strings.append(node)
+            elif rel.startswith("tests/") and (path := _joined_path(node)) is not None:
+                strings.append(ast.Constant(path, lineno=node.lineno))  # ROOT / "a" / "b"
             for n in names:
-                out += self.import_needs(n, node.lineno)
+                out += self.import_needs(n, node.lineno, id(node) in optional)
+        for node in strings:
+            out += self._string_needs(rel, node, run_prefixes)
         return out
 
-    def import_needs(self, name: str, line: int) -> list[Need]:
+    def _string_needs(self, rel: str, node: ast.Constant, run_prefixes) -> list[Need]:
+        value, line = node.value, node.lineno
+        runs = [p + value for p in run_prefixes if self._runnable(p + value)]
+        out = [n for m in runs for n in self.run_needs(m, line)]
+        if self._runnable(value):  # e.g. entry_module("experiments.train")
+            out += self.run_needs(value, line)
+        for path in re.findall(r"--config=([\w./-]+\.py)", value):
+            if path in self._source_set:
+                out.append(Need(line, f"--config={path}", path, "config"))
+        if value in self._source_set:
+            out.append(Need(line, repr(value), value, "path"))
+        elif rel.startswith("tests/") and self._is_data_file(value):
+            out.append(Need(line, repr(value), value, "data"))
+        return out
+
+    def _is_data_file(self, value: str) -> bool:
+        """A file of the checkout, named by its path from the root (not a .py source)."""
+        if not value or value.endswith(".py") or not re.fullmatch(r"[\w.-]+(/[\w.-]+)*", value):
+            return False
+        parts = value.split("/")
+        if parts[0] in NOT_DATA or any(p in ("..", ".") or p.startswith(".") for p in parts):
+            return False
+        return (self.root / value).is_file()
+
+    def run_needs(self, module: str, line: int) -> list[Need]:
+        """`python -m module`: the file it runs, when it is first-party."""
+        rel = self.run_file(module)
+        return [] if rel is None else [Need(line, module, rel, "run")]
+
+    def import_needs(self, name: str, line: int, optional: bool = False) -> list[Need]:
         """A first-party module's file and packages, or a third-party import."""
         if name.split(".")[0] in FIRST_PARTY:
             return [Need(line, name, f) for f in self._files_of(self.resolve(name) or "")]
-        return [] if name.split(".")[0] in sys.stdlib_module_names else [Need(line, name, None)]
+        if name.split(".")[0] in sys.stdlib_module_names:
+            return []
+        return [Need(line, name, None, optional=optional)]
+
+
+class Repo(Sources):
+    """The BUILD targets (root/BUILD, or `build_text`) and the sources of one checkout."""
+
+    def __init__(
+        self, root: pathlib.Path, build_text: str | None = None, sources: Sources | None = None
+    ):
+        super().__init__(root)
+        if sources is not None:  # reuse its parsed files
+            self._trees, self._needs = sources._trees, sources._needs
+        text = (root / "BUILD").read_text() if build_text is None else build_text
+        self.targets, self.parse_errors = parse_build(root, text)
+        self._reach = {}
+        self.owners = collections.defaultdict(list)  # file -> names of targets with it in srcs
+        for t in self.targets.values():
+            for s in t.srcs:
+                self.owners[s].append(t.name)
 
     def edges(self, t: Target) -> list[str]:
         return [d for d in t.deps + t.data_targets if d in self.targets]
@@ -336,35 +492,3 @@ class Repo:
         if t.attrs.get("main_module") == "pytest":
             return [a for a in t.attrs.get("args", []) if a.endswith(".py")]
         return [t.attrs.get("main", t.srcs[0] if t.srcs else f"{t.name}.py")]
-
-    def suggest(self, rel: str) -> str:
-        """Which target a file should join, for the failure message."""
-        path = pathlib.PurePosixPath(rel)
-        if rel.startswith("tests/") and path.name.startswith("test_"):
-            return (
-                f'add py_test(name = "{path.stem}", size = "small", srcs = ["{rel}"], '
-                f'args = ["{rel}"], main_module = "pytest", deps = [":test_support", ...])'
-            )
-        if rel.startswith("experiments/") and self.is_main(rel):
-            name = "_".join(path.with_suffix("").parts[1:])
-            return (
-                f'add it to a py_binary: py_binary(name = "{name}", srcs = ["{rel}"], '
-                f'main = "{rel}", deps = [":experiments", ...]) (if other files import it: a '
-                f'py_library, and main_module = "{module_name(rel)}" in the binary)'
-            )
-        # A module joins the library of its folder; a new __init__.py may join its parent's.
-        folders = [path.parent] + ([path.parent.parent] if path.name == "__init__.py" else [])
-        for folder in folders:
-            libs = collections.Counter(
-                o
-                for s in self.sources
-                if pathlib.PurePosixPath(s).parent == folder
-                for o in self.owners.get(s, [])
-                if self.targets[o].kind == "py_library"
-            )
-            if libs:
-                return f"add it to the srcs of :{libs.most_common(1)[0][0]}"
-        return (
-            f'add py_library(name = "{path.parent.name}", srcs = glob(["{path.parent}/**/*.py"]), '
-            "deps = [...]) for the new package"
-        )

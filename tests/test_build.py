@@ -1,8 +1,11 @@
-"""BUILD stays true without Bazel: every check of tests/build_checks.py passes on this checkout
-(tests/build_rules.py parses BUILD with `ast` and evaluates its globs; nothing is executed),
-and the checker names the fault and the fix in a tiny repository with one fault at a time.
+"""BUILD is generated (tests/build_gen.py, `make build-file`) and stays current and true:
+the committed file equals a fresh one, and every check of tests/build_checks.py passes on it
+(tests/build_rules.py parses BUILD with `ast` and evaluates its globs; nothing is executed).
+On tiny repositories: a new module and a new test file get their stanzas, a package split
+into layers keeps the deps acyclic, and the checker names the fault and the fix.
 """
 
+import difflib
 import pathlib
 
 import pytest
@@ -16,20 +19,176 @@ from tests.build_checks import (
     check_labels,
     check_parse,
 )
-from tests.build_rules import Need, Repo
+from tests.build_gen import DATA_GLOBS, generate
+from tests.build_rules import Need, Repo, Sources
 
 ROOT = pathlib.Path(__file__).absolute().parents[1]
 
 
 @pytest.fixture(scope="module")
-def repo():
-    return Repo(ROOT)
+def sources():
+    return Sources(ROOT)
+
+
+@pytest.fixture(scope="module")
+def fresh(sources):
+    return generate(ROOT, sources)
+
+
+@pytest.fixture(scope="module")
+def repo(sources):
+    return Repo(ROOT, sources=sources)
+
+
+def test_build_file_is_current(fresh):
+    text, _ = fresh
+    committed = (ROOT / "BUILD").read_text()
+    if committed != text:
+        diff = difflib.unified_diff(committed.splitlines(), text.splitlines(), "BUILD", "fresh")
+        pytest.fail(
+            "BUILD is out of date: run `make build-file` and commit it\n"
+            + "\n".join(list(diff)[:60]),
+            pytrace=False,
+        )
+
+
+def test_generator_finds_no_problem(fresh):
+    assert fresh[1] == []
+
+
+def test_declared_data_names_existing_tests():
+    missing = [t for t in DATA_GLOBS if not (ROOT / t).is_file()]
+    assert not missing, f"tests/build_gen.py DATA_GLOBS names {missing}: drop or rename them"
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
 def test_build_file_is_true(repo, check):
     errors = check(repo)
     assert not errors, f"{len(errors)} BUILD problem(s):\n" + "\n".join(errors)
+
+
+def _write(root: pathlib.Path, files: dict) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def _fresh_repo(root: pathlib.Path) -> Repo:
+    """`make build-file` there, and every check passes."""
+    text, problems = generate(root)
+    assert problems == []
+    (root / "BUILD").write_text(text)
+    repo = Repo(root)
+    assert {c.__name__: c(repo) for c in CHECKS} == {c.__name__: [] for c in CHECKS}
+    return repo
+
+
+def _summary(repo: Repo, name: str) -> tuple:
+    t = repo.targets[name]
+    return (t.kind, t.srcs, t.deps, t.reqs, t.data_targets + t.data_files)
+
+
+def test_a_new_module_and_a_new_test_get_their_stanzas(tmp_path):
+    _write(tmp_path, MINI_FILES)
+    repo = _fresh_repo(tmp_path)
+    assert _summary(repo, "sao_jax") == (
+        "py_library",
+        ["sao_jax/__init__.py", "sao_jax/a.py", "sao_jax/b.py"],
+        [],
+        ["numpy"],
+        [],
+    )
+    assert _summary(repo, "run") == (
+        "py_binary",
+        ["experiments/run.py"],
+        ["experiments", "sao_jax"],
+        [],
+        [],
+    )
+    assert _summary(repo, "test_a") == (
+        "py_test",
+        ["tests/test_a.py"],
+        ["sao_jax", "test_support"],
+        ["pytest"],
+        ["run"],
+    )
+    assert _summary(repo, "test_support")[-1] == ["pyproject.toml"]
+
+    _write(tmp_path, {
+        "sao_jax/c/__init__.py": "",
+        "sao_jax/c/d.py": "from sao_jax import b\n",
+        "tests/test_d.py": "from sao_jax.c import d\n",
+    })  # fmt: skip
+    stale = Repo(tmp_path)
+    assert check_coverage(stale) == [
+        "sao_jax/c/__init__.py is in no target: run `make build-file` (tests/build_gen.py "
+        "writes BUILD)",
+        "sao_jax/c/d.py is in no target: run `make build-file` (tests/build_gen.py writes BUILD)",
+        "tests/test_d.py is run by 0 py_tests, not 1: run `make build-file` (tests/build_gen.py "
+        "writes BUILD)",
+    ]
+    repo = _fresh_repo(tmp_path)
+    assert _summary(repo, "c") == (
+        "py_library",
+        ["sao_jax/c/__init__.py", "sao_jax/c/d.py"],
+        ["sao_jax"],
+        [],
+        [],
+    )
+    assert _summary(repo, "test_d") == (
+        "py_test",
+        ["tests/test_d.py"],
+        ["c", "sao_jax", "test_support"],  # sao_jax/__init__.py: the package above
+        ["pytest"],
+        [],
+    )
+    assert repo.targets["test_d"].attrs == {
+        "size": "medium", "args": ["tests/test_d.py"], "main_module": "pytest"
+    }  # fmt: skip
+
+
+def test_a_package_reached_through_another_is_split_into_layers(tmp_path):
+    _write(tmp_path, {
+        **MINI_FILES,
+        "sao_jax/face.py": "from sao_jax.p import q\n",  # sao_jax -> p -> sao_jax
+        "sao_jax/p/__init__.py": "",
+        "sao_jax/p/q.py": "from sao_jax import b\n",
+        # a script that another module imports: a library, and a binary running its module
+        "experiments/tool.py": 'import yaml\n\nif __name__ == "__main__":\n    pass\n',
+        "tests/test_tool.py": "from experiments import tool\n\n\ndef test_x():\n    pass\n",
+        "requirements-dev.txt": "-r requirements.txt\npytest==9.2.0\nPyYAML==6.0\n",
+    })  # fmt: skip
+    repo = _fresh_repo(tmp_path)
+    assert _summary(repo, "p")[2] == ["sao_jax"]
+    assert _summary(repo, "sao_jax_1") == (
+        "py_library",
+        ["sao_jax/face.py"],
+        ["p", "sao_jax"],
+        [],
+        [],
+    )
+    assert _summary(repo, "tool_lib") == (
+        "py_library",
+        ["experiments/tool.py"],
+        ["experiments"],
+        ["pyyaml"],
+        [],
+    )
+    assert 'requirement("PyYAML")' in (tmp_path / "BUILD").read_text()  # spelled as pinned
+    assert repo.targets["tool"].attrs == {"main_module": "experiments.tool"}
+    assert repo.targets["tool"].deps == ["tool_lib"]
+    assert repo.targets["test_tool"].deps == ["experiments", "test_support", "tool_lib"]
+
+
+def test_an_unpinned_import_is_a_problem_unless_optional(tmp_path):
+    _write(tmp_path, {**MINI_FILES, "sao_jax/b.py": "import torch\n"})
+    assert generate(tmp_path)[1] == [
+        "sao_jax/b.py:1: imports torch (torch), which is not pinned in requirements.txt or "
+        "requirements-dev.txt: pin it (or import it in a try that catches ImportError)"
+    ]
+    optional = "try:\n    import torch\nexcept ImportError:\n    torch = None\n"
+    _write(tmp_path, {"sao_jax/b.py": optional})
+    assert _summary(_fresh_repo(tmp_path), "sao_jax")[3] == ["numpy"]
 
 
 # The checker itself, on a tiny repository with one known fault at a time.
@@ -74,9 +233,7 @@ def _mini_repo(root: pathlib.Path, edits=(), files=()) -> Repo:
     for old, new in edits:
         assert old in build, old
         build = build.replace(old, new)
-    for rel, text in [*MINI_FILES.items(), *dict(files).items(), ("BUILD", build)]:
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
+    _write(root, {**MINI_FILES, **dict(files), "BUILD": build})
     return Repo(root)
 
 
@@ -101,15 +258,14 @@ def test_checker_passes_a_true_build_and_evaluates_globs_like_bazel(tmp_path):
         ([('name = "b", srcs', 'name = "b", deps = [":a"], srcs')], {}, check_cycles,
          "dependency cycle :b -> :a -> :b"),
         ([], {"configs/x.py": ""}, check_coverage,
-         'configs/x.py is in no target: add py_library(name = "configs"'),
+         "configs/x.py is in no target: run `make build-file`"),
         ([], {"experiments/ablations.py": MAIN}, check_coverage,
-         "experiments/ablations.py is in no target: add it to a py_binary"),
+         "experiments/ablations.py is in no target: run `make build-file`"),
         ([('["experiments/__init__.py"]', '["experiments/__init__.py", "experiments/x.py"]')],
          {"experiments/x.py": MAIN}, check_coverage,
-         "experiments/x.py has a __main__ block: add it to a py_binary"),
+         "experiments/x.py has a __main__ block but no py_binary runs it"),
         ([], {"tests/test_b.py": ""}, check_coverage, "tests/test_b.py is run by 0 py_tests"),
-        ([], {"tests/helpers.py": ""}, check_coverage,
-         "tests/helpers.py is in no target: add it to the srcs of :test_support"),
+        ([], {"tests/helpers.py": ""}, check_coverage, "tests/helpers.py is in no target: run"),
         ([('deps = [":b", requirement', "deps = [requirement")], {}, check_imports,
          ":a cannot reach sao_jax/__init__.py, sao_jax/b.py: add :b to its deps (used at "
          "sao_jax/a.py:0 (its package), sao_jax/a.py:5 (sao_jax.b))"),
