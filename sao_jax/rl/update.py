@@ -35,7 +35,7 @@ Metrics are name -> (sum, count), summed over microbatches, reduced on the host.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +80,17 @@ def _select(ok, new, old):
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+class CriticRun(NamedTuple):
+    """What `Learner.critic_steps` hands back: the critic after its K steps."""
+
+    critic: Params
+    critic_opt: Any
+    ok: jax.Array  # bool: every step's loss and gradients finite
+    metrics: dict  # the first and last step's metrics, the targets' metrics
+    targets_bt: jax.Array  # [B, T] the fixed value targets R, from V0
+    values0: dict[str, jax.Array]  # V0: "values" [B, T], "bootstrap" [B]
 
 
 class Learner:
@@ -360,7 +371,7 @@ class Learner:
 
         values0 None (the default): V0 comes from the first step's own forward, and the
         other K - 1 steps follow in a scan. Given values0 (`initial_values`): the K steps
-        in one scan. Returns (critic, copt, ok, metrics, targets, values0).
+        in one scan. Returns a `CriticRun`.
         """
         rl = self.rl
 
@@ -397,7 +408,7 @@ class Learner:
         last = jax.tree.map(lambda x: x[-1], per_step)
         metrics = {**rm.prefixed("critic_first", first), **rm.prefixed("critic", last)}
         metrics |= rm.prefixed("critic", target_metrics)
-        return critic, copt, jnp.all(oks), metrics, targets, values0
+        return CriticRun(critic, copt, jnp.all(oks), metrics, targets, values0)
 
     def policy_step(self, state: TrainState, batch, advantages_bt, n_tok, key):
         """The policy's optimizer steps on one batch; metrics pooled over them.
@@ -489,7 +500,7 @@ class Learner:
                 self.initial_values(critic, batch),
                 n_tok,
             )
-            values = critic_run[-1]
+            values = critic_run.values0
             lr_metrics["critic/lr"] = rm.one(self.critic_lr(update_count(state.critic_opt)))
             mc_bt = gae.monte_carlo_returns(batch["rewards"], batch["action_mask"], rl.gamma)
             ev_pre = self._honest_ev(values, mc_bt, batch)
@@ -497,7 +508,8 @@ class Learner:
                 values["values"], batch["action_mask"], mc_bt, batch["outcome"]
             )
         if self.uses_critic and rl.order == "critic_first":
-            critic, copt, ok_c, metrics, _, _ = critic_run
+            critic, copt, ok_c = critic_run.critic, critic_run.critic_opt, critic_run.ok
+            metrics = critic_run.metrics
             values = self.critic_values(critic, batch)
             metrics["critic/ev_post_update"] = self._honest_ev(values, mc_bt, batch)
         adv = self._advantages(batch, values, self._policy_lambda(batch), state.baseline)
@@ -506,7 +518,8 @@ class Learner:
             advantages_bt = adv_lib.whiten_advantages(advantages_bt, batch["action_mask"])
         policy, popt, ok_p, pmetrics = self.policy_step(state, batch, advantages_bt, n_tok, key)
         if self.uses_critic and rl.order == "policy_first":  # computed above, from V0
-            critic, copt, ok_c, metrics, _, _ = critic_run
+            critic, copt, ok_c = critic_run.critic, critic_run.critic_opt, critic_run.ok
+            metrics = critic_run.metrics
         metrics = {**metrics, **pmetrics, **rm.prefixed("adv", adv.metrics), **lr_metrics}
         if self.uses_critic:
             metrics["critic/ev_pre_update"] = ev_pre
@@ -535,13 +548,13 @@ class Learner:
         values = self.initial_values(state.critic, batch)
         mc_bt = gae.monte_carlo_returns(batch["rewards"], batch["action_mask"], self.rl.gamma)
         lr = rm.one(self.critic_lr(update_count(state.critic_opt)))
-        critic, copt, ok, metrics, _, values = self.critic_steps(
+        run = self.critic_steps(
             state.critic, state.critic_opt, self.with_target_inputs(state, batch), values, n_tok
         )
-        metrics["critic/lr"] = lr
-        metrics["critic/ev_pre_update"] = self._honest_ev(values, mc_bt, batch)
-        new = state.replace(critic=critic, critic_opt=copt)
-        return self._guard(state, new, ok, metrics, batch)
+        metrics = {**run.metrics, "critic/lr": lr}
+        metrics["critic/ev_pre_update"] = self._honest_ev(run.values0, mc_bt, batch)
+        new = state.replace(critic=run.critic, critic_opt=run.critic_opt)
+        return self._guard(state, new, run.ok, metrics, batch)
 
     def _guard(self, old: TrainState, new: TrainState, ok, metrics, batch):
         """Keep `new` if everything was finite, else `old`; count skips either way."""
