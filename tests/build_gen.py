@@ -15,6 +15,7 @@ import sys
 
 from tests.build_rules import (
     PROVIDED_BY,
+    BuildError,
     Sources,
     is_test_file,
     module_name,
@@ -34,7 +35,6 @@ DATA_GLOBS = {
     "tests/test_import_graph.py": SOURCE_GLOBS,
 }
 PYTEST_CONFIG = "pyproject.toml"  # pytest's options: data of the target holding conftest.py
-SIZES = {True: "large", False: "medium"}  # a test file marking a test `slow`, or not
 WIDTH = 100
 
 HEADER = """\
@@ -47,12 +47,14 @@ HEADER = """\
 #   the top-level modules are :sao_jax; configs/** is :configs. Where a package's modules
 #   import each other through another package, the package is split into layers :<name>,
 #   :<name>_1, ... (each module in the lowest layer that keeps the deps free of cycles).
-# - experiments/ and tests/ hold separate scripts, one target per module: a module under
-#   experiments/ with a `__main__` block is a py_binary named by its path (bench/gae.py is
-#   :bench_gae; :<name>_main where a library has the name), run from a py_library
-#   :<name>_lib (main_module) when other modules import it; each tests/test_*.py is a
-#   py_test running pytest on it, every other module a testonly py_library named after it;
-#   the package markers (__init__.py, conftest.py) form :experiments and :test_support.
+# - experiments/ and tests/ hold separate scripts: one target per module. Under experiments/,
+#   a module with a `__main__` block is a py_binary named by its path (bench/gae.py is
+#   :bench_gae; ablations/__main__.py is :ablations, running main_module
+#   experiments.ablations; :<name>_main where a library has the name); a module that other
+#   modules import, and any other module there, is a py_library :<name>_lib (a binary runs
+#   its script from there as main_module). Each tests/test_*.py is a py_test running pytest
+#   on it, every other module a testonly py_library named after it. The package markers
+#   (__init__.py, conftest.py) form :experiments and :test_support.
 # - deps: the targets holding the first-party modules a target's sources import (anywhere
 #   in the file, and their packages) or name by path, and requirement() of the pinned
 #   packages they import (an unpinned one through the pinned package that installs it).
@@ -265,15 +267,17 @@ class Generator:
             spec = Spec("py_binary", name, [], attrs={"main_module": module_name(main)})
             spec.deps.add(self.owner[main])
         else:
-            spec = Spec("py_binary", name, [main], attrs={"main": main})
+            package_main = pathlib.PurePosixPath(main).name == "__main__.py"
+            how = {"main_module": module_name(main)[: -len(".__main__")]} if package_main else {}
+            spec = Spec("py_binary", name, [main], attrs=how or {"main": main})
             self._fill(spec, [main], kinds=("import", "path", "config"))  # runs: below
         spec.attrs["direct_runs"] = self._runs(main)
         self.specs[name] = spec
 
     def _plan_test(self, test: str) -> None:
         name = self.test_of[test]
-        slow = "mark.slow" in (self.root / test).read_text()
-        spec = Spec("py_test", name, [test], attrs={"size": SIZES[slow], "args": [test]})
+        size = "large" if "mark.slow" in (self.root / test).read_text() else "medium"
+        spec = Spec("py_test", name, [test], attrs={"size": size, "args": [test]})
         spec.attrs["main_module"] = "pytest"
         self._fill(spec, [test])
         spec.deps.add("test_support")
@@ -482,7 +486,11 @@ def generate(root: pathlib.Path, sources: Sources | None = None) -> tuple[str, l
 
 
 def main() -> int:
-    text, problems = generate(ROOT)
+    try:
+        text, problems = generate(ROOT)
+    except BuildError as e:
+        print(f"build_gen: {e}; BUILD not written", file=sys.stderr)
+        return 2
     path = ROOT / "BUILD"
     changed = not path.is_file() or path.read_text() != text
     path.write_text(text)

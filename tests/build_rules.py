@@ -328,7 +328,11 @@ class Sources:
 
     def tree(self, rel: str) -> ast.Module:
         if rel not in self._trees:
-            self._trees[rel] = ast.parse((self.root / rel).read_text(), filename=rel)
+            try:
+                self._trees[rel] = ast.parse((self.root / rel).read_text(), filename=rel)
+            except (SyntaxError, UnicodeDecodeError) as e:
+                where = f"{rel}:{getattr(e, 'lineno', 0)}"
+                raise BuildError(f"{where}: cannot parse ({e}): fix the file first") from None
         return self._trees[rel]
 
     def is_main(self, rel: str) -> bool:
@@ -482,9 +486,10 @@ class Repo(Sources):
         return files, reqs
 
     def main_file(self, t: Target) -> str | None:
-        """The file a py_binary runs: its `main_module`'s file, its `main`, or its first src."""
+        """The file a py_binary runs: its `main_module`'s file (a package's __main__.py), its
+        `main`, or its first src."""
         if "main_module" in t.attrs:
-            return self.modules.get(t.attrs["main_module"])
+            return self.run_file(t.attrs["main_module"])
         return t.attrs.get("main", t.srcs[0] if t.srcs else None)
 
     def test_mains(self, t: Target) -> list[str]:

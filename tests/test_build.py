@@ -20,7 +20,7 @@ from tests.build_checks import (
     check_parse,
 )
 from tests.build_gen import DATA_GLOBS, generate
-from tests.build_rules import Need, Repo, Sources
+from tests.build_rules import BuildError, Need, Repo, Sources
 
 ROOT = pathlib.Path(__file__).absolute().parents[1]
 
@@ -156,6 +156,9 @@ def test_a_package_reached_through_another_is_split_into_layers(tmp_path):
         # a script that another module imports: a library, and a binary running its module
         "experiments/tool.py": 'import yaml\n\nif __name__ == "__main__":\n    pass\n',
         "tests/test_tool.py": "from experiments import tool\n\n\ndef test_x():\n    pass\n",
+        "experiments/pkg/__init__.py": "",  # a script folder: python -m experiments.pkg
+        "experiments/pkg/__main__.py": "from experiments.pkg import reading\n" + MAIN,
+        "experiments/pkg/reading.py": "from sao_jax import a\n",
         "requirements-dev.txt": "-r requirements.txt\npytest==9.2.0\nPyYAML==6.0\n",
     })  # fmt: skip
     repo = _fresh_repo(tmp_path)
@@ -178,6 +181,24 @@ def test_a_package_reached_through_another_is_split_into_layers(tmp_path):
     assert repo.targets["tool"].attrs == {"main_module": "experiments.tool"}
     assert repo.targets["tool"].deps == ["tool_lib"]
     assert repo.targets["test_tool"].deps == ["experiments", "test_support", "tool_lib"]
+    assert _summary(repo, "pkg") == (
+        "py_binary",
+        ["experiments/pkg/__main__.py"],
+        ["experiments", "pkg_reading_lib"],
+        [],
+        [],
+    )
+    assert repo.targets["pkg"].attrs == {"main_module": "experiments.pkg"}
+    assert _summary(repo, "experiments")[1] == [
+        "experiments/__init__.py",
+        "experiments/pkg/__init__.py",
+    ]
+
+
+def test_a_file_that_does_not_parse_is_named(tmp_path):
+    _write(tmp_path, {**MINI_FILES, "sao_jax/b.py": "def (\n"})
+    with pytest.raises(BuildError, match=r"^sao_jax/b.py:1: cannot parse \(.*\): fix the file"):
+        generate(tmp_path)
 
 
 def test_an_unpinned_import_is_a_problem_unless_optional(tmp_path):
