@@ -5,6 +5,8 @@ a new, moved or re-wired module needs no hand edit: run `make build-file` and co
 The rules are written out in HEADER (the head of the generated file). What a file needs
 comes from tests/build_rules.py (`Sources.needs`), which the checks of tests/build_checks.py
 read too. Everything here is deterministic: sorted files, sorted targets, no timestamps.
+It lives beside those checks in tests/ because it shares their model of the sources, and
+the design card fixes the top-level folders (sao_jax/, configs/, experiments/, tests/).
 """
 
 import collections
@@ -94,20 +96,13 @@ def entry_name(rel: str) -> str:
 
 
 def library_key(rel: str) -> tuple[str, str]:
-    """(folder, name) of the library a module belongs to (before layers)."""
+    """(top folder, name) of the library a module joins (before layers)."""
     parts = rel.split("/")
+    if parts[0] == "sao_jax" and parts[1] in ("configs", "experiments"):
+        parts = parts[1:]  # sao_jax/configs/ and sao_jax/experiments/ point at those folders
     top, last = parts[0], parts[-1]
     if top == "sao_jax":
-        if len(parts) == 2:
-            return ("sao_jax", "sao_jax")
-        return (
-            ("sao_jax", parts[1])
-            if parts[1] not in ("configs", "experiments")
-            else (
-                parts[1],
-                parts[1],
-            )
-        )
+        return ("sao_jax", "sao_jax" if len(parts) == 2 else parts[1])
     if top == "configs":
         return ("configs", "configs")
     if top == "experiments":
@@ -242,6 +237,8 @@ class Generator:
             if chosen is None:
                 k = len(layers[key])
                 chosen = key[1] if k == 0 else f"{key[1]}_{k}"
+                if chosen in self.specs:  # two folders' libraries of one name
+                    chosen = f"{key[0]}_{chosen}"
                 layers[key].append(chosen)
                 graph[chosen] = set()
                 self.specs[chosen] = Spec("py_library", chosen, [], layer=k, key=key)
