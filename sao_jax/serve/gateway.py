@@ -147,6 +147,16 @@ class Gateway:
             self.count("episodes_dropped" if dropped else "episodes")
             return {"id": sid, "reward": reward, "dropped": dropped, "calls": s.calls}
 
+    async def drop_all(self, reason: str) -> int:
+        """Ends every live session as dropped (`reason`): a server shutting down."""
+        n = 0
+        for sid, s in list(self.sessions.items()):
+            if not s.ended:
+                with contextlib.suppress(ApiError):
+                    await self.end(sid, None, None, dropped=reason)
+                    n += 1
+        return n
+
     async def expire(self) -> None:
         """Ends, as /end does, the sessions with no reward reward_timeout_s after their
         last call."""
