@@ -92,13 +92,15 @@ def check_cycles(repo: Repo) -> list[str]:
     return errors
 
 
-def _exempt(t: Target, need: Need) -> bool:
+def _exempt(repo: Repo, t: Target, need: Need) -> bool:
     """Needs that bind only some targets."""
     testonly = t.kind == "py_test" or t.attrs.get("testonly") is True
     if need.kind == "config":  # a launch line binds entry points only
         return t.kind != "py_binary"
-    if need.kind == "path":  # a file's exact path binds all but test files; names no test
-        return t.kind == "py_test" or is_test_file(need.file)
+    if need.kind == "path":  # an exact path binds all but tests, unless it names a test
+        # file or, outside tests/, a script (its binary as data could close a cycle)
+        script = need.file.startswith("experiments/") and repo.is_main(need.file)
+        return t.kind == "py_test" or is_test_file(need.file) or (script and not testonly)
     if need.kind == "run":  # a library's runs are its binaries' (BUILD would cycle)
         return not testonly and t.kind == "py_library"
     return False
@@ -108,7 +110,7 @@ def _unmet(repo: Repo, t: Target, need: Need) -> tuple[str, str] | None:
     """None when the target reaches what `need` names, else (what it lacks, the fix)."""
     files, reqs = repo.reach(t.name)
     if need.file is not None:
-        if need.file in files or _exempt(t, need):
+        if need.file in files or _exempt(repo, t, need):
             return None
         owners = repo.owners.get(need.file, [])
         kinds = ["deps" if repo.targets[o].kind == "py_library" else "data" for o in owners]

@@ -298,6 +298,8 @@ class Generator:
                     spec.data.add(n.file)
                 elif n.kind == "path" and n.file in self.test_of:
                     continue  # a test file named by path is read, not run
+                elif n.kind == "path" and not testonly and n.file not in self.owner:
+                    continue  # a script named outside tests/: its binary could close a cycle
                 elif (target := self.target_of(n.file, n.kind)) not in (None, spec.name):
                     library = target == self.owner.get(n.file) and n.kind != "run"
                     (spec.deps if library else spec.data).add(target)

@@ -195,6 +195,22 @@ def test_a_package_reached_through_another_is_split_into_layers(tmp_path):
     ]
 
 
+def test_a_binary_gets_the_scripts_its_libraries_run_unless_that_closes_a_cycle(tmp_path):
+    sweep = 'TRAIN = "experiments.train"\nLAUNCH = "experiments.launch"\n'  # run by name
+    script = "from sao_jax import sweep\n" + MAIN
+    _write(tmp_path, {
+        **MINI_FILES,
+        "sao_jax/sweep.py": sweep,
+        "experiments/train.py": script,
+        "experiments/launch.py": 'TRAIN = "experiments.train"\n' + script,
+        "experiments/table.py": script,
+    })  # fmt: skip
+    repo = _fresh_repo(tmp_path)
+    data = {n: repo.targets[n].data_targets for n in ("launch", "table", "train")}
+    assert data == {"launch": ["train"], "table": ["launch", "train"], "train": []}
+    assert repo.targets["sao_jax"].data_targets == []  # the library itself: no cycle
+
+
 def test_a_file_that_does_not_parse_is_named(tmp_path):
     _write(tmp_path, {**MINI_FILES, "sao_jax/b.py": "def (\n"})
     with pytest.raises(BuildError, match=r"^sao_jax/b.py:1: cannot parse \(.*\): fix the file"):
