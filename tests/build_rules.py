@@ -251,7 +251,8 @@ class Need:
     kind: "import" (a module it imports, or its package: `file` is the first-party file,
     None for a third-party import), "run" (a module it runs: `[sys.executable, "-m", m]`, a
     string equal to an entry point's module name, or in a file that runs
-    f"experiments.{name}", a string equal to that name), "path" (a first-party .py file
+    f"experiments.{name}" or imports one that does, a string equal to that name that is no
+    path part, key or compared value), "path" (a first-party .py file
     named by its exact path), "config" (a `--config=<file>` launch line) or "data" (a file
     of the checkout that a file under tests/ names by path). `optional`: an import inside a
     `try` that catches ImportError.
@@ -283,6 +284,18 @@ def _optional_imports(tree: ast.Module) -> set[int]:
             for stmt in node.body:
                 out |= {id(n) for n in ast.walk(stmt) if isinstance(n, ast.Import | ast.ImportFrom)}
     return out
+
+
+def _operands(node: ast.AST) -> list[ast.AST]:
+    """The parts of an expression whose strings name no script (a path part, a key, a value
+    compared against)."""
+    if isinstance(node, ast.BinOp):
+        return [node.left, node.right]
+    if isinstance(node, ast.Compare):
+        return [node.left, *node.comparators]
+    if isinstance(node, ast.Subscript):
+        return [node.slice]
+    return [k for k in node.keys if k is not None]  # ast.Dict
 
 
 def _joined_path(node: ast.AST) -> str | None:
@@ -324,7 +337,7 @@ class Sources:
             for name, rel in list(self.modules.items()):
                 if name.startswith(folder + "."):
                     self.modules[alias + name[len(folder) :]] = rel
-        self._trees, self._needs = {}, {}
+        self._trees, self._needs, self._prefixes = {}, {}, {}
 
     def tree(self, rel: str) -> ast.Module:
         if rel not in self._trees:
@@ -370,7 +383,7 @@ class Sources:
         mod = module_name(rel)
         pkg = mod if rel.endswith("__init__.py") else mod.rpartition(".")[0]
         out = [Need(0, "its package", f) for f in self._files_of(pkg)]
-        strings, run_prefixes = [], set()
+        strings, operands = [], set()
         tree = self.tree(rel)
         optional = _optional_imports(tree)
         for node in ast.walk(tree):
@@ -395,19 +408,37 @@ class Sources:
                     and isinstance(getattr(node.elts[i + 2], "value", None), str)
                     for n in self.run_needs(node.elts[i + 2].value, node.lineno)
                 ]
-            elif isinstance(node, ast.JoinedStr) and node.values[1:]:  # f"experiments.{name}"
-                first = node.values[0]
-                if isinstance(first, ast.Constant) and first.value.split(".")[0] in FIRST_PARTY:
-                    run_prefixes.add(first.value)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 strings.append(node)
+            elif isinstance(node, ast.BinOp | ast.Compare | ast.Subscript | ast.Dict):
+                operands.update(map(id, _operands(node)))
             elif rel.startswith("tests/") and (path := _joined_path(node)) is not None:
                 strings.append(ast.Constant(path, lineno=node.lineno))  # ROOT / "a" / "b"
             for n in names:
                 out += self.import_needs(n, node.lineno, id(node) in optional)
+        # f"experiments.{name}" runs, here or in a module this one imports: its names
+        run_prefixes = self._run_prefixes(rel).union(
+            *(self._run_prefixes(n.file) for n in out if n.file is not None)
+        )
         for node in strings:
-            out += self._string_needs(rel, node, run_prefixes)
+            prefixes = () if id(node) in operands else run_prefixes
+            out += self._string_needs(rel, node, prefixes)
         return out
+
+    def _run_prefixes(self, rel: str) -> set[str]:
+        """'experiments.' for a file that runs f"experiments.{name}" (an f-string naming a
+        first-party module by a variable part)."""
+        if rel not in self._prefixes:
+            self._prefixes[rel] = {
+                node.values[0].value
+                for node in ast.walk(self.tree(rel))
+                if isinstance(node, ast.JoinedStr)
+                and node.values[1:]
+                and isinstance(node.values[0], ast.Constant)
+                and node.values[0].value.split(".")[0] in FIRST_PARTY
+                and node.values[0].value.endswith(".")
+            }
+        return self._prefixes[rel]
 
     def _string_needs(self, rel: str, node: ast.Constant, run_prefixes) -> list[Need]:
         value, line = node.value, node.lineno
@@ -456,6 +487,7 @@ class Repo(Sources):
         super().__init__(root)
         if sources is not None:  # reuse its parsed files
             self._trees, self._needs = sources._trees, sources._needs
+            self._prefixes = sources._prefixes
         text = (root / "BUILD").read_text() if build_text is None else build_text
         self.targets, self.parse_errors = parse_build(root, text)
         self._reach = {}

@@ -211,6 +211,20 @@ def test_a_binary_gets_the_scripts_its_libraries_run_unless_that_closes_a_cycle(
     assert repo.targets["sao_jax"].data_targets == []  # the library itself: no cycle
 
 
+def test_a_script_run_by_a_name_gets_its_binary_as_data(tmp_path):
+    _write(tmp_path, {
+        **MINI_FILES,
+        "tests/runner.py": 'import sys\n\n\ndef argv(name):\n    return [sys.executable, "-m", '
+        'f"experiments.{name}"]\n',
+        "tests/test_b.py": 'from tests import runner\n\nARGV = runner.argv("run")\n',
+        "tests/test_c.py": 'import pathlib\n\nfrom tests import runner\n\n'
+        'P = pathlib.Path() / "run"\n',
+    })  # fmt: skip
+    repo = _fresh_repo(tmp_path)
+    data = {n: repo.targets[n].data_targets for n in ("runner", "test_b", "test_c")}
+    assert data == {"runner": [], "test_b": ["run"], "test_c": []}  # test_c: a path part
+
+
 def test_a_file_that_does_not_parse_is_named(tmp_path):
     _write(tmp_path, {**MINI_FILES, "sao_jax/b.py": "def (\n"})
     with pytest.raises(BuildError, match=r"^sao_jax/b.py:1: cannot parse \(.*\): fix the file"):
