@@ -49,9 +49,18 @@ def check_coverage(repo: Repo) -> list[str]:
 
 
 def check_labels(repo: Repo) -> list[str]:
-    """Deps exist and are libraries; testonly stays in tests; requirements are pinned."""
+    """Deps exist and are libraries; testonly stays in tests; requirements are pinned; no
+    attribute names a label twice (Bazel rejects it, also through a glob)."""
     errors = []
     for t in repo.targets.values():
+        for attr, labels in (
+            ("srcs", t.srcs),
+            ("deps", t.deps + t.reqs),
+            ("data", t.data_files + t.data_targets),
+        ):
+            twice = sorted(x for x, n in collections.Counter(labels).items() if n > 1)
+            if twice:
+                errors.append(f"BUILD:{t.line}: :{t.name} names {', '.join(twice)} twice in {attr}")
         testonly = t.kind == "py_test" or t.attrs.get("testonly") is True
         for d in t.deps + t.data_targets:
             dep = repo.targets.get(d)

@@ -444,7 +444,10 @@ class Generator:
             lines += _attr("srcs", [_q(s) for s in spec.srcs])
         if "args" in spec.attrs:
             lines += _attr("args", [_q(a) for a in spec.attrs["args"]])
-        data = sorted(f":{d}" if d in self.specs else d for d in spec.data)
+        globbed = {
+            p.relative_to(self.root).as_posix() for g in spec.globs for p in self.root.glob(g)
+        }
+        data = sorted(f":{d}" if d in self.specs else d for d in spec.data - globbed)
         if data or spec.globs:
             lines += _attr("data", [_q(d) for d in data], [_q(g) for g in sorted(spec.globs)])
         for key in ("main", "main_module"):

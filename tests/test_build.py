@@ -332,6 +332,8 @@ def test_checker_passes_a_true_build_and_evaluates_globs_like_bazel(tmp_path):
          "depends on :nope, which does not exist"),
         ([('deps = [":b"', 'deps = [":test_support", ":b"')], {}, check_labels,
          ":a uses testonly :test_support"),
+        ([('data = ["pyproject.toml"]', 'data = ["pyproject.toml"] + glob(["*.toml"])')], {},
+         check_labels, ":test_support names pyproject.toml twice in data"),
         ([], {"experiments/run.py": "from sao_jax import a\n"}, check_entry_points,
          ":run runs experiments/run.py, which must be in srcs (or named by main_module)"),
         ([('main_module = "pytest", ', "")], {}, check_entry_points,
