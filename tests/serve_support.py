@@ -10,7 +10,6 @@ import concurrent.futures
 import dataclasses
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -48,7 +47,8 @@ def native_backend(tok, num_slots: int = 4):
 
 class ScriptedBackend:
     """Replies with the next scripted text (its token ids, log-prob -0.25 - i / 100 for
-    the i-th token, version 7), in chunks of 3 tokens; `busy` makes submit raise."""
+    the i-th token, version 7), in chunks of 3 tokens, after `delay_s` (cancellable);
+    `busy` makes submit raise."""
 
     def __init__(self, tok, max_len: int = MAX_LEN):
         self.tok, self.max_len, self.eos_id = tok, max_len, tok.eos_id
@@ -58,6 +58,7 @@ class ScriptedBackend:
         self.busy = False
         self.delay_s = 0.0
         self.submitted = 0
+        self.cancelled = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(4)
         self._lock = threading.Lock()
 
@@ -67,13 +68,17 @@ class ScriptedBackend:
         with self._lock:
             text = self.script.pop(0)
             self.submitted += 1
-        handle = GenHandle(request, lambda h: None)
+        cancel = threading.Event()
+        handle = GenHandle(request, lambda h: cancel.set())
         ids = self.tok.encode(text)[: request.max_tokens]
-        self._pool.submit(self._run, handle, ids, on_tokens)
+        self._pool.submit(self._run, handle, ids, on_tokens, cancel)
         return handle
 
-    def _run(self, handle, ids, on_tokens):
-        time.sleep(self.delay_s)
+    def _run(self, handle, ids, on_tokens, cancel):
+        if cancel.wait(self.delay_s):
+            self.cancelled += 1
+            handle.future.set_result(GenResult([], [], [], [], "cancelled", self.sampling))
+            return
         lps = [-0.25 - i / 100 for i in range(len(ids))]
         for i in range(0, len(ids), 3):
             if on_tokens is not None:

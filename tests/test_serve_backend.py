@@ -25,6 +25,12 @@ def model():
     return init_params(lambda: Policy(MODEL, rngs=nnx.Rngs(0)), Sharder())
 
 
+class NoEos(FakeTokenizer):
+    """The fake tokenizer without an end-of-turn token: requests end at their limits."""
+
+    eos_id = -1
+
+
 @pytest.fixture(scope="module")
 def backend(model):
     mdef, params = model
@@ -34,13 +40,22 @@ def backend(model):
     b.close()
 
 
-def _recomputed_logp(mdef, params, ids):
-    """log_softmax(logits[t - 1])[ids[t]] of a teacher-forced pass, per token (slow ref)."""
-    tokens = jnp.asarray([ids], jnp.int32)
-    t = len(ids)
-    logits = mdef.bind(params)(tokens, jnp.arange(t)[None], jnp.ones((1, t), jnp.int32)).out
-    logp = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
-    return np.asarray([float(logp[i - 1, ids[i]]) for i in range(1, t)])
+def _recomputed_logp(mdef, params, ids, width=48):
+    """log_softmax(logits[t - 1])[ids[t]] of a teacher-forced pass, per token (slow ref;
+    one compiled program: the ids padded to `width`, causal so the padding is unseen)."""
+
+    def logp_tv(p, tok_1t):
+        logits = mdef.bind(p)(tok_1t, jnp.arange(width)[None], jnp.ones_like(tok_1t)).out[0]
+        return jax.nn.log_softmax(logits, axis=-1)
+
+    fn = _forward.setdefault(id(mdef), jax.jit(logp_tv))
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, : len(ids)] = ids
+    logp = np.asarray(fn(params, tokens))
+    return np.asarray([logp[i - 1, ids[i]] for i in range(1, len(ids))])
+
+
+_forward = {}
 
 
 def test_concurrent_requests_share_slots(model, backend):
@@ -85,14 +100,29 @@ def test_stop_ids_streaming_and_limits(backend):
         GenRequest((5,), max_tokens=0)
 
 
-def test_cancel_frees_the_slot(backend):
-    h = backend.submit(GenRequest((5, 6), max_tokens=40, stop_ids=frozenset()))
-    h.cancel()
-    res = h.future.result(timeout=60)
-    assert res.finish_reason in ("cancelled", "stop", "length")
-    # the backend goes on serving
-    assert backend.submit(GenRequest((5,), max_tokens=2)).future.result(timeout=60).token_ids
-    assert backend.stats()["active_slots"] == 0
+def test_cancel_frees_the_slot(model):
+    """Cancelled in its slot (or still queued): 'cancelled' with the tokens so far; the
+    slot is free and the backend goes on serving."""
+    mdef, params = model
+    cfg = EngineConfig(num_slots=4, max_len=48, steps_per_sync=2)
+    b = NativeBackend(mdef, params, NoEos(), cfg, seed=1)
+    try:
+        started = threading.Event()
+        h = b.submit(GenRequest((5, 6), max_tokens=40), lambda c: started.set())
+        queued = b.submit(GenRequest((5, 6), max_tokens=40))
+        queued.cancel()  # may still wait for a slot
+        assert started.wait(60)
+        h.cancel()
+        res = h.future.result(timeout=60)
+        assert res.finish_reason == "cancelled" and 1 <= len(res.token_ids) < 40
+        assert len(res.rollout_logp) == len(res.token_ids)
+        assert queued.future.result(timeout=60).finish_reason == "cancelled"
+        assert b.submit(GenRequest((5,), max_tokens=3)).future.result(timeout=60).finish_reason \
+            == "length"  # fmt: skip
+        stats = b.stats()
+        assert stats["active_slots"] == 0 and stats["cancelled"] == 2
+    finally:
+        b.close()
 
 
 def test_publish_tags_versions(model, backend):

@@ -3,6 +3,7 @@ stops the client's retries (all 4xx but 429), the `openai` client's exception cl
 that retries add nothing to the episode. Over a scripted backend (tests/serve_support.py)."""
 
 import json
+import time
 
 import openai
 import pytest
@@ -170,3 +171,28 @@ def test_sampling_knobs_ignored_and_counted(gw):
     ignored = dict(store=False, metadata={"a": "b"}, service_tier="auto", user="u")
     admin.chat.completions.create(model=MODEL, messages=USER, temperature=0.3, seed=3, **ignored)
     assert gateway.counters["sampling_ignored"] == before + 1
+
+
+def test_disconnect_records_nothing(gw):
+    """A client that goes away mid-generation (its timeout) cancels its backend request;
+    nothing is recorded, and its retry (the same body) is a call of its own."""
+    server, gateway, backend, root = gw
+    s = _session(server, gateway)
+    impatient = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0,
+                              timeout=0.3)  # fmt: skip
+    backend.script, backend.delay_s = ["slow<|im_end|>", "again<|im_end|>"], 5.0
+    try:
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model=MODEL, messages=USER)
+        deadline = time.monotonic() + 10
+        while not backend.cancelled and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        backend.delay_s = 0.0
+    assert backend.cancelled == 1 and gateway.counters["disconnected"] == 1
+    assert gateway.sessions[s["id"]].calls == 0
+    r = _client(s).chat.completions.create(model=MODEL, messages=USER)
+    assert r.choices[0].message.content == "again"
+    http("POST", f"{server.url}/v1/sessions/{s['id']}/reward", {"reward": 0}, s["api_key"])
+    (ep,) = [x for x in episodes(root) if x["id"] == s["id"]]
+    assert ep["calls"] == 1 and ep["messages"][-1]["content"] == "again"

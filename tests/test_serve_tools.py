@@ -7,6 +7,7 @@ the tool result is observation, a re-serialised reply still matches, an edited m
 forks."""
 
 import json
+import time
 
 import numpy as np
 import openai
@@ -173,3 +174,24 @@ def test_edited_history_forks(scripted):
     assert (ep["calls"], ep["forks"], len(ep["segments"])) == (3, 1, 2)
     first, second = ep["segments"]
     assert np.sum(first["action_mask"]) > np.sum(second["action_mask"]) > 0
+
+
+def test_reward_timeout_ends_the_episode(tmp_path):
+    """No reward reward_timeout_s after the last call: ended as by /end (dropped)."""
+    tok = tokenizer(tmp_path)
+    backend = ScriptedBackend(tok)
+    server, gateway = serve(backend, tok, tmp_path, reward_timeout_s=0.3)
+    try:
+        s, client = _session(server, gateway)
+        backend.script = ["hi<|im_end|>"]
+        client.chat.completions.create(model=MODEL, messages=USER)
+        deadline = time.monotonic() + 10
+        while not episodes(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (ep,) = episodes(tmp_path)
+        assert ep["id"] == s["id"] and ep["dropped"] == "reward_timeout" and ep["calls"] == 1
+        with pytest.raises(openai.ConflictError):
+            client.chat.completions.create(model=MODEL, messages=USER)
+    finally:
+        server.stop()
+        backend.close()

@@ -133,7 +133,8 @@ class Routes:
             extra = set(body) - {"task", "metadata"}
             if extra:
                 raise invalid(sorted(extra)[0], "is not a session field (task, metadata)")
-        return _json(self.g.new_session(body.get("task"), body.get("metadata")))
+        base = f"{request.scheme}://{request.host}"  # the address the admin reached
+        return _json(self.g.new_session(body.get("task"), body.get("metadata"), base))
 
     async def reward(self, request):
         s = self.session_key(request, admin_ok=True)

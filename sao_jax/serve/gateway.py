@@ -107,13 +107,18 @@ class Gateway:
 
     # ---- sessions -----------------------------------------------------------------------
 
-    def new_session(self, task: Any = None, metadata: Any = None) -> dict[str, str]:
+    def new_session(
+        self, task: Any = None, metadata: Any = None, base_url: str | None = None
+    ) -> dict[str, str]:
+        """A new session; its base_url starts with `base_url` (the address the admin
+        reached, default the one the server listens on)."""
+        base_url = base_url or self.base_url
         sid = "s" + secrets.token_hex(8)
         key = "sk-sess-" + secrets.token_hex(16)
         self.sessions[sid] = Session(sid, key, task, metadata)
         self.locks[sid] = asyncio.Lock()
         self.count("sessions")
-        return {"id": sid, "base_url": f"{self.base_url}/sessions/{sid}/v1", "api_key": key}
+        return {"id": sid, "base_url": f"{base_url}/sessions/{sid}/v1", "api_key": key}
 
     def session(self, sid: str) -> Session:
         s = self.sessions.get(sid)
