@@ -1,8 +1,10 @@
 """BUILD is generated (tests/build_gen.py, `make build-file`) and stays current and true:
 the committed file equals a fresh one, and every check of tests/build_checks.py passes on it
 (tests/build_rules.py parses BUILD with `ast` and evaluates its globs; nothing is executed).
-On tiny repositories: a new module and a new test file get their stanzas, a package split
-into layers keeps the deps acyclic, and the checker names the fault and the fix.
+On tiny repositories: a new module and a new test file get their stanzas, a package reached
+through another splits into layers (deps stay acyclic), binaries and tests get the scripts
+they run as data, an unpinned or unparsable file is named, and the checker names the fault
+and the fix.
 """
 
 import difflib
