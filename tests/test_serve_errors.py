@@ -160,6 +160,14 @@ def test_retries_add_nothing(gw):
     (ep,) = [x for x in episodes(root) if x["id"] == s["id"]]
     assert ep["calls"] == 1 and ep["counters"] == {"retries": 1}
     assert json.dumps(ep)  # one whole line
+    # a streamed call's retry replays its events
+    s = _session(server, gateway)
+    url = f"{server.url}/sessions/{s['id']}/v1/chat/completions"
+    backend.script = ["streamed<|im_end|>", "other<|im_end|>"]
+    body = {**body, "stream": True}
+    a, b = (http("POST", url, body, s["api_key"])[2] for _ in range(2))
+    assert a == b and a.count("data: ") > 3 and a.rstrip().endswith("data: [DONE]")
+    assert gateway.sessions[s["id"]].calls == 1
     backend.script = []
 
 

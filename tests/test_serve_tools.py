@@ -6,7 +6,9 @@ prefixes recorded as observation), malformed calls as text, stop strings, and st
 the tool result is observation, a re-serialised reply still matches, an edited message
 forks."""
 
+import importlib.util
 import json
+import pathlib
 import time
 
 import numpy as np
@@ -195,3 +197,32 @@ def test_reward_timeout_ends_the_episode(tmp_path):
     finally:
         server.stop()
         backend.close()
+
+
+def _example():
+    path = pathlib.Path(__file__).parents[1] / "examples/harness/calculator_agent.py"
+    spec = importlib.util.spec_from_file_location("calculator_agent", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_calculator_agent_example(scripted):
+    """examples/harness/calculator_agent.py, a plain openai-client loop, unmodified: its
+    tool call is executed and the result recorded as observation."""
+    agent = _example()
+    assert agent.calculator("2 * (3 + 4) - 1") == "13" and agent.calculator("7 / 2") == "3.5"
+    assert agent.calculator("__import__('os')").startswith("error")
+    server, gateway, backend, root, tok = scripted
+    s, client = _session(server, gateway)
+    call = json.dumps({"name": "calculator", "arguments": {"expression": "12 + 30"}})
+    backend.script = [f"<tool_call>\n{call}\n</tool_call><|im_end|>", "It is 42.<|im_end|>"]
+    text, messages = agent.run_episode(client, MODEL, "what is 12 + 30?")
+    assert text == "It is 42." and agent.reward(text, "42") == 1.0
+    assert messages[3]["role"] == "tool" and messages[3]["content"] == "42"
+    assert messages[3]["tool_call_id"] == messages[2]["tool_calls"][0]["id"]
+    ep = _episode(server, root, s)
+    assert (ep["calls"], ep["forks"]) == (2, 0)
+    seg = ep["segments"][0]
+    obs = [t for t, m in zip(seg["token_ids"], seg["action_mask"], strict=True) if not m]
+    assert "<tool_response>\n42\n</tool_response>" in tok.decode(obs)
