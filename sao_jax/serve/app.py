@@ -3,7 +3,8 @@
 Routes (docs/harness.md has the contract):
 
   admin key:    GET /v1/models, POST /v1/chat/completions, POST /v1/completions (served,
-                not recorded), POST /v1/sessions
+                not recorded), POST /v1/sessions, GET /v1/stats (the gateway's counters and
+                the backend's: slots decoding together, queue, cancels)
   admin or the session's key:  POST /v1/sessions/{id}/reward, POST /v1/sessions/{id}/end
   session key:  GET /sessions/{id}/v1/models, POST /sessions/{id}/v1/chat/completions,
                 POST /sessions/{id}/v1/completions (recorded into the session's episode)
@@ -118,6 +119,10 @@ class Routes:
     async def models(self, request):
         self.admin(request)
         return _json(self.g.models())
+
+    async def stats(self, request):
+        self.admin(request)
+        return _json(self.g.stats())
 
     async def session_models(self, request):
         self.session_key(request, admin_ok=True)
@@ -295,6 +300,7 @@ def make_app(gateway: Gateway) -> web.Application:
                           middlewares=[errors_middleware])  # fmt: skip
     app.add_routes([
         web.get("/v1/models", r.models),
+        web.get("/v1/stats", r.stats),
         web.post("/v1/chat/completions", r.admin_chat),
         web.post("/v1/completions", r.admin_completion),
         web.post("/v1/sessions", r.new_session),
