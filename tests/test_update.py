@@ -17,6 +17,7 @@ from sao_jax.rl.optim import critic_frozen_labels
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner, NonFiniteError
 from sao_jax.schema import ConfigError
+from tests.closeness import assert_steps_close
 from tests.learner_variants import CountingLearner
 
 B, T = 8, 24
@@ -269,9 +270,11 @@ def _three_steps(config, sharder=None):
     return jax.tree.map(np.asarray, state), reduce_metrics(metrics)
 
 
-def _assert_close(a, b, atol=1e-5):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(x, y, atol=atol, rtol=0)
+@pytest.fixture(scope="module")
+def start(default):
+    """The state every three-step run here starts from (seed 0, any sharding)."""
+    _, new_state = default
+    return jax.tree.map(np.asarray, new_state())
 
 
 @pytest.fixture(scope="module")
@@ -282,19 +285,54 @@ def reference(default):
     return jax.tree.map(np.asarray, state)
 
 
-def test_microbatched_equals_full_batch(reference):
+def test_microbatched_equals_full_batch(reference, start):
     micro, _ = _three_steps(_config(aux=0.0, microbatches=4))
-    _assert_close(micro.policy, reference.policy)
-    _assert_close(micro.critic, reference.critic)
+    assert_steps_close(micro, reference, start)
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 1, 8, 1)], ids=str)
-def test_sharded_equals_unsharded(reference, shape):
-    ref = reference
+def test_sharded_equals_unsharded(reference, start, shape):
     got, _ = _three_steps(_config(aux=0.0), Sharder(build_mesh(shape)))
-    _assert_close(got.policy, ref.policy)
-    _assert_close(got.critic, ref.critic)
-    _assert_close(got.critic_opt, ref.critic_opt)
+    assert_steps_close(got, reference, start)
+
+
+def _planted(batch_fn, default):
+    """Three steps of the default learner on batches a planted mistake changed."""
+    learner, new_state = default
+    state = new_state()
+    for i in range(3):
+        batch = batch_fn(_batch(seed=i, version=int(state.step), max_lag=1))
+        state, _ = learner.update_step(state, batch, jax.random.key(i))
+    return jax.tree.map(np.asarray, state)
+
+
+def _drop_rows(batch, rows):
+    mask = np.array(batch["action_mask"])
+    mask[rows] = 0
+    return dict(batch, action_mask=mask)
+
+
+def _one_pad_short(batch):
+    """Off by one pad: each row's last real token is taken for padding."""
+    mask = np.array(batch["action_mask"])
+    last = np.asarray(batch["segment_ids"]).astype(bool).sum(axis=1) - 1
+    mask[np.arange(len(mask)), last] = 0
+    return dict(batch, action_mask=mask)
+
+
+def test_step_tolerance_sees_planted_mistakes(default, reference, start):
+    """The k-step bound (tests/closeness.py) passes CPU-to-CPU rounding but not a mistake
+    of any family: a dropped microbatch (rows 0-1 of 4 microbatches of 2), an off-by-one
+    pad (each row's last token lost) and a wrong shard order (a leaf's two halves swapped,
+    as a misassembled tensor-parallel gather would leave them). Same shapes as the
+    reference: no new compile."""
+    dropped = _planted(lambda b: _drop_rows(b, [0, 1]), default)
+    short = _planted(_one_pad_short, default)
+    flip = lambda x: np.concatenate(np.split(x, 2)[::-1]) if x.ndim and len(x) % 2 == 0 else x
+    swapped = reference.replace(policy=jax.tree.map(flip, reference.policy))
+    for name, got in (("dropped", dropped), ("short", short), ("swapped", swapped)):
+        with pytest.raises(AssertionError, match="k-step bound"):
+            assert_steps_close(got, reference, start, err_msg=f"{name}: ")
 
 
 # ------------------------------------------------------- PPO rows: epochs x minibatches
@@ -351,20 +389,18 @@ def _ppo_config(**rl):
     return _config(aux=0.0, policy_loss="icepop", ppo_epochs=2, minibatches=2, **rl)
 
 
-def test_ppo_loop_microbatched_equals_full_batch(ppo_reference):
+def test_ppo_loop_microbatched_equals_full_batch(ppo_reference, start):
     ref, ref_metrics = ppo_reference
     micro, metrics = _three_steps(_ppo_config(microbatches=2))
-    _assert_close(micro.policy, ref.policy)
-    _assert_close(micro.critic, ref.critic)
+    assert_steps_close(micro, ref, start)
     assert metrics["policy/keep_rate"] == pytest.approx(ref_metrics["policy/keep_rate"])
 
 
-def test_ppo_loop_sharded_equals_unsharded(ppo_reference):
+def test_ppo_loop_sharded_equals_unsharded(ppo_reference, start):
     ref, _ = ppo_reference
     # batch over data x expert (4 shards: one row of each minibatch per shard), tensor 2
     got, _ = _three_steps(_ppo_config(), Sharder(build_mesh((2, 1, 2, 2))))
-    _assert_close(got.policy, ref.policy)
-    _assert_close(got.policy_opt, ref.policy_opt)
+    assert_steps_close(got, ref, start)
 
 
 # -------------------------------------------- rl.critic_target = 'brace' (stale critics)
@@ -404,16 +440,14 @@ def test_brace_update_runs_finite_without_retrace(brace, brace_reference):
 
 
 @pytest.mark.parametrize("variant", ["sharded", "microbatched"])
-def test_brace_sharded_and_microbatched_equal_unsharded(brace_reference, variant):
+def test_brace_sharded_and_microbatched_equal_unsharded(brace_reference, start, variant):
     ref, ref_m = brace_reference
     if variant == "sharded":
         learner, state = _setup(_brace_config(), Sharder(build_mesh((2, 2, 2, 1))))
     else:
         learner, state = _setup(_brace_config(microbatches=2))
     state, metrics = _steps(learner, state, 3, max_lag=4)
-    got = jax.tree.map(np.asarray, state)
-    _assert_close(got.policy, ref.policy)
-    _assert_close(got.critic, ref.critic)
+    assert_steps_close(jax.tree.map(np.asarray, state), ref, start)
     m = reduce_metrics(metrics)
     for name in ("critic/target_shift", "critic/target_trace"):
         assert m[name] == pytest.approx(ref_m[name], abs=1e-5), name
@@ -432,7 +466,8 @@ def test_brace_target_equals_lambda_on_policy_and_moves_on_stale_data(default, b
     on_policy = dict(batch, rollout_logp=_logp(learner, state.policy, batch))
     want, _ = learner.value_step(new_state(), on_policy, jax.random.key(0))
     got, m = brace.value_step(new_state(), on_policy, jax.random.key(0))
-    _assert_close(got.critic, want.critic, atol=1e-5)
+    start = jax.tree.map(np.asarray, new_state().critic)
+    assert_steps_close(jax.tree.map(np.asarray, got.critic), want.critic, start)
     m = reduce_metrics(m)
     assert abs(m["critic/target_shift"]) < 1e-5 and m["critic/target_trace"] == pytest.approx(1.0)
     _, m = brace.value_step(new_state(), batch, jax.random.key(0))
