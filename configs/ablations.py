@@ -39,7 +39,7 @@ Variant keys (`:a,b=1`): one row name (default sao), smoke, sync, seed=N.
 brace_staleness,mode=smoke|quick|full')` returns the experiment's sao_jax.sweep.SweepSpec
 (docs/experiments.md has the budgets); `get_sweep('table=mask_budget,mode=...,
 calibration=<file>')` the matched-mask-budget table, its rules' parameters read from the
-calibration file experiments/mask_budget.py writes from the `mask_pilot` runs' token dumps
+calibration file experiments/mask_budget/ writes from the `mask_pilot` runs' token dumps
 (sao_jax/rl/mask_budget.py).
 
 Why the per-level row keeps a window of 128 per level. The level is what a per-prompt
@@ -110,7 +110,7 @@ TABLES = {
     "gae": ("sao", "step_mean", "step_last", "cross_observation"),
     "staleness_lr": ("sao", "vanilla_vapo"),  # with DIS / without DIS (PPO clip vs pi_old)
     # SAO's critic against its ceiling: the global moving average (2 and 2.5 batches) and
-    # the oracle per-level one (experiments/baseline_ceiling.py)
+    # the oracle per-level one (experiments/baseline_ceiling/)
     "baseline_ceiling": (
         "sao",
         "moving_average",
@@ -121,7 +121,7 @@ TABLES = {
     "mask_pilot": ("sao",),  # DIS at its default band: the batches calibration reads
     "mask_budget": ("sao", "estr", "icepop"),  # each keep rule at matched mask budgets
     # lambda = 1 vs BRACE-style critic targets on the staleness grid's cells (its `sao`
-    # points: the same commands; experiments/critic_correction.py)
+    # points: the same commands; experiments/critic_correction/)
     "brace_staleness": ("sao", "sao_brace"),
 }
 # Smoke mode (the test suite) runs one row per code path: critic + DIS, groups + PPO
@@ -282,7 +282,7 @@ def get_sweep(arg=None) -> SweepSpec:
 
 
 def _open_question_sweep(arg, rows, fixed, common) -> SweepSpec:
-    """The sweeps of experiments/staleness_law.py and experiments/mask_budget.py."""
+    """The sweeps of experiments/staleness_law/ and experiments/mask_budget/."""
     mode, batch = arg.mode, _batch(arg.mode)
     if arg.table == "staleness_law":
         return SweepSpec(
@@ -313,7 +313,7 @@ def _open_question_sweep(arg, rows, fixed, common) -> SweepSpec:
     if not arg.calibration:
         raise ConfigError(
             "get_sweep table=mask_budget: needs calibration=<file>, the rules' parameters "
-            "calibrated on the mask_pilot runs (experiments/mask_budget.py writes it)"
+            "calibrated on the mask_pilot runs (experiments/mask_budget/ writes it)"
         )
     return SweepSpec(
         name="mask_budget",

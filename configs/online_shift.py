@@ -34,7 +34,7 @@ Rows (`VARIANTS`; every row is `sao` with only the fields its name says changed)
                             lr x4, K = 4, trained attention, no critic clip
   sao_brace                 rl.critic_target = 'brace' (BRACE-style critic targets,
                             docs/method.md section 8): only in the table `brace`
-                            (experiments/critic_correction.py), not in `main`
+                            (experiments/critic_correction/), not in `main`
 
   python -m experiments.online_shift --mode=quick
   python -m experiments.train --config=configs/online_shift.py:moving_average_w8 \

@@ -1,4 +1,4 @@
-"""The baseline-ceiling table (sao_jax/report/baseline_ceiling.py, experiments/
+"""The baseline-ceiling table (experiments/baseline_ceiling/report.py, experiments/
 baseline_ceiling.py): the training-mix score is the mean of the per-level successes; every
 row's difference carries its t interval and the Holm p over the stated family of four; the
 recovered share is Fieller's ratio (checked against the paired t test at its ends), and
@@ -11,13 +11,14 @@ import sys
 
 import numpy as np
 import pytest
+from sao_jax.experiments.ablations import report as table
+from sao_jax.experiments.baseline_ceiling import levels
+from sao_jax.experiments.baseline_ceiling import report as bc
 from scipy import stats as scipy_stats
 
 from configs import ablations as ablations_cfg
 from sao_jax import sweep
-from sao_jax.report import ablations as table
-from sao_jax.report import baseline_ceiling as bc
-from sao_jax.report import compare, levels, tables
+from sao_jax.report import compare, tables
 from sao_jax.report.experiment import Experiment
 from tests.experiment_support import ROOT, env
 

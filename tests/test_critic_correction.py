@@ -1,5 +1,5 @@
 """The stale-critic correction experiment: its report on synthetic runs against literal
-loops (sao_jax/report/critic_correction.py: per-run EV, stale-record EV, success, step time;
+loops (experiments/critic_correction/report.py: per-run EV, stale-record EV, success, step time;
 paired differences, t intervals, Holm within the EV family and the success family; the
 table regenerated from its runs file), and the script's dry run. Its rows and sweeps
 (sharing with the staleness grid and the online main table) are checked in
@@ -13,12 +13,12 @@ import sys
 
 import numpy as np
 import pytest
+from sao_jax.experiments.critic_correction import report as cc
 from scipy import stats as scipy_stats
 
 from configs import ablations, online_shift
 from sao_jax import sweep
 from sao_jax.report import audit
-from sao_jax.report import critic_correction as cc
 from sao_jax.report.experiment import Experiment
 from tests.experiment_support import ROOT, SharedRuns, check_report, env, run_experiment
 

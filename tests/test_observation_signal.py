@@ -1,11 +1,12 @@
 """The observation-signal experiment: its rows and sweeps (configs/observation_signal.py),
-its report against literal numbers (sao_jax/report/observation_signal.py), and the script
+its report against literal numbers (experiments/observation_signal/report.py), and the script
 end to end in smoke mode."""
 
 import math
 
 import numpy as np
 import pytest
+from sao_jax.experiments.observation_signal import report
 from scipy import stats as scipy_stats
 
 from configs import ablations, observation_signal, sao
@@ -13,7 +14,6 @@ from sao_jax import config as config_lib
 from sao_jax import sweep
 from sao_jax.checkpointing.workdir import flatten_config
 from sao_jax.config import ConfigError
-from sao_jax.report import observation_signal as report
 from sao_jax.report.experiment import Experiment
 from tests.experiment_support import SharedRuns, run_experiment
 

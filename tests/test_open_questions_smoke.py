@@ -1,4 +1,4 @@
-"""experiments/mask_budget.py and experiments/staleness_law.py end to end in smoke mode
+"""experiments/mask_budget/ and experiments/staleness_law/ end to end in smoke mode
 (tiny model, 2-3 steps, one seed), sharing one sweep dir and so one warm start."""
 
 import json

@@ -15,6 +15,7 @@ import numpy as np
 import openai
 import pytest
 
+from sao_jax.serve.trajectories import episode_trajectories
 from tests.serve_support import ScriptedBackend, episodes, http, serve, tokenizer
 
 MODEL = "sao-policy"
@@ -93,6 +94,8 @@ def test_tool_call_and_reasoning(scripted):
     assert seg["token_ids"][r.usage.prompt_tokens : k] == tok.encode(REPLY)
     assert ep["messages"][-1]["content"] == "C'est du café."
     assert all(v == 7 for v, m in zip(seg["versions"], seg["action_mask"], strict=True) if m)
+    (traj,) = episode_trajectories(ep)  # what the learner would train on
+    assert traj.num_turns == 2 and traj.reward_row()[-1] == 1.0 and traj.min_version == 7
 
 
 def test_streamed_tool_call_equals_the_reply(scripted):

@@ -1,4 +1,4 @@
-"""The ablation table (sao_jax/report/ablations.py) with several seeds: every row's
+"""The ablation table (experiments/ablations/report.py) with several seeds: every row's
 difference from SAO carries its 95% t interval, two-sided p and the Holm-adjusted p over
 the table's rows, against a literal computation (Student's t quantile and p from scipy,
 Holm by hand)."""
@@ -7,11 +7,11 @@ import dataclasses
 import math
 
 import numpy as np
+from sao_jax.experiments.ablations import report as table
 from scipy import stats as scipy_stats
 
 from configs import ablations as ablations_cfg
 from sao_jax import sweep
-from sao_jax.report import ablations as table
 from sao_jax.report.experiment import Experiment
 
 

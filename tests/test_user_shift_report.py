@@ -1,4 +1,4 @@
-"""The per-user online shift's numbers (sao_jax/report/user_shift.py, EnvLog) against
+"""The per-user online shift's numbers (experiments/online_shift/report.py, EnvLog) against
 literal loops, its pre-registered verdicts, the tracking main effects, and the audit file
 that regenerates a table without training (sao_jax/report/audit.py)."""
 
@@ -8,10 +8,10 @@ import math
 
 import numpy as np
 import pytest
+from sao_jax.experiments.online_shift import report as U
 
 from sao_jax import sweep
 from sao_jax.report import audit
-from sao_jax.report import user_shift as U
 from sao_jax.report.compare import Difference
 from sao_jax.report.experiment import Experiment
 from sao_jax.run.accounting import EnvLog

@@ -33,7 +33,7 @@ What differs from the global switch of sao_jax/envs/style.py, and why:
   `success_settled` (later), a recovering line also as `success_recovering_u<user>`,
   and every line after a switch under `success_since_switch_<k>`, the bin of `bin_steps`
   steps since the switch. The trainer logs them as `env/<name>` with their counts
-  (sao_jax/run/accounting.py EnvLog); sao_jax/report/user_shift.py reads them.
+  (sao_jax/run/accounting.py EnvLog); experiments/online_shift/report.py reads them.
 
 The schedule is shared by every env of a run and moved by the trainer (`set_step`), as
 the style task's is.

@@ -1,18 +1,25 @@
 """How an experiment script runs its sweep and writes its report: `Experiment`, the
-command-line settings shared by the table scripts (experiments/ablations.py defines the
-flags), and what every report of a sweep says about its runs."""
+command-line flags shared by the table scripts (`flags()`), their main (`table_main`), and
+what every report of a sweep says about its runs.
+
+A table script (experiments/<name>/__main__.py) is `main = table_main(name, sweep_of,
+write)` and `app.run(main)`; its reading (`write`) lives beside it in experiments/<name>/.
+"""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import pathlib
+import shlex
+import sys
 import time
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from sao_jax import sweep
-from sao_jax.report import tables
+from sao_jax import cli, sweep
+from sao_jax.report import audit, tables
 from sao_jax.report.audit import warm_start_check
 from sao_jax.schema import ConfigError
 
@@ -201,3 +208,155 @@ def failures(results: Sequence[sweep.PointResult]) -> str:
         last = (r.error.strip().splitlines() or [""])[-1]
         lines.append(f"- `{r.point.name}`: {r.status}. {last}")
     return "\n".join(lines) + "\n"
+
+
+_FLAGS: types.SimpleNamespace | None = None
+
+
+def flags() -> types.SimpleNamespace:
+    """The table scripts' shared flags, defined on the first call (a process that only
+    reads reports defines none): mode, sweep_dir, out_dir, parallel, launcher, dry_run,
+    seeds, from_runs, add_to, rows."""
+    global _FLAGS
+    if _FLAGS is None:
+        from absl import flags as absl_flags
+
+        f = absl_flags
+        _FLAGS = types.SimpleNamespace(
+            mode=f.DEFINE_enum("mode", "quick", ["smoke", "quick", "full"], "Experiment size."),
+            sweep_dir=f.DEFINE_string(
+                "sweep_dir", None, "Runs' workdirs (default workdirs/sweeps/<mode>)."
+            ),
+            out_dir=f.DEFINE_string("out_dir", None, "Tables and plots (default results/<mode>)."),
+            parallel=f.DEFINE_integer("parallel", 1, "Training runs at the same time."),
+            launcher=f.DEFINE_enum("launcher", "local", sweep.LAUNCHERS, "Where runs are started."),
+            dry_run=f.DEFINE_bool("dry_run", False, "Print the runs' commands, run nothing."),
+            seeds=f.DEFINE_list(
+                "seeds",
+                None,
+                "Seeds to run instead of the mode's (e.g. 0,1,2); the report says which.",
+            ),
+            from_runs=f.DEFINE_string(
+                "from_runs",
+                None,
+                "Write the table again from a committed <name>_runs.jsonl "
+                "(sao_jax/report/audit.py) instead of running: the same runs and settings, "
+                "nothing trained.",
+            ),
+            add_to=f.DEFINE_string(
+                "add_to",
+                None,
+                "A committed <name>_runs.jsonl whose runs this invocation adds to (rows or "
+                "seeds a later session runs, e.g. --rows=<rows it lacks>): the table is "
+                "written from its runs and this invocation's, and says whether each seed's "
+                "warm start is the same tensors.",
+            ),
+            rows=f.DEFINE_list(
+                "rows",
+                None,
+                "Rows (the sweep's ':variant's) to run instead of all of them, e.g. "
+                "sao,moving_average to add seeds to one comparison; differences are taken "
+                "against the 'sao' row.",
+            ),
+        )
+    return _FLAGS
+
+
+def command() -> str:
+    """This invocation as `python -m <module> <flags>` (sys.argv[0] is the file path; a
+    package's __main__.py runs as the package)."""
+    prog = pathlib.Path(sys.argv[0]).resolve()
+    try:
+        parts = prog.relative_to(pathlib.Path.cwd().resolve()).with_suffix("").parts
+        module = ".".join(parts).removesuffix(".__main__")
+    except ValueError:
+        module = prog.parent.name if prog.stem == "__main__" else prog.stem
+    return shlex.join(["python", "-m", module, *sys.argv[1:]])
+
+
+def experiment() -> Experiment:
+    """The experiment settings of the command line."""
+    f = flags()
+    return Experiment(
+        mode=f.mode.value,
+        sweep_dir=f.sweep_dir.value,
+        out_dir=f.out_dir.value,
+        parallel=f.parallel.value,
+        launcher=f.launcher.value,
+        dry_run=f.dry_run.value,
+        seeds=f.seeds.value,
+        rows=f.rows.value,
+        command=command(),
+    )
+
+
+Report = Callable[[Experiment, sweep.SweepSpec, list, float], str]
+
+
+def table_main(
+    name: str,
+    sweep_of: Callable[[str], sweep.SweepSpec | tuple[sweep.SweepSpec, ...]],
+    write: Report,
+):
+    """The main of a table script: the sweep of the mode (`sweep_of(mode)`) with the
+    command line's seeds and rows, run (or resumed), then `write(...)` as <out>/<name>.md.
+    `sweep_of` may return a tuple of sweeps (one per task, each with its own warm starts):
+    they run into the one sweep dir as one set of jobs (`sweep.run_sweep`: one task's
+    warm starts overlap the other's), `write` gets the tuple and every result. A bad
+    flag exits 2 with one line."""
+    from absl import app
+
+    f = flags()
+
+    def chosen(exp: Experiment):
+        """The mode's sweep (or tuple of sweeps) with the seeds and rows `exp` chose."""
+        specs = sweep_of(exp.mode)
+        if isinstance(specs, sweep.SweepSpec):
+            return exp.chosen(specs)
+        return tuple(exp.chosen(s) for s in specs)
+
+    @cli.guard
+    def main(argv):
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        if f.from_runs.value:  # the committed runs, nothing trained
+            results, header = audit.read_runs(f.from_runs.value)
+            exp = dataclasses.replace(experiment(), **header.settings)
+            spec = chosen(exp)  # then as the file ran it (its rows, seeds, schedule)
+            if isinstance(spec, sweep.SweepSpec):
+                spec = audit.recorded_spec(spec, results)
+            else:
+                spec = tuple(audit.recorded_spec(s, results) for s in spec)
+            exp.write(name, write(exp, spec, results, header.wall_s))
+            return
+        exp = experiment()
+        spec = chosen(exp)
+        earlier = None
+        if f.add_to.value:
+            if not isinstance(spec, sweep.SweepSpec):
+                raise ConfigError("--add_to: this script runs several sweeps; not supported")
+            earlier, before = audit.read_runs(f.add_to.value)
+            audit.check_addable(spec, earlier, f.add_to.value)
+        results, wall_s, stopped = exp.run_table(spec)
+        if earlier is not None and not exp.dry_run:
+            spec, results = audit.add_runs(spec, sweep_of(exp.mode), results, earlier)
+            prior = [*before.settings.get("earlier", ())]
+            prior.append(
+                dict(
+                    command=before.settings["command"],
+                    wall_s=before.wall_s,
+                    runs_file=f.add_to.value,
+                )
+            )
+            exp = dataclasses.replace(exp, earlier=tuple(prior))
+        if not exp.dry_run:
+            recorder = audit.Recorder()
+            exp.write(name, write(exp, spec, recorder.wrap(results), wall_s))
+            path = audit.write_runs(
+                audit.runs_path(exp.out_path, name), results, recorder, wall_s, exp.settings()
+            )
+            print(f"wrote {path}")
+        if stopped is not None:  # the table of what finished is written: now exit 0
+            raise stopped
+
+    return main

@@ -11,7 +11,7 @@ tokens, in row-major order:
   staleness [N] int32     policy versions between the token's sampler and pi_{n-1}
 
 A mask rule's parameter can then be calibrated from data to mask a chosen fraction of
-those tokens (sao_jax/rl/mask_budget.py, experiments/mask_budget.py). The probe is one
+those tokens (sao_jax/rl/mask_budget.py, experiments/mask_budget/). The probe is one
 extra policy forward per dumped step (Learner.token_probe); other steps are untouched.
 One process only: the arrays are read whole on the host.
 """

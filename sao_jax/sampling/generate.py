@@ -67,11 +67,16 @@ class SamplingParams:
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
 
-    def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(temperature, top_k, top_p) as host scalars, float32 / int32 / float32.
+
+        Host, not device, arrays: the jitted call copies them in with its other inputs,
+        where `jnp.asarray` would run one small device program per scalar per call (a
+        fixed cost of every decode step, docs/benchmarks.md "Decode cost by context")."""
         return (
-            jnp.asarray(self.temperature, jnp.float32),
-            jnp.asarray(self.top_k, jnp.int32),
-            jnp.asarray(self.top_p, jnp.float32),
+            np.asarray(self.temperature, np.float32),
+            np.asarray(self.top_k, np.int32),
+            np.asarray(self.top_p, np.float32),
         )
 
 
@@ -268,7 +273,7 @@ class GenerateFns:
             f32,
             None,
             table,
-            i32(s),
+            i32(s) if self.per_token_keys else None,
             span=span or self.max_len,
             lane_span=None,
         )
@@ -378,17 +383,21 @@ class GenerateFns:
         rows = spans.lane_rows_r
         if (rows is None) != (spans.lane_span is None):
             raise ValueError("spans: lane_rows_r and lane_span go together")
-        rows = None if rows is None else jnp.asarray(rows, jnp.int32)
+        rows = None if rows is None else np.array(rows, np.int32)  # host: see `_rows`
         return dict(lane_rows_r=rows, span=spans.span, lane_span=spans.lane_span)
 
     def _rows(self, x, dtype=jnp.int32):
-        """A host array [S, ...] on the mesh, its slot axis split like the cache's (a traced
-        one, under a caller's jit or export, keeps the shardings the caller gave it)."""
+        """A host array [S, ...] as a program input: on a mesh, placed with its slot axis
+        split like the cache's; unsharded, a host copy the jitted call copies in (a traced
+        one, under a caller's jit or export, keeps the shardings the caller gave it).
+
+        Never `jnp.asarray`: that runs a small device program per array per call, which
+        was most of a short-context decode step's fixed cost outside the model."""
         if isinstance(x, jax.core.Tracer):
             return x.astype(dtype)
         x = np.array(x, dtype)  # a copy: the host may change its array while a call runs
         sharding = self.sharder.named(("batch",) + (None,) * (x.ndim - 1), x.shape)
-        return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding)
+        return x if sharding is None else jax.device_put(x, sharding)
 
     def block_table(self, table_sn):
         """The block table [S, N] as a program argument (None for a dense cache)."""
@@ -396,7 +405,9 @@ class GenerateFns:
             return None
         if table_sn is None:
             raise ValueError("block_table: a paged cache needs the engine's block table")
-        return table_sn if isinstance(table_sn, jax.Array) else self._rows(table_sn)
+        if isinstance(table_sn, jax.Array):
+            return table_sn
+        return jax.device_put(self._rows(table_sn))  # on the devices: the engine keeps it
 
     def prefill(self, params, cache, tokens_sc, positions_sc, spans=None, *, block_table=None):
         """Writes tokens [S, C] at positions [S, C] (>= L: not written). Returns the new
@@ -434,7 +445,10 @@ class GenerateFns:
         whose samples are used. With `per_token_keys`, `serial_s` [S] numbers each row's
         trajectory and `key` is the engine's fixed key. Returns (cache, DecodeOut).
         """
-        serial_s = np.zeros(self.num_slots) if serial_s is None else serial_s
+        if not self.per_token_keys:
+            serial_s = None  # not read by the program: nothing to copy in
+        elif serial_s is None:
+            serial_s = np.zeros(self.num_slots, np.int32)
         return self._decode(
             params,
             cache,
@@ -443,7 +457,7 @@ class GenerateFns:
             key,
             *sampling.arrays(),
             table_sn=self.block_table(block_table),
-            serial_s=self._rows(serial_s),
+            serial_s=None if serial_s is None else self._rows(serial_s),
             **self._spans(spans),
         )
 

@@ -147,7 +147,8 @@ class Gateway:
                 reward = None
             record = s.episode(reward, dropped, turn_rewards)
             s.ended = True
-            s.segments, s.segment = [], type(s.segment)()
+            s.segments, s.segment = [], type(s.segment)()  # written: keep no copy
+            s.held, s.last_response, s.last_messages, s.last_reply = [], None, [], None
             await asyncio.get_running_loop().run_in_executor(None, self.log.write, record)
             self.count("episodes_dropped" if dropped else "episodes")
             return {"id": sid, "reward": reward, "dropped": dropped, "calls": s.calls}

@@ -1,4 +1,4 @@
-"""The report of the per-user online shift (configs/online_shift.py, experiments/online_shift.py).
+"""The report of the per-user online shift (configs/online_shift.py, experiments/online_shift/).
 
 Each user of the `user_style` task (sao_jax/envs/user_style.py) switches its target style at
 its own steps; every judged line logs its success under where its user stands
@@ -30,12 +30,12 @@ import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from sao_jax.configs.online_shift import MAIN_ROWS
+from sao_jax.experiments.ablations.report import fmt_run_means, mechanisms_text
 
 from sao_jax import sweep
-from sao_jax.configs.online_shift import MAIN_ROWS
 from sao_jax.envs.user_style import BIN_STEPS, RECOVERY_STEPS, success_bin
 from sao_jax.report import compare, tables
-from sao_jax.report.ablations import fmt_run_means, mechanisms_text
 from sao_jax.report.experiment import Experiment, by_row, failures
 from sao_jax.run.accounting import ENV_PREFIX
 

@@ -9,19 +9,19 @@ vanilla_vapo (PPO clip vs pi_old, no DIS), every step logged, and writes
 `<out_dir>/staleness_law.md`: the collapse time of every run in policy versions (censored
 where it did not collapse), Kaplan-Meier medians and median x lr per cell, and a censored
 log-normal regression of log t_collapse on log lr and log S whose slope on log lr is -1
-when the product is constant (sao_jax/report/staleness_law.py). Flags: see
-experiments/ablations.py.
+when the product is constant (experiments/staleness_law/report.py). Flags: see
+experiments/ablations/.
 """
 
 from __future__ import annotations
 
 from absl import app
+from sao_jax.experiments.staleness_law import report as staleness_law
 
 from sao_jax.configs import ablations as ablations_cfg
-from sao_jax.experiments import ablations as abl
-from sao_jax.report import staleness_law
+from sao_jax.report.experiment import table_main
 
-main = abl.table_main(
+main = table_main(
     "staleness_law",
     lambda mode: ablations_cfg.get_sweep(f"table=staleness_law,mode={mode}"),
     staleness_law.report,

@@ -1,7 +1,7 @@
 """The report of the ablation tables (Table 4, Table 5): held-out success per row and
 budget, each row's paired difference from SAO with what the design can detect, whether
 each row's mechanism fires, the paper's ordering beside ours, plots.
-experiments/ablations.py and experiments/gae_granularity.py write it; the other table
+experiments/ablations/ and experiments/gae_granularity/ write it; the other table
 scripts share its pieces (`fmt_run_means`, `mechanisms_text`, `definitions_text`)."""
 
 from __future__ import annotations

@@ -6,26 +6,26 @@ r"""A stale-critic correction: BRACE-style critic targets against lambda = 1 tar
 Runs two sweeps into one sweep dir: configs/ablations.py's `brace_staleness` (rows `sao`
 and `sao_brace` on the staleness grid: max staleness S = 0 (synchronous, the control) and
 8 x policy lr 1e-4 and 1e-3 on the graded task; its `sao` points are the staleness grid's,
-so a sweep dir shared with experiments/staleness_lr.py reuses them and their warm starts)
+so a sweep dir shared with experiments/staleness_lr/ reuses them and their warm starts)
 and configs/online_shift.py's `brace` table (the same rows on the per-user online task;
 its `sao` points are the main table's). `sao_brace` is `sao` with rl.critic_target =
 'brace' (docs/method.md section 8). Writes `<out_dir>/critic_correction.md`: per cell,
 paired by seed, BRACE minus lambda in the critic's EV before its update (over the run
 and over its stale records), success (held-out on the graded task, recovering on the
 online task), DIS keep rate, staleness trained on and the step-time ratio, Holm within
-the EV family and within the success family (sao_jax/report/critic_correction.py).
-Flags: see experiments/ablations.py; results/critic_correction/PREREGISTRATION.md says
+the EV family and within the success family (experiments/critic_correction/report.py).
+Flags: see sao_jax/report/experiment.py; results/critic_correction/PREREGISTRATION.md says
 what is tested.
 """
 
 from __future__ import annotations
 
 from absl import app
+from sao_jax.experiments.critic_correction import report
 
 from sao_jax.configs import ablations as ablations_cfg
 from sao_jax.configs import online_shift as shift_cfg
-from sao_jax.experiments import ablations as abl
-from sao_jax.report import critic_correction as report
+from sao_jax.report.experiment import table_main
 
 
 def sweeps(mode: str):
@@ -39,7 +39,7 @@ def sweeps(mode: str):
     return (graded, shift_cfg.get_sweep(f"table=brace,mode={mode},offsets=none"))
 
 
-main = abl.table_main("critic_correction", sweeps, report.report)
+main = table_main("critic_correction", sweeps, report.report)
 
 
 if __name__ == "__main__":

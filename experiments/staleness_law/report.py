@@ -1,4 +1,4 @@
-"""The report of experiments/staleness_law.py: is the collapse time of stale training
+"""The report of experiments/staleness_law/: is the collapse time of stale training
 proportional to 1 / lr (t_collapse x lr constant), and how far does DIS move it?
 
 The source cites, for uncorrected asynchronous GRPO, a collapse horizon proportional to
@@ -35,9 +35,9 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from sao_jax.experiments.ablations import report as table
 
 from sao_jax import sweep
-from sao_jax.report import ablations as table
 from sao_jax.report import compare, stats, survival, tables
 from sao_jax.report.experiment import Experiment, failures
 

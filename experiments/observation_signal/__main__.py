@@ -11,17 +11,17 @@ follow from the call (its points are configs/ablations.py's, shared with Table 5
 budgets match). Writes `<out_dir>/observation_signal.md` (held-out success per task, the
 paired difference per task with its t interval and Holm over the tasks, the critic's
 value change across observations and the share of the return's variance it explains)
-and `<out_dir>/plots/observation_signal_*.png`. Flags: see experiments/ablations.py;
+and `<out_dir>/plots/observation_signal_*.png`. Flags: see sao_jax/report/experiment.py;
 results/observation_signal/PREREGISTRATION.md says what is tested.
 """
 
 from absl import app
+from sao_jax.experiments.observation_signal import report
 
 from sao_jax.configs import observation_signal as cfg
-from sao_jax.experiments import ablations as abl
-from sao_jax.report import observation_signal as report
+from sao_jax.report.experiment import table_main
 
-main = abl.table_main("observation_signal", cfg.sweeps, report.report)
+main = table_main("observation_signal", cfg.sweeps, report.report)
 
 
 if __name__ == "__main__":

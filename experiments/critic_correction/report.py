@@ -1,4 +1,4 @@
-"""The report of the stale-critic correction (experiments/critic_correction.py): BRACE-style
+"""The report of the stale-critic correction (experiments/critic_correction/): BRACE-style
 critic targets (row `sao_brace`, rl.critic_target = 'brace', docs/method.md section 8)
 against SAO's lambda = 1 targets (row `sao`), paired by seed, in every cell of the
 staleness grid (max staleness S x policy lr on the graded task: configs/ablations.py's
@@ -15,7 +15,7 @@ Per run:
               stays lower (the online task's one batch of queue)
   success     graded task: held-out sampled success after the last step (the summary's
               `after`); online task: recovering success, the lines judged in their user's
-              first steps after a switch (sao_jax/report/user_shift.py `pooled`)
+              first steps after a switch (experiments/online_shift/report.py `pooled`)
   keep rate, staleness, target shift   run means of `policy/keep_rate` (the DIS band),
               `train/staleness` (mean lag of the trained tokens), `critic/target_shift`
               (BRACE's target minus the Monte-Carlo return; not logged by lambda targets)
@@ -40,10 +40,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from sao_jax.experiments.ablations import report as table
+from sao_jax.experiments.online_shift import report as user_shift
 
 from sao_jax import sweep
-from sao_jax.report import ablations as table
-from sao_jax.report import compare, tables, user_shift
+from sao_jax.report import compare, tables
 from sao_jax.report.experiment import Experiment, failures
 
 REFERENCE, ROW = ROWS = ("sao", "sao_brace")  # lambda = 1 targets, BRACE-style targets

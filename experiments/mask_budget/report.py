@@ -1,4 +1,4 @@
-"""The calibration and report of experiments/mask_budget.py: DIS, ESTR and IcePop at a
+"""The calibration and report of experiments/mask_budget/: DIS, ESTR and IcePop at a
 matched mask budget.
 
 Calibration (`calibrate_pilots`): the pilot runs (DIS at its default band, one per seed,
@@ -30,9 +30,9 @@ import pathlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from sao_jax.experiments.ablations import report as table
 
 from sao_jax import sweep
-from sao_jax.report import ablations as table
 from sao_jax.report import compare, tables
 from sao_jax.report.experiment import Experiment, failures
 from sao_jax.rl import losses

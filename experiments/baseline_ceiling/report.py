@@ -1,4 +1,4 @@
-"""The report of the baseline-ceiling table (experiments/baseline_ceiling.py): how much of
+"""The report of the baseline-ceiling table (experiments/baseline_ceiling/): how much of
 the ideal per-prompt baseline SAO's critic recovers on the graded task.
 
 Rows (configs/ablations.py, TABLES['baseline_ceiling']): SAO, the global moving average
@@ -7,7 +7,7 @@ moving average (one window of 128 per difficulty level; the level alone explains
 half the return's variance, so its mean is close to the ideal per-prompt baseline).
 
 Scores, per run, at the last budget: held-out sampled success on the training mix (the
-levels weighted as the training stream draws them, alike: sao_jax/report/levels.py), the
+levels weighted as the training stream draws them, alike: experiments/baseline_ceiling/levels.py), the
 primary score; and on the raw held-out mix, beside it.
 
 Tests (sao_jax/report/compare.py): differences paired by seed, Student's t on n - 1 df.
@@ -27,10 +27,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+from sao_jax.experiments.ablations import report as table
+from sao_jax.experiments.baseline_ceiling import levels
 
 from sao_jax import sweep
-from sao_jax.report import ablations as table
-from sao_jax.report import compare, levels, tables
+from sao_jax.report import compare, tables
 from sao_jax.report.experiment import Experiment, by_row, failures
 
 SAO, MA, MA160, ORACLE = "sao", "moving_average", "moving_average_160", "moving_average_per_level"

@@ -1,29 +1,15 @@
-r"""Staleness x learning rate: when does training collapse, with and without DIS?
-
-  python -m experiments.staleness_lr --mode=quick
-  python -m experiments.staleness_lr --mode=full
-
-Runs the `staleness_lr` sweep of configs/ablations.py: max staleness S (0 = synchronous
-rollouts; S > 0 = async sampler up to S versions ahead, older trajectories dropped) x
-policy learning rate, for sao (DIS) and vanilla_vapo (PPO clip vs pi_old, no DIS), and
-writes `<out_dir>/staleness_lr.md` (collapse step or 'none' within the budget, final
-training and held-out success, measured staleness) and `<out_dir>/plots/staleness_lr_*`.
-docs/method.md section 7: stale rollouts bias each step by O(S * lr), so collapse should come
-earlier with larger S and lr (collapse time ~ 1/lr), and later with DIS.
-Flags: see experiments/ablations.py.
-"""
+"""The reading of experiments/staleness_lr: per cell of max staleness x policy lr, DIS
+(sao) and no DIS (vanilla_vapo): collapse, success, measured staleness, keep rate, and the
+DIS-minus-no-DIS difference per cell."""
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
 
-from absl import app
+from sao_jax.experiments.ablations import report as table
 
 from sao_jax import sweep
-from sao_jax.configs import ablations as ablations_cfg
-from sao_jax.experiments import ablations as abl
-from sao_jax.report import ablations as table
 from sao_jax.report import compare, tables
 from sao_jax.report.experiment import Experiment, failures
 
@@ -147,12 +133,3 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
     text += failures(results)
     text += "\n## Every run\n\n" + tables.points_table(results, table.METRIC)
     return text
-
-
-main = abl.table_main(
-    "staleness_lr", lambda mode: ablations_cfg.get_sweep(f"table=staleness_lr,mode={mode}"), report
-)
-
-
-if __name__ == "__main__":
-    app.run(main)

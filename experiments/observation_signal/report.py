@@ -1,4 +1,4 @@
-"""The report of the observation-signal experiment (experiments/observation_signal.py):
+"""The report of the observation-signal experiment (experiments/observation_signal/):
 per task, observation-skipping (SAO) vs cross-observation GAE paired by seed, and the
 critic's value change across observations (sao_jax/rl/value_jumps.py) per task and row.
 
@@ -13,9 +13,9 @@ import collections
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from sao_jax.experiments.ablations import report as table
 
 from sao_jax import sweep
-from sao_jax.report import ablations as table
 from sao_jax.report import compare, tables
 from sao_jax.report.experiment import Experiment, failures
 

@@ -8,20 +8,20 @@ Runs the `baseline_ceiling` sweep of configs/ablations.py (SAO, the global movin
 over 128 and 160 outcomes, the oracle per-level moving average; one shared SFT warm start
 per seed, finished runs reused: the SAO and moving-average runs of Table 4's sweep dir
 are the same points) and writes `<out_dir>/baseline_ceiling.md`
-(sao_jax/report/baseline_ceiling.py: the training-mix score first, the raw held-out mix
+(experiments/baseline_ceiling/report.py: the training-mix score first, the raw held-out mix
 beside it, Holm within each, and the share of the oracle's gain over the moving average
-that SAO recovers, with Fieller's interval). Flags: see experiments/ablations.py.
+that SAO recovers, with Fieller's interval). Flags: see sao_jax/report/experiment.py.
 """
 
 from __future__ import annotations
 
 from absl import app
+from sao_jax.experiments.baseline_ceiling.report import ceiling_report
 
 from sao_jax.configs import ablations as ablations_cfg
-from sao_jax.experiments import ablations as abl
-from sao_jax.report.baseline_ceiling import ceiling_report
+from sao_jax.report.experiment import table_main
 
-main = abl.table_main(
+main = table_main(
     "baseline_ceiling",
     lambda mode: ablations_cfg.get_sweep(f"table=baseline_ceiling,mode={mode}"),
     ceiling_report,

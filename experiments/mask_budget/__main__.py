@@ -11,14 +11,14 @@ r"""Fixed band vs entropy-scaled band at a matched mask budget: DIS, ESTR and Ic
    (sao_jax/rl/mask_budget.py) and writes `<out_dir>/mask_budget_calibration.json`; the
    same pilot runs always give the same file, so a rerun reuses every finished point.
 3. Runs the `mask_budget` sweep (each rule at each calibrated budget, same cell) and
-   writes `<out_dir>/mask_budget.md` (sao_jax/report/mask_budget.py): achieved mask
+   writes `<out_dir>/mask_budget.md` (experiments/mask_budget/report.py): achieved mask
    share, keep rate, entropy of masked and kept tokens, collapse, held-out success, each
    rule's paired difference from DIS with Holm within the table.
 The pilots use the mode's seeds whatever --seeds says, so that added seeds run at the same
 calibrated parameters. --dry_run prints the pilots' commands, or the budget sweep's once a
 calibration file exists in --out_dir. --from_runs=<out>/mask_budget_runs.jsonl rebuilds
 the report from committed runs and the calibration file beside them, training nothing.
-Flags: see experiments/ablations.py.
+Flags: see sao_jax/report/experiment.py.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import logging
 import pathlib
 
 from absl import app
+from sao_jax.experiments.mask_budget import report as mask_budget
 
 from sao_jax import sweep
 from sao_jax.configs import ablations as ablations_cfg
-from sao_jax.experiments import ablations as abl
-from sao_jax.report import mask_budget
+from sao_jax.report.experiment import experiment, flags, table_main
 from sao_jax.rl import mask_budget as mb
 
 CALIBRATION_FILE = "mask_budget_calibration.json"  # under --out_dir
@@ -46,17 +46,17 @@ def pilot_workdirs(exp, mode: str) -> list:
 def calibration_path(exp) -> pathlib.Path:
     """The calibration file: beside the runs file a table is regenerated from
     (--from_runs), else in --out_dir."""
-    if abl.FROM_RUNS.value:
-        return pathlib.Path(abl.FROM_RUNS.value).parent / CALIBRATION_FILE
+    if flags().from_runs.value:
+        return pathlib.Path(flags().from_runs.value).parent / CALIBRATION_FILE
     return exp.out_path / CALIBRATION_FILE
 
 
 def sweep_of(mode: str) -> sweep.SweepSpec:
     """Runs (or reuses) the pilots, calibrates, returns the budget sweep (step 3); with
     --from_runs, only the budget sweep of the committed calibration (nothing runs)."""
-    exp = abl.experiment()
+    exp = experiment()
     path = calibration_path(exp)
-    if abl.FROM_RUNS.value:
+    if flags().from_runs.value:
         return ablations_cfg.get_sweep(f"table=mask_budget,mode={mode},calibration={path}")
     pilot = ablations_cfg.get_sweep(f"table=mask_pilot,mode={mode}")
     if exp.dry_run:  # the pilots' commands; the budget sweep's if a calibration exists
@@ -95,7 +95,7 @@ def write(exp, spec, results, wall_s: float) -> str:
     )
 
 
-main = abl.table_main("mask_budget", sweep_of, write)
+main = table_main("mask_budget", sweep_of, write)
 
 
 if __name__ == "__main__":
