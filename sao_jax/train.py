@@ -300,9 +300,11 @@ class Run:
         return source
 
     def _batch(self, trajs: list[Trajectory], for_learner: bool = True) -> dict[str, Any]:
-        """The padded global batch of this host's trajectories (checked against the
-        learner's batch rules unless `for_learner` is off: value pretraining)."""
+        """The padded global batch of this host's trajectories with the fields the learner
+        asks for (`Learner.batch_needs`; `for_learner` off, value pretraining: those the
+        critic reads, `critic_batch_needs`), checked against its batch rules."""
         cfg = self.config
+        needs = self.learner.batch_needs if for_learner else self.learner.critic_batch_needs
         length = None
         if jax.process_count() > 1:  # all hosts pad to the longest row of the global batch
             longest = distributed.agree_max(max(t.length for t in trajs))
@@ -310,12 +312,12 @@ class Run:
         kw = dict(
             length=length,
             length_bucket=cfg.train.length_bucket,
-            with_groups=for_learner and self.learner.estimator.needs_groups,
-            with_routing=cfg.rl.routing_replay,
-            baseline_key=cfg.rl.baseline_key if for_learner else "",
+            with_groups="groups" in needs,
+            with_routing="routing" in needs,
+            baseline_key=cfg.rl.baseline_key if "baseline_keys" in needs else "",
             num_keys=cfg.rl.moving_average_keys,
         )
-        if cfg.rl.privileged_critic:  # what a ceiling row's critic reads
+        if "critic_tokens" in needs:  # what a ceiling row's critic reads
             kw["critic_tokens"] = [privileged_tokens(t, self.tokenizer.encode) for t in trajs]
         if cfg.train.pack:  # model passes on packed rows (sao_jax/rl/packing.py)
             batch, _ = pack_batch(
@@ -347,8 +349,9 @@ class Run:
             source_devices=self.placement.trainer_devices,
         )
 
-    def _key(self, state):
-        return jax.random.fold_in(self.key, int(state.updates))
+    def _key(self, updates: int):
+        """The key of update call number `updates` (TrainState.updates before it)."""
+        return jax.random.fold_in(self.key, updates)
 
     def rollouts(self):
         cfg = self.config
@@ -362,10 +365,11 @@ class Run:
         return AsyncRollouts(*args, self.engine_cfg, self.sampler_cfg, take_timeout_s=timeout, **kw)
 
     def evaluate(self, state, step: int) -> dict[str, float]:
+        """Evaluation of the policy in `state`, whose version (state.step) is `step`."""
         log.info("eval at step %d: %d held-out prompts", step, len(self.evaluator.prompts))
         t0 = time.time()
         with self.placement.pool_context():
-            out = self.evaluator(self.sampler_params(state.policy), int(state.step), step=step)
+            out = self.evaluator(self.sampler_params(state.policy), step, step=step)
         out["eval/seconds"] = time.time() - t0
         self.writer.write_scalars(step, out)
         log.info("eval at step %d: %s", step, _fmt(out, "eval/"))
@@ -493,46 +497,51 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
     cfg, learner = r.config, r.learner
     t = cfg.train
     b = r.local_batch  # this host's share of the batch
+    # The step (policy version) and the update calls done, read from the device once here
+    # and then once per update: `updates` grows by one every call, `step` only with an
+    # update that was not skipped (a non-finite one keeps the state).
+    step, updates = int(state.step), int(state.updates)
     source = r.rollouts()
     if r.set_env_step is not None:
-        r.set_env_step(int(state.step))
-    source.publish(r.sampler_params(state.policy), int(state.step), synced=True)
+        r.set_env_step(step)
+    source.publish(r.sampler_params(state.policy), step, synced=True)
     source.start()
-    log.info("RL: at step %d of %d, %d trajectories a step", int(state.step), t.total_steps, b)
+    log.info("RL: at step %d of %d, %d trajectories a step", step, t.total_steps, b)
     acc = metrics.MetricAccumulator()
     host: list[dict[str, float]] = []
     env_log = acct.EnvLog()
-    start = min(int(state.step), t.total_steps)
-    progress = Progress(t.total_steps, initial=start, enabled=t.progress)
+    progress = Progress(t.total_steps, initial=min(step, t.total_steps), enabled=t.progress)
     tokens, t_log = 0, time.time()
     last = {}
     stopped = False
     try:
-        while int(state.step) < t.total_steps:
+        while step < t.total_steps:
             trajs = take_or_stop(source, b, t.take_timeout_s, stopper)
             if trajs is None:
                 stopped = True
                 break
             batch = r._batch(trajs)
-            version = int(state.step)
+            version = step  # the policy this batch's staleness is measured against
             host.append(acct.host_stats(trajs, version))
             env_log.add(trajs)
             tokens += int(batch["action_mask"].sum())
-            if int(state.updates) < cfg.rl.critic_only_steps:
-                state, m = learner.value_step(state, batch, r._key(state))  # critic warm-up
+            key, updates = r._key(updates), updates + 1
+            if updates <= cfg.rl.critic_only_steps:
+                state, m = learner.value_step(state, batch, key)  # critic warm-up
                 acc.add(m)
                 continue
-            if int(state.step) + 1 in t.token_dump_steps:  # before the update donates it
+            if version + 1 in t.token_dump_steps:  # before the update donates it
                 probe = jax.device_get(learner.token_probe(state, batch))
-                token_dump.write(r.workdir, int(state.step) + 1, probe, batch["action_mask"])
-            state, m = learner.update_step(state, batch, r._key(state))
-            # weight sync, dispatched behind the update: the pool keeps decoding the
-            # previous version until this one has landed
-            source.publish(r.sampler_params(state.policy), int(state.step), synced=True)
-            if r.set_env_step is not None:  # non-stationary tasks follow the policy step
-                r.set_env_step(int(state.step))
-            acc.add(m)
+                token_dump.write(r.workdir, version + 1, probe, batch["action_mask"])
+            state, m = learner.update_step(state, batch, key)
+            # weight sync, dispatched behind the update (before the step is read, which
+            # waits for it): the pool keeps decoding the previous version until it lands
+            params = r.sampler_params(state.policy)
             step = int(state.step)
+            source.publish(params, step, synced=True)
+            if r.set_env_step is not None:  # non-stationary tasks follow the policy step
+                r.set_env_step(step)
+            acc.add(m)
             if step % t.log_every == 0 or step == t.total_steps:
                 learner.raise_if_diverged(state)
                 now = time.time()
@@ -552,7 +561,6 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
     finally:
         source.stop()
         progress.close()
-    step = int(state.step)
     after = {}
     if step >= t.total_steps and not stopped:
         after = _unless_stopped(r.evaluate, state, step) or {}

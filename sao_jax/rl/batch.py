@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sao_jax.batch_schema import AXIS_NAMES, BATCH_FIELDS, NEEDS, fields_for
@@ -82,3 +84,9 @@ def check_batch(
             if n != size:
                 raise ConfigError(f"batch field {name!r}: {AXIS_NAMES[axis]} {n} != {size}")
 
+
+def token_staleness(step: jax.Array, batch: dict[str, Any]) -> jax.Array:
+    """[B, T] policy versions between the learner's `step` (its policy pi_step) and the
+    policy that sampled each action token, max(step - versions, 0); 0 off action tokens.
+    What the policy losses and the token dump read as staleness."""
+    return jnp.where(batch["action_mask"], jnp.maximum(step - batch["versions"], 0), 0)

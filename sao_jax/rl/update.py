@@ -42,13 +42,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from sao_jax.batch_schema import fields_for
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.rl import advantages as adv_lib
 from sao_jax.rl import critic_targets, gae, losses, value_jumps
 from sao_jax.rl import metrics as rm
 from sao_jax.rl import passes as P
-from sao_jax.rl.batch import check_batch, check_divisible
+from sao_jax.rl.batch import check_batch, check_divisible, token_staleness
 from sao_jax.rl.optim import (
     apply_updates,
     critic_frozen_labels,
@@ -120,6 +121,15 @@ class Learner:
         self.estimator_kwargs = estimator_params(rl)
         self.target_entry = critic_targets.CRITIC_TARGETS.get(rl.critic_target)
         self.target_kwargs = target_params(rl)
+        # The batch fields beyond the always-present ones (sao_jax/batch_schema.py NEEDS):
+        # what the update step reads, and what the critic's passes alone read.
+        needs = {"critic_tokens"} if rl.privileged_critic else set()
+        self.critic_batch_needs = frozenset(needs)
+        needs |= {"groups"} if self.estimator.needs_groups else set()
+        needs |= {"baseline_keys"} if rl.baseline_key else set()
+        needs |= {"routing"} if rl.routing_replay else set()
+        self.batch_needs = frozenset(needs)
+        self.batch_fields = fields_for(needs)  # their names (a padded batch)
         critic_shapes = critic_def.shapes() if self.uses_critic else {}
         self.critic_frozen = (
             critic_frozen_labels(critic_shapes, config.optim.critic) if self.uses_critic else None
@@ -175,23 +185,16 @@ class Learner:
         return self._jit_init(policy, critic if self.uses_critic else {}, seed=seed)
 
     def check_batch(self, batch: dict[str, Any]) -> None:
-        """Shape/dtype checks naming the field, before anything compiles."""
-        check_batch(batch, need_groups=self.estimator.needs_groups)
-        if self.rl.baseline_key and "baseline_keys" not in batch:
-            raise ConfigError(
-                f"batch: missing field 'baseline_keys' (rl.baseline_key="
-                f"{self.rl.baseline_key!r} keys each row's moving-average baseline)"
-            )
+        """Shape/dtype checks naming the field, before anything compiles: the fields of
+        `batch_needs` present (a packed batch: their packed forms), rows divisible."""
+        packed = "packed_tokens" in batch  # model passes on packed rows (rl/packing.py)
+        check_batch(batch, needs=self.batch_needs | ({"packed"} if packed else set()))
         m, mini = self.rl.microbatches, self.rl.minibatches
         shards = self.sharder.axis_size("batch")
-        packed = "packed_tokens" in batch  # model passes on packed rows (rl/packing.py)
         split = dict(microbatches=m, shards=shards)
         check_divisible(batch["tokens"].shape[0], "batch size", minibatches=mini, **split)
         if packed:
             check_divisible(batch["packed_tokens"].shape[0], "packed rows of the batch", **split)
-        forced = "packed_forced_experts" if packed else "forced_experts"
-        if self.rl.routing_replay and forced not in batch:
-            raise ConfigError(f"batch: rl.routing_replay is on but {forced!r} is missing")
 
     def raise_if_diverged(self, state: TrainState) -> None:
         n = int(jax.device_get(state.consecutive_skips))
@@ -311,7 +314,7 @@ class Learner:
         return dict(
             log_ratio=jnp.where(m, out["logp"] - batch["rollout_logp"], 0.0),
             entropy=jnp.where(m, out["entropy"], 0.0),
-            staleness=jnp.where(m, jnp.maximum(state.step - batch["versions"], 0), 0),
+            staleness=token_staleness(state.step, batch),
         )
 
     def with_target_inputs(self, state: TrainState, batch):
@@ -424,8 +427,7 @@ class Learner:
         """
         rl = self.rl
         mb_batch = dict(batch, advantages=advantages_bt)
-        staleness = jnp.maximum(state.step - batch["versions"], 0)
-        mb_batch["staleness"] = jnp.where(batch["action_mask"], staleness, 0)
+        mb_batch["staleness"] = token_staleness(state.step, batch)
         if self.loss_entry.needs_old_logp:  # pi_old = the policy at the start of the step
             mb_batch["old_logp"] = self.policy_logp(state.policy, batch)
         if rl.ppo_epochs * rl.minibatches == 1:
