@@ -470,11 +470,12 @@ def derived_metrics(means: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-def reduce_sum_count(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """name -> (sum, count) pairs (device or host) or plain scalars -> floats.
+def pair_means(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """name -> (sum, count) pairs (device or host) or plain scalars -> floats: the one host
+    reduction of the (sum, count) metrics (sao_jax/rl/metrics.py makes them).
 
     A pair becomes sum / count (NaN when count is 0); a plain scalar is passed through.
-    The `derived_metrics` are added. One `jax.device_get` for the whole mapping.
+    One `jax.device_get` for the whole mapping.
     """
     out = {}
     for name, value in jax.device_get(dict(metrics)).items():
@@ -483,6 +484,12 @@ def reduce_sum_count(metrics: Mapping[str, Any]) -> dict[str, float]:
             out[name] = s / c if c > 0 else math.nan
         else:
             out[name] = _float(name, value)
+    return out
+
+
+def reduce_sum_count(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """`pair_means`, plus the `derived_metrics` of those means (what a run logs)."""
+    out = pair_means(metrics)
     return out | derived_metrics(out)
 
 

@@ -59,7 +59,7 @@ def _train(config):
     from sao_jax.models.config import ModelConfig
     from sao_jax.models.factory import init_models
     from sao_jax.parallel.mesh import sharder_from_config
-    from sao_jax.rl.metrics import reduce_metrics
+    from sao_jax.metrics import pair_means as reduce_metrics
     from sao_jax.rl.synthetic import synthetic_batch
     from sao_jax.rl.update import Learner
 

@@ -18,7 +18,7 @@ from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.rl import packing
 from sao_jax.rl.batch import check_batch
-from sao_jax.rl.metrics import reduce_metrics
+from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.sampling.trajectory import Trajectory, pack_batch, pad_batch, padding_fraction
 from sao_jax.schema import ConfigError
 from tests.closeness import assert_steps_close

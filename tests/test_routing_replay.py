@@ -15,7 +15,7 @@ from sao_jax import config as config_lib
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.rl.metrics import reduce_metrics
+from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.rl.passes import policy_pass, token_logp_entropy
 from sao_jax.rl.update import Learner
 from sao_jax.sampling.engine import Engine, EngineConfig

@@ -12,7 +12,7 @@ from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.parallel.partition import path_str, tree_bytes
 from sao_jax.rl import passes as P
 from sao_jax.rl import update as update_lib
-from sao_jax.rl.metrics import reduce_metrics
+from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.rl.optim import critic_frozen_labels
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner, NonFiniteError

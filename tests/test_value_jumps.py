@@ -8,7 +8,7 @@ import pytest
 
 from sao_jax.rl import gae
 from sao_jax.rl import value_jumps as J
-from sao_jax.rl.metrics import reduce_metrics
+from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.rl.synthetic import synthetic_batch
 
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from sao_jax.device_check.record import Phase, timed
 from sao_jax.device_check.shapes import Shapes
+from sao_jax.metrics import pair_means
 from sao_jax.models import attention_backends as backends
 from sao_jax.models.attention_kernels import blockwise_attention
 from sao_jax.models.config import ModelConfig
@@ -47,7 +48,6 @@ from sao_jax.models.moe.grouped import grouped_local_moe
 from sao_jax.models.moe.router import route
 from sao_jax.parallel import platform
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.rl.metrics import reduce_metrics
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner
 from sao_jax.schema import ConfigDict
@@ -223,7 +223,7 @@ def update_dtype(p: Phase, s: Shapes, learners: Learners) -> None:
         highest = dtype == "float32"
         with jax.default_matmul_precision("highest") if highest else contextlib.nullcontext():
             _, metrics = learner.update_step(state, batch, key)
-        out[dtype] = reduce_metrics(metrics)
+        out[dtype] = pair_means(metrics)
     for name in UPDATE_METRICS:
         want, got = out["float32"].get(name), out["bfloat16"].get(name)
         if want is None:

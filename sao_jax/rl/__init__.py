@@ -5,7 +5,7 @@ mesh) over a `TrainState`; advantage estimators (`compute_advantages`, by name f
 `ESTIMATORS`) and losses (`policy_loss`, `value_loss`, by name from `LOSSES`), both
 registries of sao_jax/registry.py; observation-skipping GAE and the length-adaptive
 lambda; the batch's checks; the optimizers; metrics as (sum, count) pairs, averaged on the
-host by `reduce_metrics`. Each name comes from the module that holds it.
+host by `sao_jax.metrics.pair_means`. Each name comes from the module that holds it.
 """
 
 from sao_jax.batch_schema import BATCH_FIELDS
@@ -14,7 +14,6 @@ from sao_jax.rl.batch import check_batch, check_divisible
 from sao_jax.rl.checks import checked_mode
 from sao_jax.rl.gae import length_adaptive_lambda, skip_observation_gae
 from sao_jax.rl.losses import LOSSES, policy_loss, value_loss
-from sao_jax.rl.metrics import reduce_metrics
 from sao_jax.rl.optim import make_optimizer
 from sao_jax.rl.state import TrainState
 from sao_jax.rl.update import Learner, NonFiniteError
@@ -34,7 +33,6 @@ __all__ = [
     "length_adaptive_lambda",
     "make_optimizer",
     "policy_loss",
-    "reduce_metrics",
     "skip_observation_gae",
     "value_loss",
     "whiten_advantages",

@@ -1,6 +1,7 @@
 """The RL math's metrics: name -> (sum, count) pairs of float32 scalars, summed over
 microbatches and devices on the way, and turned into means on the host only on log steps
-(`reduce_metrics`)."""
+(the one host reduction: `sao_jax.metrics.pair_means`, and `reduce_sum_count` with the
+statistics derived from those means)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,3 @@ def explained_variance(values_bt, returns_bt, mask_bt) -> jax.Array:
     var = lambda x: mean(jnp.square(x - mean(x)))
     var_r = var(returns_bt)
     return jnp.where(var_r > 0, 1.0 - var(returns_bt - values_bt) / jnp.maximum(var_r, 1e-12), 0.0)
-
-
-def reduce_metrics(metrics: Metrics) -> dict[str, float]:
-    """Host side: (sum, count) pairs -> means (NaN where count is 0)."""
-    out = {}
-    for k, (s, c) in jax.device_get(metrics).items():
-        out[k] = float(s) / float(c) if float(c) > 0 else float("nan")
-    return out
