@@ -139,13 +139,9 @@ SMOKE_ROWS = {
 MODES = ("smoke", "quick", "full")
 
 # Per mode: seeds, RL steps, eval cadence (the fixed step budgets) and eval prompts.
-# Sized from measured per-step costs (docs/experiments.md, "Budgets"): on an idle 2-core
-# machine a critic row costs ~30 s of start-up + ~0.9 s per RL step, a critic-free row
-# ~30 s + ~0.5 s per step, an evaluation of 512 prompts (greedy + sampled) ~10 s, a warm
-# start (1000 SFT steps) ~4 min. Full: Table 4 = 5 seeds x 7 rows x 60 steps ~ 55 min
-# with the warm starts, Table 5 3 more rows x 5 seeds ~ 20 min. Held-out prompts are
-# cheap next to RL steps, so the full mode evaluates 512 (binomial SE of one run's score
-# ~2 points instead of ~4 at 128), and the differences are paired by seed.
+# Sized from measured per-step costs (docs/experiments.md, "Budgets"). Held-out prompts
+# are cheap next to RL steps, so the full mode evaluates 512 (binomial SE of one run's
+# score ~2 points instead of ~4 at 128), and the differences are paired by seed.
 BUDGETS = {
     "smoke": dict(seeds=(0,), steps=2, eval_every=2, eval_size=8),
     "quick": dict(seeds=(0,), steps=40, eval_every=20, eval_size=256),
@@ -154,22 +150,21 @@ BUDGETS = {
 # baseline_ceiling: 10 seeds in full mode (the recovered share is a ratio of two paired
 # differences of ~2 points each: 5 seeds would leave its interval unbounded), at Table
 # 4's steps and eval sizes, so its SAO and moving-average points are Table 4's (reused
-# from the same sweep dir). From scratch on the idle 2-core box a seed costs ~10 min: the
-# warm start ~4, SAO ~1.4, three critic-free rows ~1 each, evaluations ~2: ~1.7 h.
+# from the same sweep dir; a seed's cost: docs/experiments.md).
 CEILING_SEEDS = {"smoke": (0,), "quick": (0,), "full": tuple(range(10))}
 # staleness_lr grid: the sampler may run `s` versions ahead (queue of (s + 1) batches)
 # and trajectories more than `s` versions old are dropped (0 = synchronous rollouts);
-# policy lr x 1 (configs/sao.py) and x 10. At the default async settings (staleness ~2)
-# and lr 1e-4 DIS keeps 99.8-100% of tokens: the grid goes to S = 8 and lr 1e-3 so that
-# the band binds (keep rate reported per cell). The `brace_staleness` table is this grid
+# policy lr x 1 (configs/sao.py) and x 10. The grid goes to S = 8 and lr 1e-3 so that the
+# DIS band binds (at the default async settings it keeps nearly every token; the keep
+# rate is reported per cell, results/full/README.md). The `brace_staleness` table is this grid
 # with the rows sao and sao_brace: its sao points are the grid's (one command each).
 STALENESS = {"smoke": (1,), "quick": (8,), "full": (0, 8)}
 POLICY_LRS = {"smoke": (1e-4,), "quick": (1e-4, 1e-3), "full": (1e-4, 1e-3)}
 STALENESS_STEPS = {"smoke": 2, "quick": 30, "full": 40}
 STALENESS_SEEDS = {"smoke": (0,), "quick": (0,), "full": (0, 1, 2, 3, 4)}
 # staleness_law: the same pair over more learning rates, each cell run until most runs
-# without DIS collapse (the full staleness grid: at S = 8 and lr 1e-3 4/5 of them by
-# step 16-28, 2/5 with DIS) so that the collapse step can be read against lr; S = 2 and 8
+# without DIS collapse (the full staleness grid's collapses: docs/experiments.md) so that
+# the collapse step can be read against lr; S = 2 and 8
 # so that S x lr varies in both factors. Logged every step (collapse resolution); the
 # level `log_every=1` also keeps these points' names apart from the staleness grid's.
 LAW_STALENESS = {"smoke": (1,), "quick": (8,), "full": (2, 8)}
@@ -177,8 +172,8 @@ LAW_LRS = {"smoke": (1e-3,), "quick": (1e-3, 4e-3), "full": (5e-4, 1e-3, 2e-3, 4
 LAW_STEPS = {"smoke": 3, "quick": 30, "full": 40}
 # mask_budget: DIS (symmetric band), ESTR and IcePop, each calibrated to mask the same
 # share of the action tokens of the same batches, at the staleness grid's S = 8 and high
-# lr 1e-3 (where the default DIS band masks 7% over a run and collapses come within 40
-# steps). The calibration batches are the first ones that can carry the full staleness
+# lr 1e-3 (where the default DIS band binds and runs collapse within the budget:
+# docs/experiments.md). The calibration batches are the first ones that can carry the full staleness
 # S: steps S + 1 ... S + 4 of a DIS pilot run per seed (step 1, staleness 0, is dumped
 # too: there every ratio is 1 up to rounding, so no budget can be set on it).
 MASK_CELL = {"smoke": (1, 1e-3), "quick": (8, 1e-3), "full": (8, 1e-3)}  # (S, lr)

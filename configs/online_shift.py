@@ -8,9 +8,8 @@ payout, and every line of user u also earns the user's offset (`offsets=spread`,
 default: prompt-level reward variance that only a baseline telling users apart removes), so
 the current target and the expected reward are predictable from the prompt: a critic can
 track them per user, a global reward average cannot. The variant `offsets=none` is the
-first per-user design (payouts only), on which the pre-registered run could not show the
-effect (results/online_shift/README.md); the offsets design can
-(results/online_shift_offsets/README.md). The warm start
+first per-user design (payouts only); what each design's runs showed is in
+results/online_shift/README.md and results/online_shift_offsets/README.md. The warm start
 (SFT) writes each user's initial style half the time (`sft.error_rate` 0.5: the other
 half in another style), so the trunk the critic is copied from reads the user tag.
 Value pretraining has its own lr and clip (`value_pretrain.lr`, `.max_grad_norm`), so the
@@ -60,7 +59,7 @@ from sao_jax.sweep import SweepSpec, set_field
 
 PAPER_WINDOW = 128  # rewards in the paper's moving average (its batch: 128 prompts)
 WINDOW_STEPS = (1, 8, 32)  # other windows, in steps of rewards (x rl.batch_size); with the
-# paper's (2 steps) they span 1 to 32: a fourth row would cost the full run ~11 minutes
+# paper's (2 steps) they span 1 to 32
 USERS = 6
 PAYOUTS = (1.0, 0.75, 0.5, 0.5, 0.75, 1.0)  # the quality factor of user u (style-free)
 # `get_sweep('offsets=spread')`: every line of user u also earns OFFSET_SETS[...][u], judged
@@ -68,7 +67,7 @@ PAYOUTS = (1.0, 0.75, 0.5, 0.5, 0.75, 1.0)  # the quality factor of user u (styl
 # within-prompt Bernoulli variance <= 0.25) that only a baseline telling users apart removes;
 # each pair of users sharing a style sequence (u, u + 3) has two different offsets
 OFFSET_SETS = {"none": (0.0,) * USERS, "spread": (0.0, 1.0, 2.0, 1.0, 2.0, 0.0)}
-DEFAULT_OFFSETS = "spread"  # the design where the claim is testable (get_config, get_sweep)
+DEFAULT_OFFSETS = "spread"  # get_config's and get_sweep's; none: the first per-user design
 # get_sweep sets the offsets as a shared override of every point, also the default's, so
 # that runs recorded without the override (the first per-user design's) are never taken
 # for a default sweep's by --add_to.
@@ -191,7 +190,7 @@ def get_config(arg=None):
     c = sao.get_config(f"smoke={arg.smoke},sync={arg.sync},seed={arg.seed}")
     c.sampling.max_turn_tokens = 64  # one line of up to ~60 characters
     c.sampling.max_len = 96
-    c.sft.steps = 4 if arg.smoke else 600  # 200 left ~2% reward: too sparse to learn from
+    c.sft.steps = 4 if arg.smoke else 600  # fewer leave too sparse a reward (docs/experiments.md)
     c.train.eval_every = 0  # held-out eval only before/after (the target moves)
     mode = "smoke" if arg.smoke else "full"
     b = USER_BUDGETS[mode]
