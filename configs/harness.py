@@ -25,7 +25,7 @@ def get_config(arg=None):
     c.sampling.num_slots = 16  # concurrent harness calls decoding together
     c.sampling.max_len = 1024  # the tool schema, a few turns and their results
     c.sampling.steps_per_sync = 4
-    c.sampling.temperature = 1.0  # the behaviour policy: requests' own values are ignored
+    c.sampling.temperature = 1.0  # the law of requests that send none (docs/harness.md)
     if arg.smoke:
         c.model.update(hidden_size=32, num_hidden_layers=2, mlp_only_layers=(0,), num_experts=4)
         c.sampling.num_slots = 8

@@ -40,7 +40,7 @@ def backend(model):
     b.close()
 
 
-def _recomputed_logp(mdef, params, ids, width=48):
+def _recomputed_logp(mdef, params, ids, width=48, full=False):
     """log_softmax(logits[t - 1])[ids[t]] of a teacher-forced pass, per token (slow ref;
     one compiled program: the ids padded to `width`, causal so the padding is unseen)."""
 
@@ -52,6 +52,8 @@ def _recomputed_logp(mdef, params, ids, width=48):
     tokens = np.zeros((1, width), np.int32)
     tokens[0, : len(ids)] = ids
     logp = np.asarray(fn(params, tokens))
+    if full:  # [T, V]: row t predicts token t + 1
+        return logp
     return np.asarray([logp[i - 1, ids[i]] for i in range(1, len(ids))])
 
 
@@ -144,3 +146,22 @@ def test_busy_queue(model):
                 b.submit(GenRequest((5,), max_tokens=2))
     finally:
         b.close()
+
+
+def test_per_request_sampling(model, backend):
+    """A greedy request and a temperature-1 one decode together, each with its own law:
+    the greedy one takes the argmax (sampled_logp 0), the other samples the full
+    temperature-1 distribution (sampled_logp == rollout_logp)."""
+    mdef, params = model
+    greedy = GenRequest((5, 6, 7), max_tokens=6, temperature=0.0)
+    free = GenRequest((8, 9), max_tokens=6, temperature=1.0, top_p=1.0)
+    hg, hf = backend.submit(greedy), backend.submit(free)
+    rg, rf = hg.future.result(timeout=60), hf.future.result(timeout=60)
+    assert rg.sampling["temperature"] == 0.0 and rf.sampling["temperature"] == 1.0
+    assert rg.sampled_logp == [0.0] * len(rg.token_ids)
+    np.testing.assert_allclose(rf.sampled_logp, rf.rollout_logp, atol=1e-5)
+    ids = [5, 6, 7, *rg.token_ids]
+    logp = _recomputed_logp(mdef, params, ids, full=True)
+    assert [int(np.argmax(logp[i])) for i in range(2, len(ids) - 1)] == rg.token_ids[: len(ids) - 3]
+    with pytest.raises(ValueError, match="top_p"):
+        GenRequest((5,), max_tokens=1, top_p=0.0)

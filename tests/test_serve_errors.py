@@ -19,7 +19,8 @@ def gw(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_errors")
     tok = tokenizer(root)
     backend = ScriptedBackend(tok, max_len=64)
-    server, gateway = serve(backend, tok, root, max_body_bytes=20_000, max_tokens=32)
+    server, gateway = serve(backend, tok, root, max_body_bytes=20_000, max_tokens=32,
+                            request_sampling=False)  # fmt: skip
     yield server, gateway, backend, root
     server.stop()
     backend.close()
@@ -172,6 +173,8 @@ def test_retries_add_nothing(gw):
 
 
 def test_sampling_knobs_ignored_and_counted(gw):
+    """Training's rule (request_sampling=False): a differing temperature is not applied
+    and is counted; under strict_sampling it is a 400 naming it."""
     server, gateway, backend, _ = gw
     admin = openai.OpenAI(base_url=f"{server.url}/v1", api_key=gateway.admin_key, max_retries=0)
     backend.script = ["ok<|im_end|>"]
@@ -204,3 +207,19 @@ def test_disconnect_records_nothing(gw):
     http("POST", f"{server.url}/v1/sessions/{s['id']}/reward", {"reward": 0}, s["api_key"])
     (ep,) = [x for x in episodes(root) if x["id"] == s["id"]]
     assert ep["calls"] == 1 and ep["messages"][-1]["content"] == "again"
+
+
+def test_strict_sampling(tmp_path):
+    tok = tokenizer(tmp_path)
+    backend = ScriptedBackend(tok)
+    server, gateway = serve(backend, tok, tmp_path, request_sampling=False, strict_sampling=True)
+    try:
+        body = {"model": MODEL, "messages": USER, "temperature": 0.5}
+        _check(*http("POST", f"{server.url}/v1/chat/completions", body, gateway.admin_key), 400,
+               param="temperature")  # fmt: skip
+        body = {"model": MODEL, "messages": USER, "presence_penalty": 0.5}
+        _check(*http("POST", f"{server.url}/v1/chat/completions", body, gateway.admin_key), 400,
+               param="presence_penalty")  # fmt: skip
+    finally:
+        server.stop()
+        backend.close()

@@ -190,3 +190,19 @@ def test_concurrent_requests_share_slots(native):
     assert status == 200
     assert stats["backend"]["max_active_slots"] > 1, stats
     assert stats["backend"]["finished"] - before["finished"] == 16
+
+
+def test_request_temperature_applies(native):
+    """Serve-only mode: temperature=0 is greedy, so every sampled token is the most likely
+    one, whatever the run's sampling."""
+    server, gateway, *_ = native
+    admin = openai.OpenAI(base_url=f"{server.url}/v1", api_key=gateway.admin_key)
+    before = gateway.counters.get("sampling_ignored", 0)
+    r = admin.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "greedy"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    for e in r.choices[0].logprobs.content:
+        assert e.token == e.top_logprobs[0].token
+        assert abs(e.logprob - e.top_logprobs[0].logprob) < 1e-4
+    assert gateway.counters.get("sampling_ignored", 0) == before

@@ -46,7 +46,8 @@ class GenRequest:
 
     It ends at the first sampled id in `stop_ids` (kept: it is a sampled token), once the
     decoded completion contains one of `stop_strings`, or after `max_tokens`.
-    `temperature` / `top_p` None: the backend's own values. `uid` names it in drops.
+    `temperature` / `top_p`: this request's sampling law (None: the backend's own values;
+    `GenResult.sampling` says what was used). `uid` names it in drops.
     """
 
     prompt_ids: tuple[int, ...]
@@ -62,6 +63,10 @@ class GenRequest:
             raise ValueError("GenRequest.prompt_ids: empty prompt")
         if not (isinstance(self.max_tokens, int) and self.max_tokens > 0):
             raise ValueError(f"GenRequest.max_tokens: must be an int > 0, got {self.max_tokens!r}")
+        if self.temperature is not None and not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"GenRequest.temperature: must be >= 0, got {self.temperature!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"GenRequest.top_p: must be in (0, 1], got {self.top_p!r}")
 
 
 @dataclasses.dataclass

@@ -15,9 +15,10 @@ The engine is used unchanged, through a subclass that replaces its environment h
 Streaming: after every engine step the thread reports each request's new tokens
 (`on_tokens`). Weights: `publish` goes through a ParamsStore; every step reads the latest
 pair, so requests in flight continue on new weights and each token carries the version
-that sampled it. Sampling: the engine's `EngineConfig` values apply to every request (one
-compiled law for all slots); a request's own values are not applied and `GenResult.sampling`
-says what was used (the gateway counts the difference).
+that sampled it. Sampling: a request's own temperature / top_p apply to its slot
+(per-slot values in the decode call, sao_jax/sampling/generate.py `sample_tokens`);
+without them the engine's `EngineConfig` values apply. `GenResult.sampling` says what
+was used.
 """
 
 from __future__ import annotations
@@ -70,6 +71,17 @@ class _OneTurn:
         return StepResult("", 0.0, True, {})
 
 
+class _RowSampling:
+    """Per-slot sampling values, in SamplingParams' place (`arrays()` of [S] each)."""
+
+    def __init__(self, temperature, top_k, top_p):
+        self.values = (temperature, top_k, top_p)
+
+    def arrays(self):
+        t, k, p = self.values
+        return (jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32))
+
+
 class _RequestEngine(Engine):
     """The engine with request-driven slot starts and turn ends (module docstring)."""
 
@@ -103,11 +115,28 @@ class _RequestEngine(Engine):
         return False
 
     def _decode(self, params):
-        running = sum(self._running(s) is not None for s in range(self.cfg.num_slots))
+        rows = [self._running(s) for s in range(self.cfg.num_slots)]
+        running = sum(sl is not None for sl in rows)
         self.decode_calls += 1
         self.active_sum += running
         self.active_max = max(self.active_max, running)
+        self._sampling = self._row_sampling(rows)
         return super()._decode(params)
+
+    def _row_sampling(self, rows):
+        """The engine's law when every request uses it (one compiled program), else
+        per-slot [S] values (generate.sample_tokens; one more program per read span)."""
+        default = self.cfg.sampling
+        t = [default.temperature] * len(rows)
+        p = [default.top_p] * len(rows)
+        for s, sl in enumerate(rows):
+            if sl is not None:
+                req: GenRequest = sl.prompt.meta["request"]
+                t[s] = default.temperature if req.temperature is None else req.temperature
+                p[s] = default.top_p if req.top_p is None else req.top_p
+        if all(x == default.temperature for x in t) and all(x == default.top_p for x in p):
+            return default
+        return _RowSampling(t, [default.top_k] * len(rows), p)
 
     def slots_of(self) -> dict[str, Slot]:
         """uid -> the slot record of every request holding a slot."""
@@ -233,7 +262,17 @@ class NativeBackend:
 
     @property
     def sampling(self) -> dict[str, Any]:
+        """The backend's own law (a request without values samples with it)."""
         return dict(temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k)
+
+    def sampling_of(self, request: GenRequest) -> dict[str, Any]:
+        """The law `request` is sampled with."""
+        out = self.sampling
+        if request.temperature is not None:
+            out["temperature"] = request.temperature
+        if request.top_p is not None:
+            out["top_p"] = request.top_p
+        return out
 
     @property
     def vocab_size(self) -> int:
@@ -376,7 +415,7 @@ class NativeBackend:
                 chunk.sampled_logp,
                 chunk.versions,
                 "stop" if stopped else "length",
-                self.sampling,
+                self.sampling_of(req),
             )
         )
 
@@ -399,5 +438,7 @@ class NativeBackend:
         self.counters["cancelled"] += 1
         if not live.handle.future.done():
             live.handle.future.set_result(
-                GenResult(*dataclasses.astuple(chunk), "cancelled", self.sampling)
+                GenResult(
+                    *dataclasses.astuple(chunk), "cancelled", self.sampling_of(live.handle.request)
+                )
             )

@@ -116,11 +116,15 @@ def sample_tokens(
 ) -> Sample:
     """a ~ q = softmax(mask(logits / T)) per row; greedy argmax when T == 0.
 
-    `key`: one key for all rows, or [S] keys, one per row. sampled_logp = log q(a) (0
-    under greedy: a point mass); rollout_logp = log_softmax(logits)[a] whatever the
-    sampling settings.
+    `key`: one key for all rows, or [S] keys, one per row. `temperature`, `top_k`,
+    `top_p`: scalars, or [S] values, one per row (a serving backend's requests).
+    sampled_logp = log q(a) (0 under greedy: a point mass); rollout_logp =
+    log_softmax(logits)[a] whatever the sampling settings.
     """
     logits_sv = logits_sv.astype(jnp.float32)
+    per_row = jnp.ndim(temperature) > 0
+    if per_row:  # [S] -> [S, 1], against the [S, V] logits
+        temperature, top_k, top_p = temperature[:, None], top_k[:, None], top_p[:, None]
     greedy = temperature <= 0
     scaled_sv = logits_sv / jnp.where(greedy, 1.0, temperature)
     keep_sv = truncation_mask(scaled_sv, top_k, top_p)
@@ -129,10 +133,11 @@ def sample_tokens(
         sampled_s = jax.vmap(jax.random.categorical)(key, masked_sv)
     else:
         sampled_s = jax.random.categorical(key, masked_sv, axis=-1)
-    tokens_s = jnp.where(greedy, jnp.argmax(logits_sv, axis=-1), sampled_s).astype(jnp.int32)
+    greedy_s = greedy[:, 0] if per_row else greedy
+    tokens_s = jnp.where(greedy_s, jnp.argmax(logits_sv, axis=-1), sampled_s).astype(jnp.int32)
     logq_sv = jax.nn.log_softmax(masked_sv, axis=-1)
     sampled_logp_s = jnp.take_along_axis(logq_sv, tokens_s[:, None], axis=-1)[:, 0]
-    sampled_logp_s = jnp.where(greedy, 0.0, sampled_logp_s)
+    sampled_logp_s = jnp.where(greedy_s, 0.0, sampled_logp_s)
     logp_sv = jax.nn.log_softmax(logits_sv, axis=-1)
     rollout_logp_s = jnp.take_along_axis(logp_sv, tokens_s[:, None], axis=-1)[:, 0]
     return Sample(tokens_s, sampled_logp_s, rollout_logp_s)

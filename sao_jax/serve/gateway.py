@@ -12,10 +12,12 @@ end-of-turn token) with the log-prob the session records, and `usage.completion_
 counts the same tokens. A client that disconnects mid-generation cancels its request:
 its slot is freed and nothing is recorded.
 
-Sampling rule: the backend samples with the run's values (`backend.sampling`). A request
-whose temperature, top_p, penalties or logit_bias differ is served with the run's values
-and counted (`sampling_ignored`), or refused with a 400 under `strict_sampling`; each
-episode records the values used.
+Sampling rule: in serve-only mode (`request_sampling`, the default of a server without
+training) a request's temperature and top_p apply to its slot; in training
+(`request_sampling=False`) the behaviour policy is the run's (`backend.sampling`) and a
+request's differing temperature / top_p are not applied. Knobs not applied (those, and
+penalties or logit_bias, which no backend applies) are counted (`sampling_ignored`), or
+refused with a 400 under `strict_sampling`; each episode records the law of every call.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ class GatewayConfig:
     max_tokens: int = 0  # per request at most; 0 = whatever the context leaves
     max_body_bytes: int = 4 << 20  # larger bodies: 413
     reward_timeout_s: float = 600.0  # an episode with no reward this long after its last call ends
-    strict_sampling: bool = False  # True: differing sampling knobs are a 400, not ignored
+    request_sampling: bool = True  # serve-only: a request's temperature / top_p apply;
+    # False (training): the run's law applies and differing values are ignored and counted
+    strict_sampling: bool = False  # True: sampling knobs not applied are a 400, not ignored
     admin_key: str = ""  # "" = a random one
 
 
@@ -184,18 +188,28 @@ class Gateway:
                 code="model_not_found",
             )
 
-    def check_sampling(self, sampling, session: Session | None) -> None:
+    def check_sampling(self, sampling, session: Session | None) -> dict[str, float]:
+        """The request's temperature / top_p to apply ({} = the run's; see the module
+        docstring): in serve-only mode (`request_sampling`) they apply; in training the
+        run's law applies. Knobs not applied are counted, or a 400 under strict_sampling."""
         differs = sampling.differs_from(self.backend.sampling)
-        if not differs:
-            return
-        if self.cfg.strict_sampling:
-            raise invalid(
-                differs[0],
-                f"differs from the run's sampling {self.backend.sampling} (strict_sampling)",
-            )
-        self.count("sampling_ignored")
-        if session is not None:
-            session.count("sampling_ignored")
+        applied = {}
+        if self.cfg.request_sampling:
+            applied = {k: getattr(sampling, k) for k in ("temperature", "top_p")
+                       if getattr(sampling, k) is not None}  # fmt: skip
+            if applied.get("top_p") == 0:
+                applied["top_p"] = 1e-9  # OpenAI's top_p 0: the most likely token only
+            differs = [d for d in differs if d not in applied]
+        if differs:
+            if self.cfg.strict_sampling:
+                raise invalid(
+                    differs[0],
+                    f"differs from the run's sampling {self.backend.sampling} (strict_sampling)",
+                )
+            self.count("sampling_ignored")
+            if session is not None:
+                session.count("sampling_ignored")
+        return applied
 
     def limits(self, prompt_len: int, max_tokens: int | None) -> int:
         """The request's max_tokens, or a 400 when the prompt and it exceed the context."""
@@ -224,11 +238,12 @@ class Gateway:
         stop: tuple[str, ...],
         on_chunk: Callable[[Any], Any] | None,
         disconnected: Callable[[], bool],
+        sampling: dict[str, float] | None = None,
     ) -> GenResult:
         """Runs one backend request; `on_chunk` (a coroutine function) sees token chunks."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        req = GenRequest(tuple(prompt), max_tokens, stop_strings=stop)
+        req = GenRequest(tuple(prompt), max_tokens, stop_strings=stop, **(sampling or {}))
         try:
             handle = self.backend.submit(
                 req, lambda c: loop.call_soon_threadsafe(queue.put_nowait, c)
@@ -327,7 +342,7 @@ class Gateway:
         """One chat completion; `emit` (a coroutine function) gets SSE events when
         streaming. Returns the response payload (non-streaming shape)."""
         self.check_model(req.model)
-        self.check_sampling(req.sampling, session)
+        applied = self.check_sampling(req.sampling, session)
         plan = self._plan(req, session)
         context = session.context(plan) if session is not None else plan.new_ids
         forced = self.renderer.encode(self.renderer.forced_prefix(req.tool_choice))
@@ -357,7 +372,8 @@ class Gateway:
             first = {"index": 0, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None}  # fmt: skip
             await emit(sse({**head, "choices": [first]}))
-        result = await self.generate(prompt, max_tokens, req.stop, on_chunk, disconnected)
+        result = await self.generate(prompt, max_tokens, req.stop, on_chunk, disconnected,
+                                     applied)  # fmt: skip
         _, finish, reply = self.finish(forced, result, req.stop, chat=True,
                                           tools_allowed=tools_allowed)  # fmt: skip
         top = await self.top_logprobs(prompt, result, req.top_logprobs)
@@ -371,7 +387,7 @@ class Gateway:
             session.commit(plan, forced, result.token_ids, result.rollout_logp, result.versions,
                            held=held, context_key=key, after_eos=eos)  # fmt: skip
             session.last_messages, session.last_reply = list(req.messages), message
-            session.sampling_used = result.sampling
+            session.sampling_used.append(result.sampling)
         self.count("calls")
         logprobs = None
         if req.logprobs:
@@ -422,7 +438,7 @@ class Gateway:
         emit: Callable[[str], Any] | None,
     ) -> dict:
         self.check_model(req.model)
-        self.check_sampling(req.sampling, session)
+        applied = self.check_sampling(req.sampling, session)
         if req.echo:
             raise invalid("echo", "is not supported by this server")
         if isinstance(req.prompt, str):
@@ -450,7 +466,8 @@ class Gateway:
                       "logprobs": None, "finish_reason": None}  # fmt: skip
             await emit(sse({**head, "choices": [choice]}))
 
-        result = await self.generate(prompt, max_tokens, req.stop, on_chunk, disconnected)
+        result = await self.generate(prompt, max_tokens, req.stop, on_chunk, disconnected,
+                                     applied)  # fmt: skip
         text, finish, _ = self.finish([], result, req.stop, chat=False, tools_allowed=False)
         top = await self.top_logprobs(prompt, result, req.logprobs or 0)
         if session is not None:
@@ -458,7 +475,7 @@ class Gateway:
             session.commit(plan, [], result.token_ids, result.rollout_logp, result.versions,
                            held=[], context_key=None, after_eos=eos)  # fmt: skip
             session.last_messages, session.last_reply = [], {"role": "assistant", "content": text}
-            session.sampling_used = result.sampling
+            session.sampling_used.append(result.sampling)
         self.count("calls")
         logprobs = None
         if req.logprobs is not None:

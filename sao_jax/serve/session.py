@@ -118,7 +118,7 @@ class Session:
         self.last_call = time.monotonic()
         self.last_messages: list[dict] = []
         self.last_reply: dict | None = None
-        self.sampling_used: dict[str, Any] | None = None
+        self.sampling_used: list[dict[str, Any]] = []  # the law of each call
         self.last_response = None  # the previous call's CallRecord (serve/gateway.py)
 
     def count(self, name: str, n: int = 1) -> None:
