@@ -12,6 +12,7 @@ import warnings
 
 import numpy as np
 import pytest
+from sao_jax.experiments.ablations import report as table
 
 from sao_jax import sweep
 from sao_jax.checkpointing.meta import encode_meta
@@ -361,7 +362,7 @@ def test_mean_std_and_formatting():
     assert tables.fmt_mean_std([0.1, 0.3]) == f"20.0 ± {100 * np.std([0.1, 0.3], ddof=1):.1f}"
     assert tables.fmt_mean_std([0.1, None]) == "10.0 (n=1)"
     assert tables.fmt_mean_std([0.25]) == "25.0"
-    assert tables.ranking({"a": 1.0, "b": 2.0, "c": 1.0}, {"b": "B"}) == "B > a = c"
+    assert table.ranking({"a": 1.0, "b": 2.0, "c": 1.0}, {"b": "B"}) == "B > a = c"
     assert tables.fmt_mean_std([]) == "n/a"
 
 
@@ -407,29 +408,12 @@ def test_collapse_detection():
     assert tables.fmt_collapses([None]) == "none (0/1)"
 
 
-def test_time_to_recover_hand_checked():
-    steps = np.arange(0, 40, 2)
-    # Step 22 still holds rewards judged before the switch; the drop starts at 24.
-    values = np.where(steps <= 22, 0.5, np.where(steps < 30, 0.1, 0.45))
-    values[steps == 26] = 0.05
-    r = tables.time_to_recover(steps, values, 20, window=10, fraction=0.8)
-    # level 0.5 over [10, 20); bar 0.4: below from 24, back at 30.
-    assert r == tables.Recovery(20, 0.5, 0.05, 10)
-    never = tables.time_to_recover(steps, values, 20, window=10, fraction=0.95)
-    assert never.steps is None and never.dip == 0.05
-    assert tables.time_to_recover(steps, values, 20, window=10, until=28).steps is None
-    flat = tables.time_to_recover(steps, np.full(20, 0.5), 20, window=10)
-    assert flat == tables.Recovery(20, 0.5, 0.5, 0)
-    assert tables.time_to_recover(steps, np.zeros(20), 20, window=10) is None
-    assert tables.time_to_recover(steps, values, 20, window=10, min_level=0.5) is None
-
-
 def test_ordering_agreement():
     paper = {"a": 3.0, "b": 2.0, "c": 1.0}
-    assert tables.ordering_agreement({"a": 0.9, "b": 0.5, "c": 0.1}, paper) == (3, 3, [])
-    agree, total, bad = tables.ordering_agreement({"a": 0.1, "b": 0.5, "c": 0.2}, paper)
+    assert table.ordering_agreement({"a": 0.9, "b": 0.5, "c": 0.1}, paper) == (3, 3, [])
+    agree, total, bad = table.ordering_agreement({"a": 0.1, "b": 0.5, "c": 0.2}, paper)
     assert (agree, total) == (1, 3) and bad == [("a", "b"), ("a", "c")]
-    assert tables.ordering_agreement({"a": 1.0}, paper) == (0, 0, [])
+    assert table.ordering_agreement({"a": 1.0}, paper) == (0, 0, [])
 
 
 def test_markdown_table_and_plots(tmp_path):

@@ -6,6 +6,7 @@ scripts share its pieces (`fmt_run_means`, `mechanisms_text`, `definitions_text`
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -283,16 +284,50 @@ def design_text(
     return "\n".join(lines) + "\n"
 
 
+def ranking(values: Mapping[str, float], labels: Mapping[str, str] | None = None) -> str:
+    """'a > b = c' by decreasing value (equal values joined by '=')."""
+    labels = labels or {}
+    order = sorted(values, key=lambda k: values[k], reverse=True)
+    text = ""
+    for i, k in enumerate(order):
+        if i:
+            text += " = " if values[k] == values[order[i - 1]] else " > "
+        text += labels.get(k, k)
+    return text
+
+
+def ordering_agreement(
+    ours: Mapping[str, float], paper: Mapping[str, float]
+) -> tuple[int, int, list[tuple[str, str]]]:
+    """(pairs ordered alike, pairs compared, pairs ordered differently) over rows in both.
+
+    A pair (a, b) with paper[a] > paper[b] agrees when ours[a] > ours[b]; ties in the
+    paper are skipped, ties in ours count as disagreement.
+    """
+    rows = [r for r in paper if r in ours and tables.finite(ours[r]) is not None]
+    agree, total, bad = 0, 0, []
+    for a, b in itertools.combinations(rows, 2):
+        if paper[a] == paper[b]:
+            continue
+        hi, lo = (a, b) if paper[a] > paper[b] else (b, a)
+        total += 1
+        if ours[hi] > ours[lo]:
+            agree += 1
+        else:
+            bad.append((hi, lo))
+    return agree, total, bad
+
+
 def ordering_text(ours: Mapping[str, float], paper: Mapping[str, float], column: str) -> str:
     """Plain statement of whether our final ordering matches the paper's."""
-    agree, total, bad = tables.ordering_agreement(ours, paper)
+    agree, total, bad = ordering_agreement(ours, paper)
     common = {k: v for k, v in ours.items() if k in paper and tables.finite(v) is not None}
     lines = [
         "## Does laptop scale reproduce the paper's ordering?",
         "",
-        f"- paper ({column}): {tables.ranking({k: paper[k] for k in common}, LABELS)}",
+        f"- paper ({column}): {ranking({k: paper[k] for k in common}, LABELS)}",
         f"- ours (held-out sampled success at the last budget, mean over seeds): "
-        f"{tables.ranking(common, LABELS)}",
+        f"{ranking(common, LABELS)}",
         f"- pairs ordered as in the paper: {agree} of {total} (a tie in ours counts as not).",
     ]
     if total == 0:

@@ -1,4 +1,4 @@
-"""Aggregating sweep results: mean +/- std over seeds, collapse, recovery, tables, plots.
+"""Aggregating sweep results: mean +/- std over seeds, collapse, tables, plots.
 
 Inputs are metric histories (the records of a run's metrics.jsonl: {"step", name: value})
 and summaries (summary.json). Everything here is plain host-side numpy and matplotlib
@@ -194,90 +194,6 @@ def fmt_collapses(collapses: Sequence[Collapse | None]) -> str:
     steps = ", ".join(str(c.step) for c in sorted(hit, key=lambda c: c.step))
     reasons = ", ".join(sorted({c.reason for c in hit}))
     return f"{len(hit)}/{len(collapses)} at {steps} ({reasons})"
-
-
-# --------------------------------------------------------------------------- recovery
-
-
-@dataclasses.dataclass(frozen=True)
-class Recovery:
-    switch: int  # the switch step
-    before: float  # mean of the metric over the window before the switch
-    dip: float  # its minimum after the switch (before recovering)
-    steps: int | None  # steps from the switch to recovery; None = not recovered
-
-
-def time_to_recover(
-    steps: np.ndarray,
-    values: np.ndarray,
-    switch: int,
-    *,
-    window: int,
-    fraction: float = 0.8,
-    until: int | None = None,
-    min_level: float = 0.0,
-) -> Recovery | None:
-    """Steps after `switch` until `values` is back to `fraction` x its pre-switch level.
-
-    level = mean of values at steps in [switch - window, switch). Only logged steps in
-    (switch, until) count. The drop = the first of them below fraction x level (records
-    before it still hold rewards of trajectories judged before the switch); recovery =
-    the first one after the drop at or above fraction x level; steps = recovery - switch
-    (0 when the values never drop, None when they do not recover). None when nothing was
-    logged before the switch or the level is not above `min_level` (nothing to recover).
-    """
-    steps, values = np.asarray(steps), np.asarray(values, np.float64)
-    pre = values[(steps >= switch - window) & (steps < switch)]
-    if pre.size == 0 or not np.mean(pre) > min_level:
-        return None
-    level, bar = float(np.mean(pre)), fraction * float(np.mean(pre))
-    end = until if until is not None else np.iinfo(np.int64).max
-    after = (steps > switch) & (steps < end)
-    post_s, post_v = steps[after], values[after]
-    low = np.nonzero(post_v < bar)[0]
-    if low.size == 0:
-        return Recovery(switch, level, float(np.min(post_v, initial=level)), 0)
-    back = np.nonzero(post_v[low[0] :] >= bar)[0]
-    stop = low[0] + back[0] if back.size else post_v.size
-    dip = float(np.min(post_v[low[0] : stop]))
-    return Recovery(switch, level, dip, int(post_s[stop] - switch) if back.size else None)
-
-
-# --------------------------------------------------------------------------- ordering
-
-
-def ranking(values: Mapping[str, float], labels: Mapping[str, str] | None = None) -> str:
-    """'a > b = c' by decreasing value (equal values joined by '=')."""
-    labels = labels or {}
-    order = sorted(values, key=lambda k: values[k], reverse=True)
-    text = ""
-    for i, k in enumerate(order):
-        if i:
-            text += " = " if values[k] == values[order[i - 1]] else " > "
-        text += labels.get(k, k)
-    return text
-
-
-def ordering_agreement(
-    ours: Mapping[str, float], paper: Mapping[str, float]
-) -> tuple[int, int, list[tuple[str, str]]]:
-    """(pairs ordered alike, pairs compared, pairs ordered differently) over rows in both.
-
-    A pair (a, b) with paper[a] > paper[b] agrees when ours[a] > ours[b]; ties in the
-    paper are skipped, ties in ours count as disagreement.
-    """
-    rows = [r for r in paper if r in ours and finite(ours[r]) is not None]
-    agree, total, bad = 0, 0, []
-    for a, b in itertools.combinations(rows, 2):
-        if paper[a] == paper[b]:
-            continue
-        hi, lo = (a, b) if paper[a] > paper[b] else (b, a)
-        total += 1
-        if ours[hi] > ours[lo]:
-            agree += 1
-        else:
-            bad.append((hi, lo))
-    return agree, total, bad
 
 
 # --------------------------------------------------------------------------- output
