@@ -7,8 +7,8 @@ moving average (one window of 128 per difficulty level; the level alone explains
 half the return's variance, so its mean is close to the ideal per-prompt baseline).
 
 Scores, per run, at the last budget: held-out sampled success on the training mix (the
-levels weighted as the training stream draws them, alike: experiments/baseline_ceiling/levels.py), the
-primary score; and on the raw held-out mix, beside it.
+levels weighted as the training stream draws them, alike: levels.py beside this file),
+the primary score; and on the raw held-out mix, beside it.
 
 Tests (sao_jax/report/compare.py): differences paired by seed, Student's t on n - 1 df.
 One family per score, Holm-adjusted: the four comparisons of COMPARISONS (each moving
