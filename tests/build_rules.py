@@ -26,7 +26,7 @@ IMPORT_TO_PIP = {
     "google.protobuf": "protobuf", "absl": "absl-py", "ml_collections": "ml-collections",
     "orbax": "orbax-checkpoint", "PIL": "pillow", "yaml": "pyyaml", "attr": "attrs",
     "sklearn": "scikit-learn", "cv2": "opencv-python", "dateutil": "python-dateutil",
-    "xdist": "pytest-xdist", "_pytest": "pytest",
+    "xdist": "pytest-xdist", "_pytest": "pytest", "agents": "openai-agents",
 }
 # Unpinned distributions that a pinned one installs: importing them needs one of these.
 PROVIDED_BY = {
