@@ -90,6 +90,7 @@ def test_console_scripts_exist():
         "sao-export",
         "sao-memory-plan",
         "sao-device-check",
+        "sao-serve",
     }
     for target in scripts.values():
         module, _, function = target.partition(":")
