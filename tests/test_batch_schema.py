@@ -116,3 +116,13 @@ def test_checks_name_the_field():
     bad = dict(batch, turn_ids=batch["turn_ids"][:, :5])
     with pytest.raises(ConfigError, match=r"batch field 'turn_ids': length 5 != 8"):
         check_batch(bad)
+
+
+def test_the_first_bad_field_in_declaration_order_is_named():
+    batch = pad_batch(TRAJS, length_bucket=8)
+    bad = dict(batch, rewards=batch["rewards"].astype(np.int32))  # and group_ids missing
+    with pytest.raises(ConfigError, match=r"batch field 'rewards': dtype int32 is not float"):
+        check_batch(bad, needs={"groups"})
+    packed, _ = pack_batch(TRAJS, length=8)
+    with pytest.raises(ConfigError, match=r"packed field 'pack_row' given but missing field"):
+        check_batch({k: v for k, v in packed.items() if k != "packed_positions"})

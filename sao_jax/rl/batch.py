@@ -56,19 +56,19 @@ def check_batch(
     packed = [k for k, f in BATCH_FIELDS.items() if "packed" in f.needs and k in batch]
     if packed:  # one packed field given: all of them
         needs.add("packed")
-    for name in fields_for(needs):
-        if name not in batch:
-            f = BATCH_FIELDS[name]
-            given = (
-                f"packed field {packed[0]!r} given but " if packed and "packed" in f.needs else ""
-            )
-            why = "; ".join(NEEDS[n] for n in sorted(f.needs))
-            raise ConfigError(
-                f"batch: {given}missing field {name!r}" + (f" ({why})" if why else "")
-            )
+    required = set(fields_for(needs))
     sizes: dict[str, int] = {}  # axis letter -> its size, from the first field that has it
-    for name, f in BATCH_FIELDS.items():
+    for name, f in BATCH_FIELDS.items():  # the first bad field in declaration order
         if name not in batch:
+            if name in required:
+                given = (
+                    f"packed field {packed[0]!r} given but "
+                    if packed and "packed" in f.needs
+                    else ""
+                )
+                why = "; ".join(NEEDS[n] for n in sorted(f.needs))
+                why = f" ({why})" if why else ""
+                raise ConfigError(f"batch: {given}missing field {name!r}{why}")
             continue
         x = batch[name]
         shape, dtype = tuple(x.shape), np.dtype(x.dtype)
