@@ -151,7 +151,7 @@ def compiled_check(config, cfg, mesh, rules, rows) -> list[str]:
     mesh_obj = build_mesh(tuple(mesh.values()), devices=jax.devices()[:n])
     sharder = Sharder(mesh_obj, tuple(map(tuple, rules)))
     pdef, cdef = policy_def(small, sharder), critic_def(small, sharder)
-    learner = Learner(run, pdef, cdef, sharder)
+    learner = Learner(run.rl, run.optim, pdef, cdef, sharder)
     got = StepBytes.of(
         compile_update_step(learner, small, run.rl.batch_size, _C_LENGTH.value, fast=True)
     )

@@ -110,7 +110,9 @@ def restore_policy(workdir: pathlib.Path, config: ConfigDict, step: int | None):
     """(policy params, step, ModelConfig) of checkpoint `step` (None: the newest)."""
     cfg = model_config(config, workdir)
     sharder = _sharder(config)
-    learner = Learner(config, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
+    learner = Learner(
+        config.rl, config.optim, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder
+    )
     shardings = learner.state_shardings if sharder.mesh is not None else None
     target = checkpointing.abstract_like(learner.abstract_state, shardings)
     with checkpointing.Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:

@@ -90,7 +90,9 @@ class Run:
         self.sharder = sharder or trainer_sharder(config, self.placement)
         self.tokenizer = inputs.tokenizer
         self.models = build_models(config, self.sharder, self.tokenizer)
-        self.learner = Learner(config, self.models.policy_def, self.models.critic_def, self.sharder)
+        self.learner = Learner(
+            config.rl, config.optim, self.models.policy_def, self.models.critic_def, self.sharder
+        )
         # Several processes (docs/scaling.md): each host's sampler makes B / P trajectories
         # with a host-local policy copy (a model without global-mesh constraints).
         self.local_batch = distributed.local_batch_size(config.rl.batch_size)

@@ -154,7 +154,7 @@ def sharded():
     sharder = Sharder(build_mesh((2, 2, 2, 1)))
     cfg = ModelConfig.from_config(config.model)
     defs = policy_def(cfg, sharder), critic_def(cfg, sharder)
-    learner = Learner(config, *defs, sharder)
+    learner = Learner(config.rl, config.optim, *defs, sharder)
     state = learner.new_state(_params(defs[0], sharder, 1), _params(defs[1], sharder, 2), seed=0)
     return config, defs, learner, _randomise(state, seed=3)
 
@@ -190,7 +190,7 @@ def test_state_without_critic_round_trips(sharded, tmp_path, keys):
     _, defs, learner, _ = sharded
     keyed = dict(moving_average_keys=keys, baseline_key="level") if keys else {}
     config = _tiny_config(advantage="moving_average", **keyed)
-    nc = Learner(config, defs[0], None, learner.sharder)
+    nc = Learner(config.rl, config.optim, defs[0], None, learner.sharder)
     state = _randomise(nc.new_state(_params(defs[0], learner.sharder, 1), None, seed=3), seed=4)
     assert state.critic == {}
     assert state.baseline.rewards_w.shape == ((keys, 128) if keys else (128,))
@@ -207,7 +207,7 @@ def test_restore_onto_fewer_devices_is_bit_exact(sharded, tmp_path, devices):
     with _ckpt(tmp_path) as ck:
         ck.save(2, state, {"n": 1})
     mesh = build_mesh((1, 2, 2, 1), devices=jax.devices()[:4]) if devices == 4 else None
-    target = Learner(config, *defs, Sharder(mesh))
+    target = Learner(config.rl, config.optim, *defs, Sharder(mesh))
     abstract = abstract_like(target.abstract_state, target.state_shardings)
     with _ckpt(tmp_path) as ck:
         restored, _ = ck.restore(abstract)

@@ -56,16 +56,16 @@ def _train(config):
     """3 update steps on the global mesh; this process feeds its rows of each batch."""
     from jax.sharding import NamedSharding
 
+    from sao_jax.metrics import pair_means as reduce_metrics
     from sao_jax.models.config import ModelConfig
     from sao_jax.models.factory import init_models
     from sao_jax.parallel.mesh import sharder_from_config
-    from sao_jax.metrics import pair_means as reduce_metrics
     from sao_jax.rl.synthetic import synthetic_batch
     from sao_jax.rl.update import Learner
 
     sharder = sharder_from_config(config)
     models = init_models(ModelConfig.from_config(config.model), sharder, seed=0)
-    learner = Learner(config, models.policy_def, models.critic_def, sharder)
+    learner = Learner(config.rl, config.optim, models.policy_def, models.critic_def, sharder)
     state = learner.new_state(models.policy, models.critic, seed=0)
     start = dist.gather_to_host({"policy": state.policy, "critic": state.critic})
     start["sampler_logits"] = _sampler_logits(models.cfg, state.policy)

@@ -25,7 +25,7 @@ def _shapes(length: int, **model):
     c = config_lib.validate(c)
     cfg = ModelConfig.from_config(c.model)
     sharder = Sharder()
-    learner = Learner(c, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
+    learner = Learner(c.rl, c.optim, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
     return buffer_shapes(compile_update_step(learner, cfg, 1, length, fast=True))
 
 

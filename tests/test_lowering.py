@@ -86,12 +86,12 @@ def test_recipe_is_what_the_lowering_claims():
 def test_update_step_lowers(platform_name, gpus):
     c, cfg, sharder = _recipe(platform_name, gpus)
     pdef, cdef = policy_def(cfg, sharder), critic_def(cfg, sharder)
-    shapes = Learner(c, pdef, cdef, sharder)  # abstract state and shardings only
+    shapes = Learner(c.rl, c.optim, pdef, cdef, sharder)  # abstract state and shardings only
     state = _with(shapes.abstract_state, shapes.state_shardings)
     batch_sh = NamedSharding(sharder.mesh, sharder.spec(("batch",)))
     batch = abstract_batch(c.rl.batch_size, UPDATE_LENGTH, cfg, batch_sh)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    build = lambda: Learner(c, pdef, cdef, sharder).update_step
+    build = lambda: Learner(c.rl, c.optim, pdef, cdef, sharder).update_step
     exported = platform.lower("update step", platform_name, build, state, batch, key)
     text = _mlir(exported)
     assert exported.nr_devices == sharder.mesh.size == (gpus or 64)

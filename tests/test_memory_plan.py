@@ -124,7 +124,7 @@ def test_plan_rows_match_a_live_train_state(freeze, trainable):
     c.optim.critic.freeze_attention, c.optim.critic.trainable = freeze, trainable
     c = config_lib.validate(c)
     cfg, sharder = ModelConfig.from_config(c.model), Sharder()
-    learner = Learner(c, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
+    learner = Learner(c.rl, c.optim, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
     models = init_models(cfg, sharder, seed=0)
     state = learner.new_state(models.policy, models.critic, seed=0)
     sizes, live_ok = update_parts.state_bytes(cfg, c.optim, state)

@@ -13,12 +13,12 @@ import pytest
 
 from configs import base
 from sao_jax import config as config_lib
+from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.rl import packing
 from sao_jax.rl.batch import check_batch
-from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.sampling.trajectory import Trajectory, pack_batch, pad_batch, padding_fraction
 from sao_jax.schema import ConfigError
 from tests.closeness import assert_steps_close
@@ -143,7 +143,9 @@ def test_packed_update_equals_padded(rl, mesh):
     config = _config(**rl)
     sharder = Sharder(build_mesh(mesh)) if mesh else Sharder()
     models = init_models(ModelConfig.from_config(config.model), sharder, seed=0)
-    learner = CountingLearner(config, models.policy_def, models.critic_def, sharder)
+    learner = CountingLearner(
+        config.rl, config.optim, models.policy_def, models.critic_def, sharder
+    )
     replay, groups = bool(rl.get("routing_replay")), rl.get("advantage") == "grpo"
     pairs = _batches(learner, replay=replay, groups=groups, max_len=T // 2 if mesh else T)
     padded, packed = [p for p, _ in pairs], [q for _, q in pairs]

@@ -12,10 +12,10 @@ import pytest
 
 from configs import base
 from sao_jax import config as config_lib
+from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.rl.passes import policy_pass, token_logp_entropy
 from sao_jax.rl.update import Learner
 from sao_jax.sampling.engine import Engine, EngineConfig
@@ -117,7 +117,7 @@ def test_replay_pins_routing_when_the_router_changes(setup):
 
 def test_update_step_runs_with_routing_replay(setup):
     config, models, _, batch = setup
-    learner = Learner(config, models.policy_def, models.critic_def, Sharder())
+    learner = Learner(config.rl, config.optim, models.policy_def, models.critic_def, Sharder())
     state = learner.new_state(models.policy, models.critic, seed=0)
     learner.check_batch(batch)
     state, metrics = learner.update_step(state, batch, jax.random.key(0))

@@ -142,7 +142,9 @@ def _config(scan: bool, **model):
 def _learner(scan: bool, sharder=None):
     config = _config(scan)
     models = init_models(ModelConfig.from_config(config.model), sharder or Sharder(), seed=0)
-    learner = Learner(config, models.policy_def, models.critic_def, sharder or Sharder())
+    learner = Learner(
+        config.rl, config.optim, models.policy_def, models.critic_def, sharder or Sharder()
+    )
     return learner, learner.new_state(models.policy, models.critic, seed=0)
 
 
@@ -172,7 +174,13 @@ def test_update_step_program_does_not_grow_with_depth():
     def program(layers: int):
         config = _config(True, num_hidden_layers=layers)
         cfg = ModelConfig.from_config(config.model)
-        learner = Learner(config, policy_def(cfg, Sharder()), critic_def(cfg, Sharder()), Sharder())
+        learner = Learner(
+            config.rl,
+            config.optim,
+            policy_def(cfg, Sharder()),
+            critic_def(cfg, Sharder()),
+            Sharder(),
+        )
         batch = abstract_batch(8, 16, cfg)
         key = jax.eval_shape(lambda: jax.random.key(0))
         text = learner.update_step.lower(learner.abstract_state, batch, key).as_text()

@@ -43,7 +43,7 @@ def test_analytic_model_within_25_percent(name):
     cfg = ModelConfig.from_config(c.model)
     sharder = Sharder() if mesh is None else Sharder(build_mesh(mesh))
     pdef, cdef = policy_def(cfg, sharder), critic_def(cfg, sharder)
-    learner = Learner(c, pdef, cdef, sharder)
+    learner = Learner(c.rl, c.optim, pdef, cdef, sharder)
     compiled = StepBytes.of(compile_update_step(learner, cfg, rows, t, fast=True)).temp
     sizes = dict(zip(("data", "fsdp", "expert", "tensor"), mesh or (1, 1, 1, 1)))
     plan = memory_plan(cfg, c.optim, sizes)

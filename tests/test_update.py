@@ -6,13 +6,13 @@ import pytest
 
 from configs import base
 from sao_jax import config as config_lib
+from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import init_models
 from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.parallel.partition import path_str, tree_bytes
 from sao_jax.rl import passes as P
 from sao_jax.rl import update as update_lib
-from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.rl.optim import critic_frozen_labels
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner, NonFiniteError
@@ -44,7 +44,7 @@ def _config(aux=0.001, **rl):
 def _setup(config, sharder=None):
     sharder = sharder or Sharder()
     models = init_models(ModelConfig.from_config(config.model), sharder, seed=0)
-    learner = Learner(config, models.policy_def, models.critic_def, sharder)
+    learner = Learner(config.rl, config.optim, models.policy_def, models.critic_def, sharder)
     state = learner.new_state(models.policy, models.critic, seed=0)
     return learner, state
 
@@ -54,7 +54,9 @@ def default():
     """One learner (compiled once) for the default SAO config; each test gets a fresh state."""
     config = _config(aux=0.0, max_consecutive_skips=2)  # aux loss is per microbatch by design
     models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
-    learner = CountingLearner(config, models.policy_def, models.critic_def, Sharder())
+    learner = CountingLearner(
+        config.rl, config.optim, models.policy_def, models.critic_def, Sharder()
+    )
     return learner, lambda: learner.new_state(models.policy, models.critic, seed=0)
 
 
@@ -107,7 +109,7 @@ def test_update_trains_policy_and_critic_but_not_frozen_attention(default):
 
 def _learner(config):
     models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
-    return Learner(config, models.policy_def, models.critic_def, Sharder()), models
+    return Learner(config.rl, config.optim, models.policy_def, models.critic_def, Sharder()), models
 
 
 def _critic_config(**critic):
@@ -415,7 +417,9 @@ def brace():
     """The default SAO learner with the BRACE critic target (compiled once)."""
     config = _brace_config()
     models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
-    learner = CountingLearner(config, models.policy_def, models.critic_def, Sharder())
+    learner = CountingLearner(
+        config.rl, config.optim, models.policy_def, models.critic_def, Sharder()
+    )
     return learner, lambda: learner.new_state(models.policy, models.critic, seed=0)
 
 

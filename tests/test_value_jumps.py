@@ -6,9 +6,9 @@ import itertools
 import numpy as np
 import pytest
 
+from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.rl import gae
 from sao_jax.rl import value_jumps as J
-from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.rl.synthetic import synthetic_batch
 
 

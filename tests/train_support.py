@@ -139,7 +139,9 @@ def restore_target(config: ConfigDict):
     """The restore target of a run's TrainState (its Learner's abstract state)."""
     sharder = sharder_from_config(config)
     cfg = ModelConfig.from_config(config.model)
-    learner = Learner(config, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
+    learner = Learner(
+        config.rl, config.optim, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder
+    )
     return checkpointing.abstract_like(learner.abstract_state, learner.state_shardings)
 
 

@@ -47,7 +47,7 @@ def measure(layers: int, scan: bool, length: int) -> dict:
     c = config_lib.validate(c)
     cfg = ModelConfig.from_config(c.model)
     sharder = Sharder()
-    learner = Learner(c, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
+    learner = Learner(c.rl, c.optim, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
     batch = abstract_batch(1, length, cfg, None, routing=learner.rl.routing_replay)
     key = jax.eval_shape(lambda: jax.random.key(0))
     t0 = time.process_time()

@@ -41,7 +41,7 @@ def learner_and_state(target: str, batch: int, seed: int):
     c.rl.critic_target = target
     config = config_lib.validate(c)
     models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=seed)
-    learner = Learner(config, models.policy_def, models.critic_def, Sharder())
+    learner = Learner(config.rl, config.optim, models.policy_def, models.critic_def, Sharder())
     holder = {"state": learner.new_state(models.policy, models.critic, seed=seed)}
     return learner, holder
 

@@ -111,7 +111,7 @@ def batch_padding(trajs, config, row_lengths):
 
 def update_times(config, models, trajs, row_length, repeats):
     """Median update-step seconds (and compile seconds) on padded vs packed batches."""
-    learner = Learner(config, models.policy_def, models.critic_def, Sharder())
+    learner = Learner(config.rl, config.optim, models.policy_def, models.critic_def, Sharder())
     b, t = config.rl.batch_size, config.train
     chunk = trajs[:b]
     batches = {

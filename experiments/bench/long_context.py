@@ -49,7 +49,11 @@ def learner_for(model: dict, rows: int):
     c = config_lib.validate(c)
     cfg = ModelConfig.from_config(c.model)
     sharder = Sharder()
-    return c, cfg, Learner(c, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder)
+    return (
+        c,
+        cfg,
+        Learner(c.rl, c.optim, policy_def(cfg, sharder), critic_def(cfg, sharder), sharder),
+    )
 
 
 def compile_timed(learner, cfg, rows, length, fast=False):

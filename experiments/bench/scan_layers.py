@@ -68,7 +68,9 @@ class Variant:
         c.sampling.max_len = cache_len or c.sampling.max_len
         self.config = config = config_lib.validate(c)
         models = init_models(ModelConfig.from_config(config.model), Sharder(), config.seed)
-        self.learner = Learner(config, models.policy_def, models.critic_def, Sharder())
+        self.learner = Learner(
+            config.rl, config.optim, models.policy_def, models.critic_def, Sharder()
+        )
         self.state = self.learner.new_state(models.policy, models.critic, seed=0)
         ecfg, _ = configs_from_section(config.sampling, config.seed)
         self.s, self.max_len = ecfg.num_slots, ecfg.max_len

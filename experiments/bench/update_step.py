@@ -221,7 +221,7 @@ def _build_form(name, spec, overrides, b, t, args, host_batch, routing) -> Form:
     separate = spec.get("separate_v0", False)
     models = init_models(cfg, sharder, seed=args.seed)  # same params in both forms
     learner = (SeparateV0Learner if separate else Learner)(
-        config, models.policy_def, models.critic_def, sharder
+        config.rl, config.optim, models.policy_def, models.critic_def, sharder
     )
     holder = {"state": learner.new_state(models.policy, models.critic, seed=args.seed)}
     batch = jax.device_put(host_batch)

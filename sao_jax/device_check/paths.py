@@ -205,7 +205,7 @@ class Learners:
         if (cfg, rows) not in self._made:
             run = run_config(self.config, cfg, rows)
             pdef, cdef = policy_def(cfg, Sharder()), critic_def(cfg, Sharder())
-            self._made[cfg, rows] = Learner(run, pdef, cdef, Sharder())
+            self._made[cfg, rows] = Learner(run.rl, run.optim, pdef, cdef, Sharder())
         return self._made[cfg, rows]
 
 

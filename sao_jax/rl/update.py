@@ -95,16 +95,18 @@ class CriticRun(NamedTuple):
 
 
 class Learner:
-    """Builds `update_step` and `value_step` for one config, model pair and mesh."""
+    """Builds `update_step` and `value_step` for one config, model pair and mesh: the
+    config's `rl` section (the RL math) and its `optim` section (the two optimizers)."""
 
     def __init__(
         self,
-        config: ConfigDict,
+        rl: ConfigDict,
+        optim: ConfigDict,
         policy_def: ModelDef,
         critic_def: ModelDef | None,
         sharder: Sharder,
     ):
-        self.rl = rl = config.rl
+        self.rl = rl
         self.sharder = sharder
         self.policy_def = policy_def
         self.critic_def = critic_def
@@ -132,17 +134,15 @@ class Learner:
         self.batch_fields = fields_for(needs)  # their names (a padded batch)
         critic_shapes = critic_def.shapes() if self.uses_critic else {}
         self.critic_frozen = (
-            critic_frozen_labels(critic_shapes, config.optim.critic) if self.uses_critic else None
+            critic_frozen_labels(critic_shapes, optim.critic) if self.uses_critic else None
         )
-        self.policy_tx = make_optimizer(config.optim.policy)
+        self.policy_tx = make_optimizer(optim.policy)
         # The critic's schedule (its warm-up) counts RL steps: K optimizer steps each.
-        self.critic_tx = make_optimizer(
-            config.optim.critic, frozen=self.critic_frozen, every=rl.k_critic
-        )
-        self.policy_clip = config.optim.policy.max_grad_norm  # 0: no clip
-        self.critic_clip = config.optim.critic.max_grad_norm
-        self.policy_lr = schedule(config.optim.policy)
-        self.critic_lr = schedule(config.optim.critic, every=rl.k_critic)
+        self.critic_tx = make_optimizer(optim.critic, frozen=self.critic_frozen, every=rl.k_critic)
+        self.policy_clip = optim.policy.max_grad_norm  # 0: no clip
+        self.critic_clip = optim.critic.max_grad_norm
+        self.policy_lr = schedule(optim.policy)
+        self.critic_lr = schedule(optim.critic, every=rl.k_critic)
         self.init_state = functools.partial(
             init_state,
             policy_tx=self.policy_tx,
