@@ -1,6 +1,6 @@
 """Observation-skipping token-level GAE (docs/method.md section 4) and its variants.
 
-All arrays are [B, T], one trajectory per row, aligned to tokens (sao_jax/rl/batch.py).
+All arrays are [B, T], one trajectory per row, aligned to tokens (sao_jax/batch_schema.py).
 `m_t` = action_mask: 1 on tokens the policy generated. Reverse time, masked-carry form:
 
     delta_t = r_t + p_t + gamma * nextV - V_t     # p_t: rewards parked on observations

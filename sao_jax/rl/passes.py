@@ -1,6 +1,6 @@
 """Model passes the update step needs, aligned to the batch's per-token convention.
 
-The batch aligns everything to the token itself (sao_jax/rl/batch.py). A causal model's
+The batch aligns everything to the token itself (sao_jax/batch_schema.py). A causal model's
 output at position t - 1 is the one that predicts token t and summarises the state in
 which token t was chosen, so:
   logp[b, t]    = log_softmax(policy_logits[b, t - 1])[tokens[b, t]]

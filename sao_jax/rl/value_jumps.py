@@ -1,7 +1,7 @@
 r"""The critic's value change across observations, and the share of the return's variance
 it explains (docs/method.md section 4, docs/experiments.md "Observation signal").
 
-All arrays are [B, T] aligned to tokens (sao_jax/rl/batch.py): `values_bt[b, t]` is
+All arrays are [B, T] aligned to tokens (sao_jax/batch_schema.py): `values_bt[b, t]` is
 V(state before token t). An observation span is a maximal run of non-action tokens with
 an action token on both sides (the prompt before the first action and anything after
 the last one are not spans). For each span k of row b, with t0 its last action token

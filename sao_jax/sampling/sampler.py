@@ -285,7 +285,7 @@ class AsyncSampler:
     def take_batch(
         self, n: int, timeout: float | None = None, **pad_kwargs: Any
     ) -> tuple[dict[str, np.ndarray], list[Trajectory]]:
-        """take(n) padded into the rl/batch.py dict (kwargs go to `pad_batch`)."""
+        """take(n) padded into the batch of sao_jax/batch_schema.py (kwargs go to `pad_batch`)."""
         trajs = self.take(n, timeout)
         return pad_batch(trajs, **pad_kwargs), trajs
 
