@@ -9,11 +9,12 @@ Subprocesses the tests start inherit these flags through the environment.
 Tests that start `python -m experiments.train` (or a sweep of them) on the same small
 configs repeat compiles that are about 60% of a smoke run's CPU time. `jax_cache_dir` is
 one cache directory under this session's pytest temporary root (shared by the xdist
-workers, gone with the session; JAX writes an entry only if it is absent and treats an
-unreadable one as a miss) for the tests that repeat programs across processes to opt into
-(tests/train_support.py: `persistent_compilation_cache`, `cache_env_vars`). A hit loads
-the executable XLA compiled before, so no result changes; a process whose programs are
-its own would only pay for the writes, so it is not opted in.
+workers, new with every session, so every run starts cold; JAX writes an entry only if
+it is absent and treats an unreadable one as a miss) for the tests that repeat programs
+across processes to opt into (tests/train_support.py: `persistent_compilation_cache`,
+`cache_env_vars`). A hit loads the executable XLA compiled before, so no result changes;
+a process whose programs are its own would only pay for the writes, so it is not opted
+in.
 """
 
 import os
@@ -40,10 +41,9 @@ def _session_root(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def jax_cache_dir(tmp_path_factory) -> pathlib.Path:
-    """The session's persistent compilation cache directory, shared by the xdist workers.
-    $SAO_TEST_JAX_CACHE names a directory to keep between sessions instead."""
-    root = _session_root(tmp_path_factory)
-    cache = pathlib.Path(os.environ.get("SAO_TEST_JAX_CACHE") or root / "jax_cache")
+    """The session's persistent compilation cache directory, shared by the xdist workers
+    and new with every session: each run starts cold, and two runs never share it."""
+    cache = _session_root(tmp_path_factory) / "jax_cache"
     cache.mkdir(parents=True, exist_ok=True)
     return cache
 

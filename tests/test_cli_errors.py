@@ -1,7 +1,8 @@
 """Bad input: one line naming the file, line or field, exit 2, no traceback, and no workdir
 left behind. The config loading and override errors run in process (the entry points' flag
 parser, `cli.parse_config_flags`, on a FlagValues of their own); the real entry point runs
-as subprocesses, each case stopping before any model is built."""
+in process too (its flag parser, then train.run under cli.guard), and as a subprocess for
+one case of each kind, each case stopping before any model is built."""
 
 import json
 import pathlib
@@ -12,7 +13,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from sao_jax import cli
+from sao_jax import cli, train
 from tests.chat_support import write_jsonl, write_tokenizer
 
 # config_flags loads config files with importlib's deprecated load_module()
@@ -87,24 +88,54 @@ def _cases(root, good, bad):
     }  # fmt: skip
 
 
-def test_input_errors_are_one_line_exit_2(files, tmp_path):
-    root, good, bad = files
-    cases = list(_cases(root, good, bad).items())
-    for start in range(0, len(cases), 5):  # 5 processes at a time (memory)
-        procs = {}
-        for i, (name, (argv, want)) in enumerate(cases[start : start + 5], start):
-            workdir = tmp_path / f"w{i}"
-            cmd = [sys.executable, "-m", "experiments.train", *argv, f"--workdir={workdir}"]
-            pipe = subprocess.PIPE
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=pipe, stderr=pipe, text=True)
-            procs[name] = (proc, want, workdir)
-        for name, (proc, want, workdir) in procs.items():
-            out, err = proc.communicate(timeout=600)
-            lines = [line for line in err.splitlines() if line.strip()]
-            assert proc.returncode == 2, (name, out, err)
-            assert len(lines) == 1 and "Traceback" not in err, (name, err)
-            assert want in lines[0], (name, lines[0])
-            assert not workdir.exists(), name
+def _entry_point_in_process(capsys, argv, workdir):
+    """(exit status, stderr lines) of `python -m experiments.train <argv>` up to where it
+    stops, in this process: the entry point's flag parser, then cli.guard around train.run
+    (what experiments/train.py's main runs after distributed start-up and logging)."""
+    code, lines, fv = _parse(capsys, *argv, f"--workdir={workdir}")
+    if code is not None:
+        return code, lines
+    try:
+        cli.guard(lambda _: train.run(fv.config, str(workdir)))([])
+        code = None
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_input_errors_are_one_line_exit_2(files, tmp_path, capsys):
+    """Every case in process: one line naming the field or file, exit 2, no workdir."""
+    for i, (name, (argv, want)) in enumerate(_cases(*files).items()):
+        workdir = tmp_path / f"w{i}"
+        code, lines = _entry_point_in_process(capsys, argv, workdir)
+        assert code == 2, (name, lines)
+        assert len(lines) == 1 and "Traceback" not in lines[0], (name, lines)
+        assert want in lines[0], (name, lines[0])
+        assert not workdir.exists(), name
+
+
+# One case of each kind as the real entry point, a process: an error of the config flags
+# (the flag parser) and one of the inputs (train.run's start-up checks, under cli.guard).
+PROCESS_CASES = ("missing config file", "missing field in a row")
+
+
+def test_the_entry_point_process_exits_2_with_one_line(files, tmp_path):
+    cases = _cases(*files)
+    procs = {}
+    for i, name in enumerate(PROCESS_CASES):
+        argv, want = cases[name]
+        workdir = tmp_path / f"w{i}"
+        cmd = [sys.executable, "-m", "experiments.train", *argv, f"--workdir={workdir}"]
+        pipe = subprocess.PIPE
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=pipe, stderr=pipe, text=True)
+        procs[name] = (proc, want, workdir)
+    for name, (proc, want, workdir) in procs.items():
+        out, err = proc.communicate(timeout=600)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert proc.returncode == 2, (name, out, err)
+        assert len(lines) == 1 and "Traceback" not in err, (name, err)
+        assert want in lines[0], (name, lines[0])
+        assert not workdir.exists(), name
 
 
 # ----------------------------------------------------------- config loading, in process

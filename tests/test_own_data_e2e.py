@@ -7,10 +7,8 @@ Qwen3-like chat template in the same folder, and 64 problems with \boxed{} answe
 JSONL file. Through `sao-train`'s module (`sao_jax.experiments.train`, in a subprocess)
 with only the README's "Train on your own data" fields:
 
-* the start-up checks refuse, each in one line with exit 2 and no workdir: a prompt
-  longer than sampling.max_len, one leaving less than sampling.max_turn_tokens, an HF
-  init whose folder has no tokenizer, a tokenizer larger than the checkpoint's vocab, a
-  chat template that ignores the configured tools;
+* the start-up checks refuse an HF init whose folder has no tokenizer in one line with
+  exit 2 and no workdir (the other refusals: tests/test_preflight.py, in process);
 * a few SAO steps run (init.tokenizer left at its default: the checkpoint's), logging the
   start-up summary, writing samples.jsonl and W&B rows (a fake `wandb` package, offline),
   a workdir whose config.json holds the checkpoint's shapes and which keeps copies of the
@@ -43,7 +41,7 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import policy_def
 from sao_jax.parallel.mesh import Sharder
 from tests import train_support as ts
-from tests.chat_support import NO_TOOLS_TEMPLATE, write_jsonl, write_tokenizer
+from tests.chat_support import write_jsonl, write_tokenizer
 
 pytestmark = pytest.mark.slow
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -165,39 +163,20 @@ def _check_export(out_dir: pathlib.Path, workdir: pathlib.Path, step: int) -> No
 
 
 def _start_up_failures(root, ckpt, data) -> dict[str, tuple[list[str], str]]:
-    """name -> (flags, the start of the one line on stderr) of runs refused at start-up."""
+    """name -> (flags, the start of the one line on stderr) of runs refused at start-up, as
+    a process: an HF init whose folder holds no tokenizer. The other refusals (a prompt
+    longer than max_len or leaving less than a turn, a tokenizer larger than the model, a
+    template that ignores tools) are tests/test_preflight.py's, in process, and the exit-2
+    mechanism is tests/test_cli_errors.py's."""
     bare = root / "no_tokenizer"  # the checkpoint's config.json without tokenizer files
-    small = root / "small_vocab"  # a tokenizer larger than the checkpoint's vocabulary
-    no_tools = root / "no_tools"  # a tokenizer whose chat template ignores `tools`
     source = json.loads((ckpt / "config.json").read_text())
-    for folder, vocab in ((bare, source["vocab_size"]), (small, 64)):
-        folder.mkdir(exist_ok=True)
-        (folder / "config.json").write_text(json.dumps({**source, "vocab_size": vocab}))
-    write_tokenizer(small)
-    write_tokenizer(no_tools, template=NO_TOOLS_TEMPLATE)
-    tools = "--config.env.params={'reward': 'math', 'tools': ('python',)}"
+    bare.mkdir(exist_ok=True)
+    (bare / "config.json").write_text(json.dumps(source))
     return {
-        "prompt longer than max_len": (
-            _flags(ckpt, data, "--config.sampling.max_len=24"),
-            "error: config field sampling.max_len: 24 tokens cannot hold the longest prompt (",
-        ),
-        "prompt leaving less than a turn": (
-            _flags(ckpt, data, "--config.sampling.max_turn_tokens=90"),
-            "error: config field sampling.max_len: the longest prompt (",
-        ),
         "hf init without a tokenizer": (
             _flags(bare, data),
             "error: config field init.tokenizer: 'char' (the built-in character tokenizer) "
             f"cannot drive the checkpoint '{bare}', which holds no tokenizer.json",
-        ),
-        "tokenizer larger than the model": (
-            _flags(small, data),
-            f"error: config field init.tokenizer: '{small}' has ",
-        ),
-        "template that ignores tools": (
-            _flags(ckpt, data, f"--config.init.tokenizer={no_tools}", tools),
-            f"error: config field init.chat_template: {no_tools / 'tokenizer_config.json'} "
-            "(chat_template) ignores `tools`",
         ),
     }
 

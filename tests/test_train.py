@@ -5,8 +5,7 @@ fallback, the workdir guard and init errors.
 Two completed runs are shared (module fixtures): `sync_run` (configs/sao.py:smoke,sync,
 the uninterrupted reference of the resume tests) and `async_run` (configs/sao.py:smoke).
 Every compiled program goes to the session's persistent compilation cache (tests/conftest.py),
-so later runs, in this process or a subprocess, only trace (set SAO_TEST_JAX_CACHE=<dir>
-to keep it between sessions).
+so later runs, in this process or a subprocess, only trace.
 """
 
 from __future__ import annotations
