@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -169,6 +170,7 @@ class _Live:
         self.handle = handle
         self.on_tokens = on_tokens
         self.reported = 0  # sampled tokens already reported
+        self.since = time.monotonic()  # when it was submitted
 
 
 def _records(sl_tokens, rollout, sampled, versions, lo: int, hi: int) -> GenChunk:
@@ -188,6 +190,8 @@ class NativeBackend:
       tokenizer: the engine's tokenizer (eos ends every request; stop strings decode).
       cfg: the engine's settings (slots, max_len, sampling); max_turn_tokens is ignored.
       max_pending: requests waiting for a slot beyond which `submit` raises BackendBusy.
+      admit_wait_s: how long a request may wait for others to take slots with it (one
+        prefill call for all of them); 0 = each takes a slot at the next step.
     """
 
     def __init__(
@@ -200,6 +204,7 @@ class NativeBackend:
         version: int = 0,
         seed: int = 0,
         max_pending: int = 256,
+        admit_wait_s: float = 0.02,
         sharder=None,
     ):
         cfg = dataclasses.replace(cfg, max_turn_tokens=cfg.max_len)
@@ -207,6 +212,8 @@ class NativeBackend:
         self.max_len = cfg.max_len
         self.eos_id = getattr(tokenizer, "eos_id", None)
         self.max_pending = max_pending
+        self.admit_wait_s = admit_wait_s
+        self._admitting = False  # this engine step takes waiting requests into free slots
         self._engine = _RequestEngine(
             generate_fns(mdef, cfg, sharder), tokenizer, _OneTurn, cfg, seed=seed
         )
@@ -320,8 +327,22 @@ class NativeBackend:
 
     # ---- the backend thread --------------------------------------------------------------
 
+    def _admit_due(self) -> float:
+        """Seconds until the waiting requests should take slots (<= 0: now). Admissions
+        are batched: every new prompt costs the engine a prefill call over all its slots,
+        so requests that arrive close together wait up to `admit_wait_s` for each other,
+        unless they already fill the free slots. Called under the lock."""
+        if not self._pending:
+            return float("inf")
+        free = self.cfg.num_slots - self._engine.active
+        if len(self._pending) >= free:
+            return 0.0
+        return self._pending[0].since + self.admit_wait_s - time.monotonic()
+
     def _next_prompt(self) -> Prompt | None:
         with self._cond:
+            if not self._admitting:
+                return None
             while self._pending:
                 live = self._pending.popleft()
                 if live.handle.cancelled:
@@ -336,15 +357,18 @@ class NativeBackend:
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(
-                        lambda: self._closed or self._pending or self._cancels or eng.active
-                    )
+                    while not (self._closed or self._cancels or eng.active):
+                        due = self._admit_due()
+                        if due <= 0:
+                            break
+                        self._cond.wait(None if due == float("inf") else due)
                     if self._closed:
                         break
                     cancels, self._cancels = self._cancels, []
+                    self._admitting = self._admit_due() <= 0
                 for handle in cancels:
                     self._cancel_now(handle)
-                if not (eng.active or self._pending):
+                if not (eng.active or self._admitting):
                     continue
                 version, params = self._store.latest()
                 out = eng.step(params, version, self._next_prompt)
