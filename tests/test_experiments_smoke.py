@@ -17,7 +17,10 @@ from tests.experiment_support import run_experiment as _experiment
 pytestmark = pytest.mark.slow
 
 
-def test_ablations_gae_and_staleness_share_one_sweep(tmp_path, jax_cache_dir, shared_runs_dir):
+def test_ablations_gae_and_rescore_share_one_sweep(tmp_path, jax_cache_dir, shared_runs_dir):
+    """Table 4, the GAE granularity row and the rescoring of Table 4's runs in one sweep dir
+    (the baseline ceiling and the staleness grid: tests/test_smoke_ceiling_staleness.py,
+    so the two xdist workers share the scripts)."""
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
     # the warm start, SAO and staleness SAO runs
     SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(sweep_dir, *SHARED)
@@ -30,21 +33,6 @@ def test_ablations_gae_and_staleness_share_one_sweep(tmp_path, jax_cache_dir, sh
     assert "start ablations__sao__seed=0" not in log  # the SAO run of the ablations is reused
     assert "start ablations__step_last__seed=0" in log
     _check_report(out, "gae_granularity", ["SAO", "step-level (last)"])
-
-    log = _experiment(
-        "baseline_ceiling", sweep_dir, out, cache=jax_cache_dir
-    )  # + the keyed moving average only
-    assert "start ablations__sao__seed=0" not in log
-    assert "start ablations__moving_average_per_level__seed=0" in log
-    oracle = "oracle: per-level moving average, 128 per level"
-    text = _check_report(out, "baseline_ceiling", ["SAO", oracle])
-    assert "## How much of the oracle's gain SAO recovers" in text
-
-    _experiment("staleness_lr", sweep_dir, out, cache=jax_cache_dir)
-    text = _check_report(out, "staleness_lr", [])
-    assert "DIS: collapsed runs" in text and "no DIS: collapsed runs" in text
-    assert "DIS: keep rate % (min)" in text
-    assert text.count("| 1 | 0.0001 |") == 1  # one grid row: S=1, lr=1e-4
 
     # Rescoring on as many prompts as the runs' own evaluation reproduces it exactly (the
     # same prompts and sampling keys); the scores are cached beside each run.
