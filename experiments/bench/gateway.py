@@ -10,9 +10,9 @@ setting (32 slots, temperature 1) and the calculator question rendered with its 
   in-process  `Engine.run` on 32 prompts (an environment that ends after one turn of at
               most --tokens tokens): the in-process sampler's path;
   gateway     32 concurrent sessions (async `openai` clients sharing one connection
-              pool, in this process: one session, one chat call with max_tokens=
-              --tokens, one reward each) through the gateway on its own NativeBackend
-              with the same settings.
+              pool, in a client process of their own unless --same_process: one session,
+              one chat call with max_tokens=--tokens, one reward each) through the
+              gateway on its own NativeBackend with the same settings.
 
 Rounds are INTERLEAVED (the machine may be shared); printed per model: the median
 trajectories/s and decode tokens/s of both and their ratio (gateway / in-process), and
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import pathlib
 import statistics
@@ -89,18 +90,9 @@ def _in_process(engine: Engine, params, text: str) -> tuple[float, int, int]:
     return dt, len(trajs), sum(t.num_actions for t in trajs)
 
 
-async def _gateway_round(url: str, admin: str, tokens: int, backend, added: list):
+async def _sessions(url: str, admin: str, tokens: int):
+    """One round of the clients: (seconds, [(call latency, completion tokens)])."""
     admin_client = AsyncOpenAI(base_url=f"{url}/v1", api_key=admin, max_retries=0)
-    spans: dict[int, float] = {}
-    submit = backend.submit
-
-    def timed(request, on_tokens=None):  # the backend's own time per request
-        h = submit(request, on_tokens)
-        t = time.perf_counter()
-        h.future.add_done_callback(lambda _: spans.__setitem__(id(h), time.perf_counter() - t))
-        return h
-
-    backend.submit = timed
 
     async def one():
         s = await admin_client.post("/sessions", cast_to=object, body={"task": "12+30"})
@@ -117,15 +109,41 @@ async def _gateway_round(url: str, admin: str, tokens: int, backend, added: list
     out = await asyncio.gather(*(one() for _ in range(SESSIONS)))
     dt = time.perf_counter() - t0
     await admin_client.close()
-    backend.submit = submit
-    engine_times = sorted(spans.values())
+    return dt, out
+
+
+def _client_worker(url: str, admin: str, tokens: int, conn) -> None:
+    """A client process: one round of sessions per message on `conn`, until None."""
+    while conn.recv() is not None:
+        conn.send(asyncio.run(_sessions(url, admin, tokens)))
+
+
+def _gateway_round(run_clients, backend, added: list):
+    """One round through the gateway; the backend's own time per request is measured in
+    the server's process, and the added latency pairs calls and requests by rank (which
+    call was which request is not observable from the client side)."""
+    spans: dict[int, float] = {}
+    submit = backend.submit
+
+    def timed(request, on_tokens=None):
+        h = submit(request, on_tokens)
+        t = time.perf_counter()
+        h.future.add_done_callback(lambda _: spans.__setitem__(id(h), time.perf_counter() - t))
+        return h
+
+    backend.submit = timed
+    try:
+        dt, out = run_clients()
+    finally:
+        backend.submit = submit
     latencies = sorted(lat for lat, _ in out)
-    # pair by rank: both sorted (per-call pairing is not observable from the client side)
-    added += [c - e for c, e in zip(latencies, engine_times, strict=False)]
+    added += [c - e for c, e in zip(latencies, sorted(spans.values()), strict=False)]
     return dt, len(out), sum(n for _, n in out)
 
 
-def bench(variant: str, rounds: int, tokens: int, root: pathlib.Path) -> None:
+def bench(
+    variant: str, rounds: int, tokens: int, root: pathlib.Path, client_process: bool = True
+) -> None:
     tok = HFTokenizer(write_harness_tokenizer(root / "tok"))
     sharder = Sharder()
     mdef, params, n_params = _model(variant, sharder)
@@ -141,18 +159,36 @@ def bench(variant: str, rounds: int, tokens: int, root: pathlib.Path) -> None:
     server = start_server(gateway)
     rows = {"in-process": [], "gateway": []}
     added: list[float] = []
+    args = (server.url, gateway.admin_key, tokens)
+    worker = None
+    if client_process:  # the clients in a process of their own (they need no GIL here)
+        ctx = multiprocessing.get_context("spawn")
+        conn, child = ctx.Pipe()
+        worker = ctx.Process(target=_client_worker, args=(*args, child), daemon=True)
+        worker.start()
+
+        def run_clients():
+            conn.send(True)
+            return conn.recv()
+    else:
+
+        def run_clients():
+            return asyncio.run(_sessions(*args))
+
     try:
         _in_process(engine, params, text)  # compile both paths before timing
-        asyncio.run(_gateway_round(server.url, gateway.admin_key, tokens, backend, []))
+        _gateway_round(run_clients, backend, [])
         for _ in range(rounds):
             rows["in-process"].append(_in_process(engine, params, text))
-            rows["gateway"].append(
-                asyncio.run(_gateway_round(server.url, gateway.admin_key, tokens, backend, added))
-            )
+            rows["gateway"].append(_gateway_round(run_clients, backend, added))
     finally:
+        if worker is not None:
+            conn.send(None)
+            worker.join(30)
         server.stop()
         backend.close()
-    print(f"\n{variant}: {n_params / 1e6:.2f}M parameters, {SESSIONS} sessions, "
+    where = "a client process" if client_process else "the server's process"
+    print(f"\n{variant}: {n_params / 1e6:.2f}M parameters, {SESSIONS} sessions in {where}, "
           f"max {tokens} tokens, {rounds} rounds, load {os.getloadavg()[0]:.1f}")  # fmt: skip
     med = {}
     for name, rs in rows.items():
@@ -173,10 +209,13 @@ def main() -> None:
                         choices=["smoke", "default"])  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument(
+        "--same_process", action="store_true", help="the clients in the server's process"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
         for variant in args.models:
-            bench(variant, args.rounds, args.tokens, pathlib.Path(d))
+            bench(variant, args.rounds, args.tokens, pathlib.Path(d), not args.same_process)
 
 
 if __name__ == "__main__":
