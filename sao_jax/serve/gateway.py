@@ -28,7 +28,7 @@ import dataclasses
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from sao_jax.sampling.backend import BackendBusy, GenerationError, GenRequest, GenResult
@@ -56,19 +56,6 @@ class GatewayConfig:
 
 class Disconnected(Exception):
     """The client went away mid-generation."""
-
-
-@dataclasses.dataclass
-class Outcome:
-    """A finished call, before it is shaped as a response."""
-
-    prompt_len: int
-    forced_ids: list[int]
-    result: GenResult
-    text: str  # forced prefix + sampled text, cut at a stop string
-    finish_reason: str
-    reply: Any  # serve.reply.Reply (chat) or None (completions)
-    top: list[list[tuple[int, float]]] | None
 
 
 class CallRecord:
@@ -576,8 +563,3 @@ class _StreamView:
             calls = [{"index": i, **c} for i, c in enumerate(reply.tool_calls)]
             out.append({"tool_calls": calls})
         return out
-
-
-async def replay(record: CallRecord) -> AsyncIterator[str]:
-    for e in record.events:
-        yield e

@@ -32,7 +32,7 @@ class ChatRenderer:
         self.tok = tokenizer
         self.eos_id = tokenizer.eos_id
         self.eos_text = eos_text
-        self.format = ChatFormat(template, eos_text)
+        ChatFormat(template, eos_text)  # fails now, naming the template, if turns do not end at eos
         self._specials = {
             int(i): t
             for t in getattr(tokenizer, "specials", {}).values()
