@@ -57,6 +57,9 @@ def test_models(native):
     assert [m.id for m in admin.models.list()] == [MODEL]
     _, client = _session(server, gateway)
     assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == admin.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
 
 
 def test_session_records_what_the_client_received(native):

@@ -120,6 +120,14 @@ class Routes:
         self.admin(request)
         return _json(self.g.models())
 
+    async def model(self, request):
+        if "sid" in request.match_info:
+            self.session_key(request, admin_ok=True)
+        else:
+            self.admin(request)
+        self.g.check_model(request.match_info["model"])
+        return _json(self.g.models()["data"][0])
+
     async def stats(self, request):
         self.admin(request)
         return _json(self.g.stats())
@@ -300,6 +308,7 @@ def make_app(gateway: Gateway) -> web.Application:
                           middlewares=[errors_middleware])  # fmt: skip
     app.add_routes([
         web.get("/v1/models", r.models),
+        web.get("/v1/models/{model}", r.model),
         web.get("/v1/stats", r.stats),
         web.post("/v1/chat/completions", r.admin_chat),
         web.post("/v1/completions", r.admin_completion),
@@ -307,6 +316,7 @@ def make_app(gateway: Gateway) -> web.Application:
         web.post("/v1/sessions/{sid}/reward", r.reward),
         web.post("/v1/sessions/{sid}/end", r.end),
         web.get("/sessions/{sid}/v1/models", r.session_models),
+        web.get("/sessions/{sid}/v1/models/{model}", r.model),
         web.post("/sessions/{sid}/v1/chat/completions", r.session_chat),
         web.post("/sessions/{sid}/v1/completions", r.session_completion),
     ])  # fmt: skip
