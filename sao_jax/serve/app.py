@@ -2,11 +2,11 @@
 
 Routes (docs/harness.md has the contract):
 
-  admin key:    GET /v1/models, POST /v1/chat/completions, POST /v1/completions (served,
+  admin key:    GET /v1/models[/{model}], POST /v1/chat/completions, POST /v1/completions (served,
                 not recorded), POST /v1/sessions, GET /v1/stats (the gateway's counters and
                 the backend's: slots decoding together, queue, cancels)
   admin or the session's key:  POST /v1/sessions/{id}/reward, POST /v1/sessions/{id}/end
-  session key:  GET /sessions/{id}/v1/models, POST /sessions/{id}/v1/chat/completions,
+  session key:  GET /sessions/{id}/v1/models[/{model}], POST /sessions/{id}/v1/chat/completions,
                 POST /sessions/{id}/v1/completions (recorded into the session's episode)
 
 Every error is OpenAI's shape (sao_jax/serve/errors.py), unknown routes and too large
