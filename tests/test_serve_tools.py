@@ -229,3 +229,26 @@ def test_calculator_agent_example(scripted):
     seg = ep["segments"][0]
     obs = [t for t, m in zip(seg["token_ids"], seg["action_mask"], strict=True) if not m]
     assert "<tool_response>\n42\n</tool_response>" in tok.decode(obs)
+
+
+def test_end_scores_by_the_tasks_registered_reward(scripted):
+    """/end of a session whose task names a registered reward scores the final reply
+    (sao_jax/serve/scoring.py); a bad reward name is a 400 at session creation."""
+    server, gateway, backend, root, _ = scripted
+    url = f"{server.url}/v1/sessions"
+    for reply, want in ((r"So it is \boxed{42}.", 1.0), (r"\boxed{41}", 0.0)):
+        task = {"reward": "exact_match", "answer": "42"}
+        _, _, s = http("POST", url, {"task": task}, gateway.admin_key)
+        client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+        backend.script = [reply + "<|im_end|>"]
+        client.chat.completions.create(model=MODEL, messages=USER)
+        status, _, out = http("POST", f"{url}/{s['id']}/end", None, s["api_key"])
+        assert status == 200 and out["reward"] == want and out["dropped"] is None, out
+        (ep,) = [e for e in episodes(root) if e["id"] == s["id"]]
+        assert ep["reward"] == want and ep["scored_by"] == "exact_match"
+        assert ep["score_info"]["info"]["answer"] in ("42", "41")
+    status, _, out = http("POST", url, {"task": {"reward": "nope"}}, gateway.admin_key)
+    assert status == 400 and out["error"]["param"] == "task.reward"
+    status, _, out = http("POST", url, {"task": {"reward": "exact_match",
+                          "reward_params": {"colour": 1}}}, gateway.admin_key)  # fmt: skip
+    assert status == 400 and out["error"]["param"].startswith("task.reward")

@@ -25,7 +25,7 @@ class EpisodeLog:
         self.dropped = 0
 
     def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, ensure_ascii=False) + "\n"
+        line = json.dumps(record, ensure_ascii=False, default=str) + "\n"  # whole, one line
         with self._lock:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(line)

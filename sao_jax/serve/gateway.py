@@ -37,6 +37,7 @@ from sao_jax.serve.errors import ApiError, invalid
 from sao_jax.serve.protocol import ChatRequest, CompletionRequest
 from sao_jax.serve.render import ChatRenderer
 from sao_jax.serve.reply import THINK_CLOSE, parse_reply, split_reasoning
+from sao_jax.serve.scoring import score, task_reward
 from sao_jax.serve.session import Plan, Session
 
 OPEN_CALL = "<tool_call>"
@@ -104,9 +105,11 @@ class Gateway:
         """A new session; its base_url starts with `base_url` (the address the admin
         reached, default the one the server listens on)."""
         base_url = base_url or self.base_url
+        reward_fn = task_reward(task)  # a 400 now, not at the episode's end
         sid = "s" + secrets.token_hex(8)
         key = "sk-sess-" + secrets.token_hex(16)
         self.sessions[sid] = Session(sid, key, task, metadata)
+        self.sessions[sid].reward_fn = reward_fn
         self.locks[sid] = asyncio.Lock()
         self.count("sessions")
         return {"id": sid, "base_url": f"{base_url}/sessions/{sid}/v1", "api_key": key}
@@ -123,20 +126,37 @@ class Gateway:
         reward: float | None,
         turn_rewards: list[float] | None,
         dropped: str | None = None,
+        *,
+        unrewarded: str = "no_reward",
     ) -> dict[str, Any]:
+        """Ends session `sid`'s episode: with `reward`, or dropped for `dropped`, or (both
+        None) scored by its task's registered reward (sao_jax/serve/scoring.py), else
+        dropped for `unrewarded`."""
         s = self.session(sid)
         async with self.locks[sid]:
             if s.ended:
                 raise ApiError(409, f"session {sid!r} has ended", param="session", code="ended")
             if turn_rewards is not None and len(turn_rewards) != s.calls:
                 raise invalid("turn_rewards", f"{len(turn_rewards)} rewards for {s.calls} calls")
+            scored = None
             if reward is None and dropped is None:
-                dropped = "no_reward"  # no registered reward for the task (yet)
+                if s.reward_fn is not None and s.all_segments():
+                    text = (s.last_reply or {}).get("content") or ""
+                    scored = await asyncio.get_running_loop().run_in_executor(
+                        None, score, s.reward_fn, s.task, s.id, text
+                    )
+                    reward = scored.get("reward")
+                    dropped = "reward_error" if reward is None else None
+                else:
+                    dropped = unrewarded
             if dropped is None and not s.all_segments():
                 dropped = "no_calls"
             if dropped is not None:
                 reward = None
             record = s.episode(reward, dropped, turn_rewards)
+            if scored is not None:
+                record["scored_by"] = s.task["reward"]
+                record["score_info"] = scored
             s.ended = True
             s.segments, s.segment = [], type(s.segment)()  # written: keep no copy
             s.held, s.last_response, s.last_messages, s.last_reply = [], None, [], None
@@ -162,7 +182,7 @@ class Gateway:
             idle = now - s.last_call
             if not s.ended and idle > self.cfg.reward_timeout_s and not self.locks[sid].locked():
                 with contextlib.suppress(ApiError):  # ended meanwhile
-                    await self.end(sid, None, None, dropped="reward_timeout")
+                    await self.end(sid, None, None, unrewarded="reward_timeout")
 
     # ---- checks -------------------------------------------------------------------------
 

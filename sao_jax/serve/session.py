@@ -106,6 +106,7 @@ class Plan:
 class Session:
     def __init__(self, sid: str, key: str, task: Any = None, metadata: Any = None):
         self.id, self.key, self.task, self.metadata = sid, key, task, metadata
+        self.reward_fn = None  # the task's registered reward (sao_jax/serve/scoring.py)
         self.segments: list[Segment] = []
         self.segment = Segment()
         self.held: list[dict] = []  # last request's messages + the reply returned
