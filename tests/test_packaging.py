@@ -16,7 +16,9 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SHIPPED = {"sao_jax": "sao_jax", "sao_jax.configs": "configs", "sao_jax.experiments": "experiments"}
 # Pinned but imported through another package (their compute / storage backends).
 BACKENDS = {"jaxlib": "jax", "tensorstore": "orbax-checkpoint"}
-DEV_ONLY_IMPORTS = {"torch"}  # experiments/bench/gae.py compares against PyTorch
+# experiments/bench/gae.py compares against PyTorch; experiments/bench/gateway.py drives
+# the rollout gateway with the OpenAI client
+DEV_ONLY_IMPORTS = {"torch", "openai"}
 
 
 def _packages_on_disk() -> set[str]:
