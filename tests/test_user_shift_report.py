@@ -11,7 +11,7 @@ import pytest
 from sao_jax.experiments.online_shift import report as U
 
 from sao_jax import sweep
-from sao_jax.report import audit
+from sao_jax.report import audit, stats
 from sao_jax.report.compare import Difference
 from sao_jax.report.experiment import Experiment
 from sao_jax.run.accounting import EnvLog
@@ -82,7 +82,13 @@ def test_verdicts_follow_the_preregistered_reading():
     yes = fam(_d(0.05), _d(0.09))
     assert U.verdict_text(yes, holm(yes)).startswith("**Yes**")
     null = fam(_d(0.001), _d(0.09))
-    assert U.verdict_text(null, holm(null)).startswith("**Powered null**")
+    said = U.verdict_text(null, holm(null))
+    mdd = (stats.t_quantile(0.975, 9) + stats.t_quantile(0.80, 9)) * 0.01  # SE 0.01, n 10
+    assert said.startswith(f"**No difference shown (MDD {100 * mdd:.1f})**"), said
+    mdd_m = (stats.t_quantile(1 - 0.025 / 2, 9) + stats.t_quantile(0.80, 9)) * 0.01
+    assert f"{100 * mdd_m:.1f} at alpha 0.05/2" in said and "cannot tell" not in said
+    wide = fam(_d(0.02, se=0.012), _d(0.03))  # SAO's interval holds 0 and the ceiling's gain
+    assert "the data cannot tell them apart" in U.verdict_text(wide, holm(wide))
     blind = fam(_d(0.001), _d(0.002))
     assert U.verdict_text(blind, holm(blind)).startswith("**The design cannot show the effect**")
     opposite = fam(_d(-0.05), _d(0.09))

@@ -44,7 +44,7 @@ from sao_jax.experiments.ablations import report as table
 from sao_jax.experiments.online_shift import report as user_shift
 
 from sao_jax import sweep
-from sao_jax.report import compare, tables
+from sao_jax.report import compare, stats, tables
 from sao_jax.report.experiment import Experiment, failures
 
 REFERENCE, ROW = ROWS = ("sao", "sao_brace")  # lambda = 1 targets, BRACE-style targets
@@ -201,6 +201,16 @@ def success_reading(d: compare.Difference, holm_p: float) -> str:
     return f"undecided (95% low end {100 * lo:+.1f} <= {-100 * NO_COST_MARGIN:g})"
 
 
+def holm_over_cells(diffs: Mapping[Cell, compare.Difference]) -> dict[Cell, float]:
+    """Holm-adjusted p of each cell over every cell that ran (the pre-registered family,
+    results/critic_correction/PREREGISTRATION.md): a cell whose pairs are identical (SE 0,
+    no p) stays in the family as not rejected (p 1) rather than dropping out, so the others
+    are adjusted over all cells; its own adjusted p stays NaN (no test)."""
+    ran = {c: d.p if math.isfinite(d.p) else 1.0 for c, d in diffs.items() if d.n > 1}
+    holm = stats.holm(ran)
+    return {c: holm[c] if math.isfinite(diffs[c].p) and c in holm else math.nan for c in diffs}
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -209,7 +219,7 @@ def report(exp: Experiment, specs: Sequence[sweep.SweepSpec], results, wall_s: f
     grouped = by_cell_row(results)
     values = {c: {v: seed_values(rs.get(v, [])) for v in ROWS} for c, rs in grouped.items()}
     ev, success = differences(values, "ev"), differences(values, "success")
-    ev_holm, success_holm = compare.holm_family(ev), compare.holm_family(success)
+    ev_holm, success_holm = holm_over_cells(ev), holm_over_cells(success)
     text = exp.header(
         "A stale-critic correction: BRACE-style vs lambda = 1 critic targets",
         specs[0],
@@ -287,7 +297,7 @@ def family_table(what: str, diffs, holm, extra) -> str:
     headers = [
         "cell",
         f"Δ {what}, points ± SE [95% CI]",
-        f"test (Holm over {len(diffs)} cells)",
+        f"test (Holm over {len(diffs)} cells)",  # identical pairs count (holm_over_cells)
         "verdict",
         *(h for h, _ in extra),
     ]
@@ -334,7 +344,8 @@ def success_text(success, success_holm) -> str:
         "## Success: BRACE - lambda, paired by seed (second family)\n\n"
         + family_table("success", success, success_holm, extra)
         + f"\n- The success family: these {len(success)} differences, Holm-adjusted "
-        "together, apart from the EV family. 'costs success': lower at Holm p < "
+        "together, apart from the EV family (a cell whose pairs are identical, SE 0, has no "
+        "test and counts as not rejected). 'costs success': lower at Holm p < "
         f"{compare.ALPHA:g}; 'does not cost success': the 95% t interval's low end above "
         f"-{100 * NO_COST_MARGIN:g} points (fixed before the runs); otherwise undecided.\n"
     )

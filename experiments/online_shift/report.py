@@ -35,7 +35,7 @@ from sao_jax.experiments.ablations.report import fmt_run_means, mechanisms_text
 
 from sao_jax import sweep
 from sao_jax.envs.user_style import BIN_STEPS, RECOVERY_STEPS, success_bin
-from sao_jax.report import compare, tables
+from sao_jax.report import compare, stats, tables
 from sao_jax.report.experiment import Experiment, by_row, failures
 from sao_jax.run.accounting import ENV_PREFIX
 
@@ -124,16 +124,15 @@ def family(
 def verdict_text(diffs, holm) -> str:
     """The pre-registered reading (results/online_shift/PREREGISTRATION.md): SAO faster
     than the moving average at the paper's window, with the ceiling bounding it; or a
-    powered null (the ceiling separates from the moving average, SAO does not); or a
-    design that cannot see the effect (not even the ceiling separates); or no reading of a
-    null when the ceiling row did not run."""
+    null that says only what it could detect (the ceiling separates from the moving
+    average, SAO does not: `null_text`); or a design that cannot see the effect (not even
+    the ceiling separates); or no reading of a null when the ceiling row did not run."""
     sao, ceil = ("sao", PAPER_ROW), ("ceiling", PAPER_ROW)
     if sao not in diffs:
         return "**Not decidable**: SAO or the moving average did not run."
     d, p = diffs[sao], holm[sao]
     if d.n < 2 or not math.isfinite(d.se):
         return "**Not decidable**: fewer than two paired seeds."
-    lo, hi = d.interval()
     said = (
         f"SAO minus the moving average {compare.fmt_difference(d)} points of recovering "
         f"success ({compare.fmt_test(d, p)}; detectable with 80% power: {100 * d.mdd:.1f})"
@@ -163,14 +162,38 @@ def verdict_text(diffs, holm) -> str:
             f"that cannot see the effect; {said}."
         )
     if ceiling_ok:
-        return (
-            f"**Powered null**: the design sees the effect ({ceiling}) but SAO's critic does "
-            f"not deliver it: {said}; SAO's interval [{100 * lo:+.1f}, {100 * hi:+.1f}]."
-        )
+        return null_text(d, dc, said, ceiling, len(diffs))
     return (
         f"**The design cannot show the effect**: not even the ceiling separates from the "
         f"moving average ({ceiling}); {said}."
     )
+
+
+def null_text(
+    d: compare.Difference, dc: compare.Difference, said: str, ceiling: str, m: int
+) -> str:
+    """SAO did not separate from the moving average where the ceiling did: no difference
+    shown, with the minimum detectable difference (80% power, two-sided alpha, t on n - 1
+    df times the SE: `stats.detectable`), unadjusted and at alpha / m (Holm's first step
+    over the m tests of the family), and whether SAO's interval holds both no gain and the
+    ceiling's whole gain (then the data cannot tell the two apart)."""
+    lo, hi = d.interval()
+    mdd, mdd_m = d.mdd, stats.detectable(d.se, d.dof, compare.ALPHA / m)
+    text = (
+        f"**No difference shown (MDD {100 * mdd:.1f})**: the ceiling separates from the "
+        f"moving average ({ceiling}), SAO does not: {said}; SAO's interval "
+        f"[{100 * lo:+.1f}, {100 * hi:+.1f}]. The minimum detectable difference (80% power) "
+        f"is {100 * mdd:.1f} points at two-sided alpha {compare.ALPHA:g} and "
+        f"{100 * mdd_m:.1f} at alpha {compare.ALPHA:g}/{m} (Holm's first step)"
+    )
+    if mdd > dc.diff:
+        text += f", above the ceiling's own gain ({100 * dc.diff:+.1f})"
+    if lo <= 0.0 <= dc.diff <= hi:
+        text += (
+            "; SAO's interval holds both no gain and the ceiling's whole gain: the data "
+            "cannot tell them apart"
+        )
+    return text + "."
 
 
 def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> str:
