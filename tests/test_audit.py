@@ -17,7 +17,7 @@ from sao_jax import sweep
 from sao_jax.checkpointing import integrity
 from sao_jax.configs import online_shift
 from sao_jax.report import audit
-from sao_jax.report.experiment import Experiment, machine_of
+from sao_jax.report.experiment import Experiment, git_commit, machine_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Runs files of finished designs whose code is gone: each regenerates at the commit named
@@ -222,3 +222,36 @@ def test_a_stopped_table_keeps_what_finished_and_says_so(tmp_path, monkeypatch):
         dataclasses.replace(spec, variants=("moving_average",)), spec, again, results
     )
     assert [r.status for r in merged] == ["done", "done"] and merged[1] is again[0]
+
+
+def test_runs_record_the_commit_and_the_header_prints_it(tmp_path):
+    assert git_commit(tmp_path) == {"sha": None, "dirty": None}  # not a git checkout
+    git = lambda *a: subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
+        cwd=tmp_path, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("a")
+    git("add", "f.txt")
+    git("commit", "-q", "-m", "one")
+    sha = git("rev-parse", "HEAD").stdout.strip()
+    assert git_commit(tmp_path) == {"sha": sha, "dirty": False}
+    (tmp_path / "untracked.txt").write_text("u")  # untracked files do not count
+    assert git_commit(tmp_path)["dirty"] is False
+    (tmp_path / "f.txt").write_text("b")
+    assert git_commit(tmp_path) == {"sha": sha, "dirty": True}
+    full = online_shift.get_sweep("mode=full,table=main")
+    runs = _runs(dataclasses.replace(full, variants=("sao",), seeds=(0,)))
+    exp = Experiment(mode="full", command="python -m y", commit={"sha": sha, "dirty": True})
+    assert f"- commit: `{sha[:12]}`, with uncommitted changes" in exp.header("T", full, runs, 1.0)
+    path = audit.write_runs(tmp_path / "t_runs.jsonl", runs, audit.Recorder(), 1.0, exp.settings())
+    _, header = audit.read_runs(path)
+    assert header.settings["commit"] == {"sha": sha, "dirty": True}
+    again = Experiment(**header.settings)  # as --from_runs takes it back
+    assert again.header("T", full, runs, 1.0) == exp.header("T", full, runs, 1.0)
+    nogit = Experiment(mode="full", commit={"sha": None, "dirty": None})
+    assert "- commit: none (the runs were not made from a git checkout)" in nogit.header(
+        "T", full, runs, 1.0
+    )
+    old = Experiment(mode="full")  # a runs file from before commits were recorded
+    assert "commit" not in old.settings() and "- commit" not in old.header("T", full, runs, 1.0)

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import pathlib
 import shlex
+import subprocess
 import sys
 import time
 import types
@@ -40,6 +41,10 @@ class Experiment:
     # invocations whose recorded runs this one adds to (--add_to), oldest first: each
     # {'command', 'wall_s', 'runs_file'}
     earlier: Sequence[dict[str, Any]] = ()
+    # the code the runs were made with, {'sha': `git rev-parse HEAD` or None outside a git
+    # checkout, 'dirty': uncommitted changes to tracked files or None}: `git_commit()` at
+    # run time; None: not recorded (runs files written before it was)
+    commit: dict[str, Any] | None = None
 
     def settings(self) -> dict[str, Any]:
         """What decides the sweep and the report's text: mode, seeds, rows, command (a
@@ -49,6 +54,8 @@ class Experiment:
         out = dict(mode=self.mode, seeds=seeds, rows=rows, command=self.command)
         if self.earlier:
             out["earlier"] = [dict(e) for e in self.earlier]
+        if self.commit is not None:
+            out["commit"] = dict(self.commit)
         return out
 
     @property
@@ -115,7 +122,12 @@ class Experiment:
             reused=sum(r.reused for r in results),
             machine=machine_of(results),
         )
-        return text + _incomplete_text(results) + self._earlier_text(results)
+        return (
+            text
+            + commit_text(self.commit)
+            + _incomplete_text(results)
+            + self._earlier_text(results)
+        )
 
     def _earlier_text(self, results) -> str:
         """The invocations this one added its runs to, and whether each seed's runs of
@@ -124,7 +136,9 @@ class Experiment:
             return ""
         lines = [
             f"- adds to the runs of `{e['command']}` ({e['wall_s'] / 60:.1f} min; its runs "
-            f"as recorded in {e['runs_file']}, reused)"
+            f"as recorded in {e['runs_file']}, reused"
+            + (f"; {commit_text(e['commit'])[2:-1]}" if e.get("commit") else "")
+            + ")"
             for e in self.earlier
         ]
         differ, unchecked = warm_start_check(results)
@@ -186,6 +200,38 @@ def machine_of(results: Sequence[sweep.PointResult]) -> str:
     if len(counts) <= 1:
         return next(iter(counts), "")
     return "; ".join(f"{m} ({n} run{'s' * (n != 1)})" for m, n in counts.items())
+
+
+def git_commit(where: str | pathlib.Path | None = None) -> dict[str, Any]:
+    """{'sha': the checkout's `git rev-parse HEAD`, 'dirty': whether tracked files differ
+    from it} of the git checkout holding `where` (default: this code's); both None when it
+    is not a git checkout (an installed package) or git is missing."""
+    where = pathlib.Path(where or pathlib.Path(__file__).parent)
+    git = lambda *args: subprocess.run(
+        ["git", *args], cwd=where, capture_output=True, text=True, timeout=60
+    )
+    try:
+        head = git("rev-parse", "HEAD")
+        status = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return {"sha": None, "dirty": None}
+    if head.returncode != 0 or status.returncode != 0:
+        return {"sha": None, "dirty": None}
+    return {"sha": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def commit_text(commit: dict[str, Any] | None) -> str:
+    """The header line naming the commit the runs were made at ('' when not recorded)."""
+    if commit is None:
+        return ""
+    if not commit.get("sha"):
+        return "- commit: none (the runs were not made from a git checkout)\n"
+    dirty = (
+        ", with uncommitted changes to tracked files"
+        if commit.get("dirty")
+        else ", no uncommitted changes"
+    )
+    return f"- commit: `{commit['sha'][:12]}`{dirty}\n"
 
 
 def _incomplete_text(results: Sequence[sweep.PointResult]) -> str:
@@ -287,6 +333,7 @@ def experiment() -> Experiment:
         seeds=f.seeds.value,
         rows=f.rows.value,
         command=command(),
+        commit=git_commit(),
     )
 
 
@@ -321,7 +368,8 @@ def table_main(
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
         if f.from_runs.value:  # the committed runs, nothing trained
             results, header = audit.read_runs(f.from_runs.value)
-            exp = dataclasses.replace(experiment(), **header.settings)
+            # the commit the file recorded, or none (runs files before it was recorded)
+            exp = dataclasses.replace(experiment(), **{"commit": None, **header.settings})
             spec = chosen(exp)  # then as the file ran it (its rows, seeds, schedule)
             if isinstance(spec, sweep.SweepSpec):
                 spec = audit.recorded_spec(spec, results)
@@ -346,6 +394,9 @@ def table_main(
                     command=before.settings["command"],
                     wall_s=before.wall_s,
                     runs_file=f.add_to.value,
+                    **(
+                        {"commit": before.settings["commit"]} if "commit" in before.settings else {}
+                    ),
                 )
             )
             exp = dataclasses.replace(exp, earlier=tuple(prior))
