@@ -255,3 +255,28 @@ def test_runs_record_the_commit_and_the_header_prints_it(tmp_path):
     )
     old = Experiment(mode="full")  # a runs file from before commits were recorded
     assert "commit" not in old.settings() and "- commit" not in old.header("T", full, runs, 1.0)
+
+
+def test_header_names_the_tables_that_share_its_warm_starts(tmp_path):
+    full = online_shift.get_sweep("mode=full,table=main")
+    spec = dataclasses.replace(full, variants=("sao",), seeds=(0, 1, 2))
+    mine = _runs(spec)  # digests d0, d1, d2
+    write = lambda rel, runs, table=True: (
+        audit.write_runs(tmp_path / f"{rel}_runs.jsonl", runs, audit.Recorder(), 1.0, {}),
+        table and (tmp_path / f"{rel}.md").write_text("t"),
+    )
+    write("a/own", mine)  # this table's own file: not another table
+    write("b/other", _runs(spec, lambda s: f"d{s}" if s < 2 else "x"))  # shares d0, d1
+    write("c/apart", _runs(spec, lambda s: f"y{s}"))  # shares none
+    write("d/no_table", mine, table=False)  # a runs file without its table: not named
+    got = audit.shared_warm_starts(mine, tmp_path, [tmp_path / "a/own_runs.jsonl"])
+    assert got == {str(tmp_path / "b/other.md"): 2}
+    exp = Experiment(
+        mode="full", results_root=str(tmp_path), own_runs=(str(tmp_path / "a/own_runs.jsonl"),)
+    )
+    line = "- shares SFT warm starts (the same policy digests) with other committed tables: "
+    line += f"{tmp_path / 'b/other.md'} (2 of this table's 3); runs that start from the same"
+    assert line in exp.header("T", spec, mine, 1.0)
+    assert "shares SFT" not in Experiment(mode="full").header("T", spec, mine, 1.0)
+    alone = _runs(spec, lambda s: f"z{s}")
+    assert "shares SFT" not in exp.header("T", spec, alone, 1.0)

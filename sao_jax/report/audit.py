@@ -287,3 +287,41 @@ def warm_start_check(
             if len({s.get(part) for s in starts if s and s.get(part) is not None}) > 1:
                 seeds.append(seed)
     return differ, unchecked
+
+
+def _policy_digests(path: pathlib.Path) -> set[str]:
+    """The SFT warm-start digests (`warm_start['policy']`) the runs of a runs file
+    record. `write_runs` writes `warm_start` last on each line, so only each line's tail
+    is parsed (the files hold megabytes of history); a line written otherwise is parsed
+    whole."""
+    out = set()
+    for line in path.read_text().splitlines()[1:]:
+        at = line.rfind('"warm_start": ')
+        try:
+            start = json.loads(line[at + len('"warm_start": ') : -1]) if at >= 0 else None
+        except ValueError:
+            start = json.loads(line).get("warm_start")
+        if start and start.get("policy"):
+            out.add(start["policy"])
+    return out
+
+
+def shared_warm_starts(
+    results: Sequence[PointResult], root: str | os.PathLike, own: Sequence[str | os.PathLike]
+) -> dict[str, int]:
+    """{table: how many of `results`' SFT warm starts (policy digests) its runs share} for
+    every committed table under `root` (each `<name>.md` beside its `<name>_runs.jsonl`)
+    whose runs start from a policy these do, but the runs files in `own` (this table's):
+    runs that share a warm start are not independent samples of one another's tables."""
+    mine = {r.warm_start["policy"] for r in results if r.warm_start and r.warm_start.get("policy")}
+    skip = {pathlib.Path(p).resolve() for p in own}
+    out = {}
+    root = pathlib.Path(root)
+    for path in sorted(root.rglob(f"*{RUNS_SUFFIX}")):
+        table = path.with_name(path.name[: -len(RUNS_SUFFIX)] + ".md")
+        if path.resolve() in skip or not table.exists() or not mine:
+            continue
+        n = len(mine & _policy_digests(path))
+        if n:
+            out[str(table)] = n
+    return out

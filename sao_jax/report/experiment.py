@@ -45,6 +45,11 @@ class Experiment:
     # checkout, 'dirty': uncommitted changes to tracked files or None}: `git_commit()` at
     # run time; None: not recorded (runs files written before it was)
     commit: dict[str, Any] | None = None
+    # where the other committed tables are (None: not looked for) and this table's own
+    # runs files, which are not other tables: the header names the tables whose runs
+    # share SFT warm starts with these (`audit.shared_warm_starts`)
+    results_root: str | None = None
+    own_runs: Sequence[str] = ()
 
     def settings(self) -> dict[str, Any]:
         """What decides the sweep and the report's text: mode, seeds, rows, command (a
@@ -125,8 +130,25 @@ class Experiment:
         return (
             text
             + commit_text(self.commit)
+            + self._shared_text(results)
             + _incomplete_text(results)
             + self._earlier_text(results)
+        )
+
+    def _shared_text(self, results) -> str:
+        """One line naming the other committed tables whose runs start from the same SFT
+        policies (warm-start digests) as some of these ('' when none or not looked for)."""
+        if self.results_root is None:
+            return ""
+        shared = audit.shared_warm_starts(results, self.results_root, self.own_runs)
+        if not shared:
+            return ""
+        n = len({r.warm_start["policy"] for r in results if (r.warm_start or {}).get("policy")})
+        named = ", ".join(f"{t} ({k} of this table's {n})" for t, k in shared.items())
+        return (
+            f"- shares SFT warm starts (the same policy digests) with other committed tables: "
+            f"{named}; runs that start from the same policy are not independent samples "
+            "across these tables\n"
         )
 
     def _earlier_text(self, results) -> str:
@@ -256,6 +278,7 @@ def failures(results: Sequence[sweep.PointResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+RESULTS = "results"  # the committed tables, from the repository root
 _FLAGS: types.SimpleNamespace | None = None
 
 
@@ -334,6 +357,7 @@ def experiment() -> Experiment:
         rows=f.rows.value,
         command=command(),
         commit=git_commit(),
+        results_root=RESULTS,
     )
 
 
@@ -370,6 +394,7 @@ def table_main(
             results, header = audit.read_runs(f.from_runs.value)
             # the commit the file recorded, or none (runs files before it was recorded)
             exp = dataclasses.replace(experiment(), **{"commit": None, **header.settings})
+            exp = dataclasses.replace(exp, own_runs=(f.from_runs.value,))
             spec = chosen(exp)  # then as the file ran it (its rows, seeds, schedule)
             if isinstance(spec, sweep.SweepSpec):
                 spec = audit.recorded_spec(spec, results)
@@ -378,6 +403,8 @@ def table_main(
             exp.write(name, write(exp, spec, results, header.wall_s))
             return
         exp = experiment()
+        own = [audit.runs_path(exp.out_path, name), *([f.add_to.value] * bool(f.add_to.value))]
+        exp = dataclasses.replace(exp, own_runs=tuple(map(str, own)))
         spec = chosen(exp)
         earlier = None
         if f.add_to.value:
