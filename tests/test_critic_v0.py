@@ -33,7 +33,7 @@ def _config(experts=4, **rl):
 def _run(config, separate: bool):
     models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
     cls = SeparateV0Learner if separate else Learner
-    learner = cls(config, models.policy_def, models.critic_def, Sharder())
+    learner = cls(config.rl, config.optim, models.policy_def, models.critic_def, Sharder())
     state = learner.new_state(models.policy, models.critic, seed=0)
     metrics = []
     for i in range(2):
