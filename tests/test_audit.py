@@ -280,3 +280,35 @@ def test_header_names_the_tables_that_share_its_warm_starts(tmp_path):
     assert "shares SFT" not in Experiment(mode="full").header("T", spec, mine, 1.0)
     alone = _runs(spec, lambda s: f"z{s}")
     assert "shares SFT" not in exp.header("T", spec, alone, 1.0)
+
+
+def test_preregistration_decides_whether_a_table_is_read(tmp_path):
+    full = online_shift.get_sweep("mode=full,table=main")
+    spec = dataclasses.replace(full, variants=("sao", "ceiling"), seeds=(0, 1))
+    runs = _runs(spec)
+    assert audit.read_preregistration(tmp_path, "t") is None  # no file: a pilot
+    entry = dict(file="results/x/PREREGISTRATION.md", commit="abc1234", family="two tests")
+    (tmp_path / audit.PREREGISTRATION).write_text(
+        json.dumps({"t": {**entry, "seeds": [0, 1], "rows": ["sao", "ceiling"]}})
+    )
+    assert audit.read_preregistration(tmp_path, "other") is None  # another table's: a pilot
+    g = audit.read_preregistration(tmp_path, "t")
+    assert g["seeds"] == [0, 1] and audit.unfinished(g, runs) == []
+    exp = Experiment(mode="full", prereg=g, prereg_folder=str(tmp_path))
+    assert exp.reading(runs) == "read"
+    want = "- pre-registered: results/x/PREREGISTRATION.md (commit `abc1234`): seeds 0, 1; "
+    assert want + "rows sao, ceiling; family: two tests\n" in exp.header("T", spec, runs, 1.0)
+    runs[3].status = "stopped"  # ceiling, seed 1 unfinished
+    assert audit.unfinished(g, runs) == ["ceiling, seed 1"]
+    assert audit.unfinished(g, runs[:2]) == ["ceiling, seed 0", "ceiling, seed 1"]
+    assert exp.reading(runs) == "incomplete: not read"
+    text = exp.header("T", spec, runs, 1.0)
+    assert "- **incomplete: not read**: 1 pre-registered run(s) missing or unfinished" in text
+    assert "(e.g. ceiling, seed 1)" in text
+    pilot = Experiment(mode="full", prereg_folder=str(tmp_path))
+    assert pilot.reading(runs) == "pilot: not a test"
+    assert "- **pilot: not a test**: no pre-registration" in pilot.header("T", spec, runs, 1.0)
+    assert Experiment(mode="full").reading(runs) == ""  # not looked for: no line
+    (tmp_path / audit.PREREGISTRATION).write_text(json.dumps({"t": {**entry, "seeds": [0]}}))
+    with pytest.raises(audit.ConfigError, match=r"preregistration.json: table 't' is not"):
+        audit.read_preregistration(tmp_path, "t")  # no 'rows'

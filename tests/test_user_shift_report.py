@@ -5,6 +5,7 @@ that regenerates a table without training (sao_jax/report/audit.py)."""
 import dataclasses
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -191,6 +192,27 @@ def test_verdict_waits_for_every_seed_of_the_primary_rows(tmp_path):
     text = U.main_report(exp, spec, results, 1.0)
     assert "- **Not the pre-registered reading yet** (unfinished runs in: moving average" in text
     assert "- **incomplete**: 5 of 6 runs finished" in text
+
+
+def test_pilots_incomplete_and_secondary_tables_say_what_they_test(tmp_path):
+    spec, results = _results(tmp_path, variants=("sao", "moving_average", "sao_lambda1"))
+    ma = lambda text: next(ln for ln in text.splitlines() if ln.startswith("| moving average, 1"))
+    pilot = Experiment(mode="full", prereg_folder=str(tmp_path))  # no pre-registration
+    text = U.main_report(pilot, spec, results, 1.0)
+    tested = lambda text: re.search(r"t [+-]\d+\.\d, p ", text) is not None  # a test cell
+    assert "- **pilot: not a test**" in text and not tested(text)
+    assert "| pilot: not a test |" in ma(text) and "**No reading**" not in text
+    g = dict(file="results/s/PREREGISTRATION_secondary.md", commit="abc", family="six tests")
+    g.update(seeds=[0, 1, 2], rows=["sao", "moving_average", "sao_lambda1"], tests="secondary")
+    second = dataclasses.replace(pilot, prereg=g)
+    text = U.main_report(second, spec, results, 1.0)
+    assert "## The pre-registered family\n" not in text and "pilot" not in text
+    assert "## SAO - the moving average (the main table's family: descriptive here" in text
+    assert "## The pre-registered family (results/s/PREREGISTRATION_secondary.md)" in text
+    assert tested(text) and "**No reading**" not in text  # tests read, no main verdict
+    results[-1] = dataclasses.replace(results[-1], status="stopped", summary=None, history=[])
+    text = U.main_report(second, spec, results, 1.0)
+    assert "- **incomplete: not read**" in text and not tested(text)
 
 
 def test_tracking_report_states_the_task_and_the_main_effects(tmp_path):

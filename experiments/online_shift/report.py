@@ -36,7 +36,7 @@ from sao_jax.experiments.ablations.report import fmt_run_means, mechanisms_text
 from sao_jax import sweep
 from sao_jax.envs.user_style import BIN_STEPS, RECOVERY_STEPS, success_bin
 from sao_jax.report import compare, stats, tables
-from sao_jax.report.experiment import Experiment, by_row, failures
+from sao_jax.report.experiment import INCOMPLETE, PILOT, Experiment, by_row, failures
 from sao_jax.run.accounting import ENV_PREFIX
 
 PRIMARY = "success_recovering"
@@ -210,6 +210,8 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
     holm = compare.holm_family(diffs)
     sdiffs = family(primary, [(v, "sao") for v in secondary_rows(variants)])
     sholm = compare.holm_family(sdiffs)
+    state = exp.reading(results)  # a pilot's or an incomplete table's tests are not read
+    instead = state if state in (PILOT, INCOMPLETE) else ""
     headers = [
         "row",
         "runs",
@@ -233,12 +235,13 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
         if v == "sao":
             line += ["(reference)", "-"]
         elif key in sdiffs:
-            line += [compare.fmt_difference(sdiffs[key]), compare.fmt_test(sdiffs[key], sholm[key])]
+            test = instead or compare.fmt_test(sdiffs[key], sholm[key])
+            line += [compare.fmt_difference(sdiffs[key]), test]
         elif (key in diffs or key[::-1] in diffs) and "sao" in primary:
             # a primary-family pair, shown as row - SAO with the primary family's Holm p
             d = compare.paired_difference(primary[v], primary["sao"])
             p = holm[key] if key in diffs else holm[key[::-1]]
-            line += [compare.fmt_difference(d), compare.fmt_test(d, p)]
+            line += [compare.fmt_difference(d), instead or compare.fmt_test(d, p)]
         else:
             line += ["n/a", "-"]
         after = [((r.summary or {}).get("after") or {}).get("eval/sampled_success") for r in rs]
@@ -248,12 +251,28 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
     text += "\n" + tables.markdown_table(headers, body) + "\n"
     params = _env_params(results)
     text += _definitions(spec, params.get("recovery_steps", RECOVERY_STEPS))
-    text += "\n## The pre-registered family\n\n" + _family_table(diffs, holm, "primary") + "\n"
-    text += "- " + _read_when_complete(variants) + verdict_text(diffs, holm) + "\n"
+    secondary_prereg = (exp.prereg or {}).get("tests") == "secondary"
+    if secondary_prereg:  # made under the pre-registration of the secondary family
+        text += (
+            "\n## SAO - the moving average (the main table's family: descriptive here, not "
+            "a test of this table's pre-registration)\n\n"
+        )
+    else:
+        text += "\n## The pre-registered family\n\n"
+    text += _family_table(diffs, holm, "primary", instead)
+    if instead:
+        text += f"\n- {instead}: the verdict is not given.\n"
+    elif not secondary_prereg:
+        text += "\n- " + _read_when_complete(variants) + verdict_text(diffs, holm) + "\n"
     if sdiffs:
-        text += "\n## Every other row against SAO (secondary family)\n\n"
-        text += _family_table(sdiffs, sholm, "secondary")
-        text += _incomplete_text(sdiffs) + "\n"
+        text += (
+            f"\n## The pre-registered family ({exp.prereg['file']}): every other row "
+            "against SAO\n\n"
+            if secondary_prereg
+            else "\n## Every other row against SAO (secondary family)\n\n"
+        )
+        text += _family_table(sdiffs, sholm, "secondary", instead)
+        text += ("" if secondary_prereg else _incomplete_text(sdiffs)) + "\n"
     text += _window_text(exp, variants, primary)
     bin_steps = params.get("bin_steps", BIN_STEPS)
     text += _curve_text(exp, variants, spec.fixed["train.total_steps"], bin_steps)
@@ -300,14 +319,16 @@ def _incomplete_text(sdiffs) -> str:
     )
 
 
-def _family_table(diffs, holm, name: str) -> str:
+def _family_table(diffs, holm, name: str, instead: str = "") -> str:
+    """The family's differences with their tests and verdicts; `instead` (a pilot's or an
+    incomplete table's reading, Experiment.reading) in place of each test and verdict."""
     headers = ["difference (paired by seed)", "points ± SE [95% t interval]", "test", "verdict"]
     body = [
         [
             f"{label(a)} - {label(b)}",
             compare.fmt_difference(d),
-            compare.fmt_test(d, holm[(a, b)]),
-            compare.verdict(d, holm[(a, b)]),
+            instead or compare.fmt_test(d, holm[(a, b)]),
+            instead or compare.verdict(d, holm[(a, b)]),
         ]
         for (a, b), d in diffs.items()
     ]

@@ -325,3 +325,43 @@ def shared_warm_starts(
         if n:
             out[str(table)] = n
     return out
+
+
+PREREGISTRATION = "preregistration.json"
+
+
+def read_preregistration(folder: str | os.PathLike, name: str) -> dict[str, Any] | None:
+    """The pre-registration of table `name` from `<folder>/preregistration.json` ({table
+    name: {'file': the PREREGISTRATION*.md, 'commit': the commit that added it, 'seeds',
+    'rows', 'family': what is tested, optionally 'tests': 'secondary' for a table made
+    under a pre-registration of the main table's other family}); None when the folder has
+    none for it (a pilot). ConfigError naming the file when it is malformed."""
+    path = pathlib.Path(folder) / PREREGISTRATION
+    if not path.exists():
+        return None
+    try:
+        entry = json.loads(path.read_text()).get(name)
+        if entry is None:
+            return None
+        for key, kind in (("file", str), ("commit", str), ("family", str)):
+            if not isinstance(entry[key], kind):
+                raise TypeError(f"'{key}' is not a {kind.__name__}")
+        entry["seeds"] = [int(s) for s in entry["seeds"]]
+        entry["rows"] = [str(r) for r in entry["rows"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{path}: table {name!r} is not a pre-registration entry ({e})") from None
+    return entry
+
+
+def unfinished(prereg: dict[str, Any], results: Sequence[PointResult]) -> list[str]:
+    """The pre-registered (row, seed) points of `prereg` without a finished run among
+    `results` (or with one of their runs unfinished), as 'row, seed s'."""
+    runs: dict[tuple[str, int], list[str]] = {}
+    for r in results:
+        runs.setdefault((r.point.variant, r.point.seed), []).append(r.status)
+    return [
+        f"{row}, seed {seed}"
+        for row in prereg["rows"]
+        for seed in prereg["seeds"]
+        if not runs.get((row, seed)) or any(s != "done" for s in runs[(row, seed)])
+    ]

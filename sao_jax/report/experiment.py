@@ -50,6 +50,43 @@ class Experiment:
     # share SFT warm starts with these (`audit.shared_warm_starts`)
     results_root: str | None = None
     own_runs: Sequence[str] = ()
+    # the table's pre-registration (audit.read_preregistration; None: a pilot), looked for
+    # only when `prereg_folder` is set (the folder of its runs file)
+    prereg: dict[str, Any] | None = None
+    prereg_folder: str | None = None
+
+    def reading(self, results) -> str:
+        """'read' (every pre-registered run finished), 'incomplete: not read' (a
+        pre-registered run missing or unfinished), 'pilot: not a test' (no
+        pre-registration beside the table), or '' (not looked for)."""
+        if self.prereg_folder is None:
+            return ""
+        if self.prereg is None:
+            return PILOT
+        return INCOMPLETE if audit.unfinished(self.prereg, results) else "read"
+
+    def _prereg_text(self, results) -> str:
+        state = self.reading(results)
+        if not state:
+            return ""
+        if state == PILOT:
+            return (
+                f"- **{PILOT}**: no pre-registration beside this table (its folder's "
+                f"{audit.PREREGISTRATION} names none for it); its tests are not read\n"
+            )
+        g = self.prereg
+        said = (
+            f"{g['file']} (commit `{g['commit']}`): seeds {', '.join(map(str, g['seeds']))}; "
+            f"rows {', '.join(g['rows'])}; family: {g['family']}"
+        )
+        if state == INCOMPLETE:
+            missing = audit.unfinished(g, results)
+            return (
+                f"- **{INCOMPLETE}**: {len(missing)} pre-registered run(s) missing or "
+                f"unfinished (e.g. {missing[0]}); the tests are read only when every "
+                f"pre-registered run finished. Pre-registered: {said}\n"
+            )
+        return f"- pre-registered: {said}\n"
 
     def settings(self) -> dict[str, Any]:
         """What decides the sweep and the report's text: mode, seeds, rows, command (a
@@ -131,6 +168,7 @@ class Experiment:
             text
             + commit_text(self.commit)
             + self._shared_text(results)
+            + self._prereg_text(results)
             + _incomplete_text(results)
             + self._earlier_text(results)
         )
@@ -279,6 +317,8 @@ def failures(results: Sequence[sweep.PointResult]) -> str:
 
 
 RESULTS = "results"  # the committed tables, from the repository root
+PILOT = "pilot: not a test"  # a table without a pre-registration
+INCOMPLETE = "incomplete: not read"  # a table before every pre-registered run finished
 _FLAGS: types.SimpleNamespace | None = None
 
 
@@ -394,7 +434,13 @@ def table_main(
             results, header = audit.read_runs(f.from_runs.value)
             # the commit the file recorded, or none (runs files before it was recorded)
             exp = dataclasses.replace(experiment(), **{"commit": None, **header.settings})
-            exp = dataclasses.replace(exp, own_runs=(f.from_runs.value,))
+            folder = pathlib.Path(f.from_runs.value).parent
+            exp = dataclasses.replace(
+                exp,
+                own_runs=(f.from_runs.value,),
+                prereg=audit.read_preregistration(folder, name),
+                prereg_folder=str(folder),
+            )
             spec = chosen(exp)  # then as the file ran it (its rows, seeds, schedule)
             if isinstance(spec, sweep.SweepSpec):
                 spec = audit.recorded_spec(spec, results)
@@ -404,7 +450,12 @@ def table_main(
             return
         exp = experiment()
         own = [audit.runs_path(exp.out_path, name), *([f.add_to.value] * bool(f.add_to.value))]
-        exp = dataclasses.replace(exp, own_runs=tuple(map(str, own)))
+        exp = dataclasses.replace(
+            exp,
+            own_runs=tuple(map(str, own)),
+            prereg=audit.read_preregistration(exp.out_path, name),
+            prereg_folder=str(exp.out_path),
+        )
         spec = chosen(exp)
         earlier = None
         if f.add_to.value:
