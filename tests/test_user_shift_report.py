@@ -197,7 +197,7 @@ def test_verdict_waits_for_every_seed_of_the_primary_rows(tmp_path):
 def test_pilots_incomplete_and_secondary_tables_say_what_they_test(tmp_path):
     spec, results = _results(tmp_path, variants=("sao", "moving_average", "sao_lambda1"))
     ma = lambda text: next(ln for ln in text.splitlines() if ln.startswith("| moving average, 1"))
-    pilot = Experiment(mode="full", prereg_folder=str(tmp_path))  # no pre-registration
+    pilot = Experiment(mode="full", out_dir=str(tmp_path / "out"), prereg_folder=str(tmp_path))
     text = U.main_report(pilot, spec, results, 1.0)
     tested = lambda text: re.search(r"t [+-]\d+\.\d, p ", text) is not None  # a test cell
     assert "- **pilot: not a test**" in text and not tested(text)
