@@ -31,7 +31,11 @@ SOURCE_GLOBS = ["configs/**/*.py", "experiments/**/*.py", "sao_jax/**/*.py", "te
 # or regenerate the committed tables. The only hand-kept part (tests/test_build.py checks
 # that each file named here exists; a pattern that matches nothing is left out).
 DATA_GLOBS = {
-    "tests/test_audit.py": ["results/**/*_runs.jsonl", "results/**/*.md"],
+    "tests/test_audit.py": [
+        "results/**/*_runs.jsonl",
+        "results/**/*.md",
+        "results/**/preregistration.json",
+    ],
     "tests/test_build.py": [*SOURCE_GLOBS, "BUILD", "requirements*.txt"],
     "tests/test_config.py": SOURCE_GLOBS,
     "tests/test_import_graph.py": SOURCE_GLOBS,
