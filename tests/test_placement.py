@@ -184,7 +184,8 @@ def _rollouts(run, source, state, steps: int):
         for _ in range(steps):
             trajs = source.take(run.local_batch, 120)
             got += trajs
-            state, _ = run.learner.update_step(state, run._batch(trajs), run._key(state))
+            key = run._key(int(state.updates))
+            state, _ = run.learner.update_step(state, run._batch(trajs), key)
             source.publish(run.sampler_params(state.policy), int(state.step), synced=True)
     finally:
         source.stop()
