@@ -192,7 +192,9 @@ class Bench:
 
     def learner_step(self, state, trajs):
         """What the learner does per update besides taking: the batch, the update step."""
-        return self.run.learner.update_step(state, self.run._batch(trajs), self.run._key(state))
+        return self.run.learner.update_step(
+            state, self.run._batch(trajs), self.run._key(int(state.updates))
+        )
 
     def update_s(self, trajs, repeats: int = 5) -> float:
         """Seconds per update as the loop pays them: batch assembly + the update step."""
@@ -218,7 +220,9 @@ class Bench:
                 if i == warmup:
                     t = time.perf_counter()
                 trajs = source.take(B, 600)
-                state, _ = run.learner.update_step(state, run._batch(trajs), run._key(state))
+                state, _ = run.learner.update_step(
+                    state, run._batch(trajs), run._key(int(state.updates))
+                )
                 source.publish(run.sampler_params(state.policy), int(state.step), synced=True)
             jax.block_until_ready(state)
             return steps * B / (time.perf_counter() - t)
