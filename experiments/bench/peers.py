@@ -7,8 +7,8 @@ tunix is a bench-only extra, never a library dependency and not installed by CI:
 install it into a separate virtualenv (docs/benchmarks.md, "Peer: tunix PPO"):
 
     python3 -m venv /tmp/tunix_venv
-    /tmp/tunix_venv/bin/pip install -r requirements.txt -e '.[bench]'
-    /tmp/tunix_venv/bin/python -m experiments.bench.peers
+    /tmp/tunix_venv/bin/pip install google-tunix==0.1.7 -r requirements.txt  # = .[bench]
+    PYTHONPATH=$PWD /tmp/tunix_venv/bin/python -m experiments.bench.peers
 
 Both sides get the same model shapes (the update-step bench's larger model,
 experiments/bench/update_step.py LARGER: D=256, 4 layers, 8/4 heads of 32, layer 0
