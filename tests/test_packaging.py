@@ -17,8 +17,9 @@ SHIPPED = {"sao_jax": "sao_jax", "sao_jax.configs": "configs", "sao_jax.experime
 # Pinned but imported through another package (their compute / storage backends).
 BACKENDS = {"jaxlib": "jax", "tensorstore": "orbax-checkpoint"}
 # experiments/bench/gae.py compares against PyTorch; experiments/bench/gateway.py drives
-# the rollout gateway with the OpenAI client
-DEV_ONLY_IMPORTS = {"torch", "openai"}
+# the rollout gateway with the OpenAI client; experiments/bench/peers.py times google-tunix
+# (the `bench` extra of pyproject.toml, never a library dependency)
+DEV_ONLY_IMPORTS = {"torch", "openai", "tunix"}
 
 
 def _packages_on_disk() -> set[str]:
