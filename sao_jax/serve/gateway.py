@@ -77,6 +77,15 @@ def sse(obj: Any) -> str:
     )
 
 
+async def close_stream(emit, head: dict, last_choice: dict, usage: dict | None) -> None:
+    """The end of an SSE reply: the chunk with the finish reason, the usage chunk when the
+    request asked for it (`stream_options.include_usage`), then `data: [DONE]`."""
+    await emit(sse({**head, "choices": [last_choice]}))
+    if usage is not None:
+        await emit(sse({**head, "choices": [], "usage": usage}))
+    await emit(sse("[DONE]"))
+
+
 def _held_back(text: str, marks: tuple[str, ...]) -> int:
     """How many trailing characters of `text` could start one of `marks`."""
     for k in range(min(len(text), max((len(m) for m in marks), default=0)), 0, -1):
@@ -420,10 +429,7 @@ class Gateway:
                 await emit(sse({**head, "choices": [{"index": 0, "delta": {},
                                 "logprobs": logprobs, "finish_reason": None}]}))  # fmt: skip
             end = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
-            await emit(sse({**head, "choices": [end]}))
-            if req.include_usage:
-                await emit(sse({**head, "choices": [], "usage": usage}))
-            await emit(sse("[DONE]"))
+            await close_stream(emit, head, end, usage if req.include_usage else None)
         return {
             "id": cid,
             "object": "chat.completion",
@@ -503,10 +509,7 @@ class Gateway:
                  "total_tokens": len(prompt) + len(result.token_ids)}  # fmt: skip
         if emit is not None:
             end = {"text": "", "index": 0, "logprobs": logprobs, "finish_reason": finish}
-            await emit(sse({**head, "choices": [end]}))
-            if req.include_usage:
-                await emit(sse({**head, "choices": [], "usage": usage}))
-            await emit(sse("[DONE]"))
+            await close_stream(emit, head, end, usage if req.include_usage else None)
         return {
             "id": cid,
             "object": "text_completion",
