@@ -1,13 +1,27 @@
-"""An agent framework drives episodes through the gateway unchanged: the OpenAI Agents SDK
-(`openai-agents`, its documented chat-completions switch: `OpenAIChatCompletionsModel` on
-an `AsyncOpenAI` client with the session's base URL and key) runs a calculator agent on
-the native engine. The policy is a tiny random-init model briefly warm-started in the
-fixture on the tool-format demonstration of this very agent (the prompts the SDK sends,
-captured through the gateway over a scripted backend, and the replies: a calculator call,
-then the answer), so that greedy decoding writes a well-formed call; the framework
-executes it and its result is recorded as observation. Cost of the warm start: 50 Adam
-steps on two sequences of ~400 tokens (it stops once greedy decoding reproduces both
-replies), about 20 s on this project's shared CPU."""
+"""Agent frameworks drive episodes through the gateway unchanged, on the native engine:
+
+* the OpenAI Agents SDK (`openai-agents`, its documented chat-completions switch:
+  `OpenAIChatCompletionsModel` on an `AsyncOpenAI` client with the session's base URL
+  and key) runs a calculator agent to its answer;
+* smolagents' `ToolCallingAgent` on `OpenAIServerModel` (its class for OpenAI-compatible
+  servers: `api_base` and `api_key` only) calls the calculator with
+  `tool_choice="required"` (the forced `<tool_call>` prefix is observation).
+
+The policy is a tiny random-init model briefly warm-started in the fixture on the
+tool-format demonstrations of these very agents (the prompts each framework sends,
+captured through the gateway over a scripted backend, and the replies: the SDK's
+calculator call and answer; smolagents' calculator call), so that greedy decoding writes
+well-formed calls; each framework executes its call and the result is recorded as
+observation. Cost of the warm start: 50 Adam steps on three sequences of ~400-500 tokens
+(it stops once greedy decoding reproduces every reply), about 12 s on this project's
+shared CPU; the two tests share one backend and server (one compilation).
+
+smolagents' default system prompt is ~2,250 tokens under the project's 506-token BPE,
+past this model's 512-token context, so its agent takes a one-line system prompt
+(`agent.prompt_templates["system_prompt"]`, its documented customisation); its second prompt
+(the tool's result) would not fit the warm start's width either, so that agent runs one
+step (`max_steps=1`) and then asks for its final answer in a call of its own, as
+smolagents does at its step limit: that call's prompt holds the observation."""
 
 import asyncio
 import dataclasses
@@ -21,6 +35,7 @@ import pytest
 from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 from flax import nnx
 from openai import AsyncOpenAI
+from smolagents import LogLevel, OpenAIServerModel, ToolCallingAgent, tool
 
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
@@ -34,12 +49,18 @@ from tests.serve_support import ScriptedBackend, episodes, http, serve
 
 CALL = json.dumps({"name": "calculator", "arguments": {"expression": "12 + 30"}})
 REPLIES = [f"<tool_call>\n{CALL}\n</tool_call><|im_end|>", "It is 42.<|im_end|>"]
+SMOL_REPLY = f"{CALL}\n</tool_call><|im_end|>"  # after the forced "<tool_call>\n"
 WIDTH = 512  # the engine's max_len and the warm start's sequence width
 set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI's servers
 
 
+def _session(server, gateway) -> dict:
+    _, _, s = http("POST", f"{server.url}/v1/sessions", {"task": "12+30"}, gateway.admin_key)
+    return s
+
+
 def _agent(server, gateway, executed: list):
-    """A calculator agent on a new session, the way the SDK documents it."""
+    """A calculator agent of the Agents SDK on a new session, the way the SDK documents it."""
 
     @function_tool
     def calculator(expression: str) -> str:
@@ -47,15 +68,39 @@ def _agent(server, gateway, executed: list):
         executed.append(expression)
         return "42" if expression.replace(" ", "") == "12+30" else "unknown"
 
-    _, _, s = http("POST", f"{server.url}/v1/sessions", {"task": "12+30"}, gateway.admin_key)
+    s = _session(server, gateway)
     client = AsyncOpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
     model = OpenAIChatCompletionsModel(model="sao-policy", openai_client=client)
     return s, Agent(name="calc", instructions="Use the calculator.", tools=[calculator],
                     model=model)  # fmt: skip
 
 
-def _demonstrations(tok, root) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, reply ids) of each call of the agent, captured over a scripted backend."""
+def _smol_agent(server, gateway, executed: list):
+    """smolagents' ToolCallingAgent on a new session: OpenAIServerModel with the session's
+    base URL and key, one step, a one-line system prompt (module docstring)."""
+
+    @tool
+    def calculator(expression: str) -> str:
+        """Evaluates an arithmetic expression.
+
+        Args:
+            expression: the expression.
+        """
+        executed.append(expression)
+        return "42" if expression.replace(" ", "") == "12+30" else "unknown"
+
+    s = _session(server, gateway)
+    model = OpenAIServerModel("sao-policy", api_base=s["base_url"], api_key=s["api_key"],
+                              client_kwargs={"max_retries": 0})  # fmt: skip
+    agent = ToolCallingAgent(tools=[calculator], model=model, max_steps=1,
+                             verbosity_level=LogLevel.OFF)  # fmt: skip
+    agent.prompt_templates["system_prompt"] = "Use the calculator, then final_answer."
+    return s, agent
+
+
+def _capture(tok, root, replies: list[str], drive) -> list[list[int]]:
+    """The prompt ids of each call `drive(server, gateway)` makes over a scripted backend
+    that answers with `replies`."""
     backend = ScriptedBackend(tok, max_len=WIDTH)
     prompts = []
     submit = backend.submit
@@ -65,15 +110,31 @@ def _demonstrations(tok, root) -> list[tuple[list[int], list[int]]]:
         return submit(request, on_tokens)
 
     backend.submit = capture
-    backend.script = list(REPLIES)
+    backend.script = list(replies)
     server, gateway = serve(backend, tok, root)
     try:
-        _, agent = _agent(server, gateway, [])
-        assert asyncio.run(Runner.run(agent, "what is 12 + 30?")).final_output == "It is 42."
+        drive(server, gateway)
     finally:
         server.stop()
         backend.close()
-    return [(p, tok.encode(r)) for p, r in zip(prompts, REPLIES, strict=True)]
+    return prompts
+
+
+def _demonstrations(tok, root) -> tuple[list, list]:
+    """(prompt ids, reply ids) of the SDK agent's two calls and smolagents' first call."""
+
+    def sdk(server, gateway):
+        _, agent = _agent(server, gateway, [])
+        assert asyncio.run(Runner.run(agent, "what is 12 + 30?")).final_output == "It is 42."
+
+    def smol(server, gateway):
+        _, agent = _smol_agent(server, gateway, [])
+        assert agent.run("what is 12 + 30?") == "42"
+
+    prompts = _capture(tok, root / "sdk", REPLIES, sdk)
+    sdk_demos = [(p, tok.encode(r)) for p, r in zip(prompts, REPLIES, strict=True)]
+    prompts = _capture(tok, root / "smol", [SMOL_REPLY, "42<|im_end|>"], smol)
+    return sdk_demos, [(prompts[0], tok.encode(SMOL_REPLY))]
 
 
 def _warm_start(mdef, params, demos, steps: int = 400):
@@ -118,31 +179,42 @@ def _warm_start(mdef, params, demos, steps: int = 400):
 def policy(tmp_path_factory):
     root = tmp_path_factory.mktemp("agents")
     tok = HFTokenizer(write_harness_tokenizer(root / "tok"))
-    demos = _demonstrations(tok, root / "capture")
+    sdk_demos, smol_demos = _demonstrations(tok, root / "capture")
     cfg = dataclasses.replace(MODEL, vocab_size=512)
     mdef, params = init_params(lambda: Policy(cfg, rngs=nnx.Rngs(0)), Sharder())
-    params, steps = _warm_start(mdef, params, demos)
-    return tok, mdef, params, demos, steps, root
+    params, steps = _warm_start(mdef, params, sdk_demos + smol_demos)
+    return tok, mdef, params, sdk_demos, smol_demos, steps, root
 
 
-@pytest.mark.slow
-def test_openai_agents_sdk_drives_an_episode(policy):
-    tok, mdef, params, demos, steps, root = policy
+@pytest.fixture(scope="module")
+def served(policy):
+    """The warm-started policy behind one gateway (both frameworks' sessions share it)."""
+    tok, mdef, params, _, _, steps, root = policy
     assert steps <= 400
     engine = EngineConfig(num_slots=2, max_len=WIDTH, steps_per_sync=4, temperature=0.0)
     backend = NativeBackend(mdef, params, tok, engine, seed=0)
     server, gateway = serve(backend, tok, root)
-    try:
-        executed = []
-        s, agent = _agent(server, gateway, executed)
-        result = asyncio.run(Runner.run(agent, "what is 12 + 30?"))
-        assert executed == ["12 + 30"]  # a well-formed call, executed by the framework
-        assert result.final_output == "It is 42."
-        http("POST", f"{server.url}/v1/sessions/{s['id']}/reward", {"reward": 1.0}, s["api_key"])
-    finally:
-        server.stop()
-        backend.close()
-    (ep,) = [e for e in episodes(root) if e["id"] == s["id"]]
+    yield server, gateway
+    server.stop()
+    backend.close()
+
+
+def _episode(root, sid: str) -> dict:
+    (ep,) = [e for e in episodes(root) if e["id"] == sid]
+    return ep
+
+
+@pytest.mark.slow
+def test_openai_agents_sdk_drives_an_episode(policy, served):
+    tok, _, _, demos, _, _, root = policy
+    server, gateway = served
+    executed = []
+    s, agent = _agent(server, gateway, executed)
+    result = asyncio.run(Runner.run(agent, "what is 12 + 30?"))
+    assert executed == ["12 + 30"]  # a well-formed call, executed by the framework
+    assert result.final_output == "It is 42."
+    http("POST", f"{server.url}/v1/sessions/{s['id']}/reward", {"reward": 1.0}, s["api_key"])
+    ep = _episode(root, s["id"])
     assert (ep["calls"], ep["forks"], ep["reward"]) == (2, 0, 1.0)
     seg = ep["segments"][0]
     mask = np.asarray(seg["action_mask"], bool)
@@ -154,3 +226,30 @@ def test_openai_agents_sdk_drives_an_episode(policy):
         ids[first_end : len(demos[1][0])].tolist()
     )
     assert seg["token_ids"][: len(demos[1][0])] == demos[1][0]  # stitched, as captured
+
+
+@pytest.mark.slow
+def test_smolagents_tool_calling_agent_drives_an_episode(policy, served):
+    """smolagents rewrites its past calls as text in the next request ("Calling tools:
+    [...]" in an assistant message, "Observation:" in a user message), an edit of what
+    the gateway returned: the next call starts a new segment (a fork) whose prompt,
+    holding the tool's result, is all observation."""
+    tok, _, _, _, demos, _, root = policy
+    server, gateway = served
+    executed = []
+    s, agent = _smol_agent(server, gateway, executed)
+    agent.run("what is 12 + 30?")
+    assert executed == ["12 + 30"]  # a well-formed call under tool_choice="required"
+    http("POST", f"{server.url}/v1/sessions/{s['id']}/reward", {"reward": 1.0}, s["api_key"])
+    ep = _episode(root, s["id"])
+    assert (ep["calls"], ep["forks"], ep["reward"]) == (2, 1, 1.0)
+    first, second = ep["segments"]
+    (prompt, reply) = demos[0]
+    assert first["token_ids"] == prompt + reply  # the forced "<tool_call>\n" ends the prompt
+    assert first["action_mask"] == [0] * len(prompt) + [1] * len(reply)
+    assert tok.decode(prompt[-4:]).endswith("<tool_call>\n")
+    mask = np.asarray(second["action_mask"], bool)
+    context = tok.decode(np.asarray(second["token_ids"])[~mask].tolist())
+    assert "Calling tools:\n[{'id': 'call_" in context  # the call, as smolagents rewrote it
+    assert "Observation:\n42" in context  # the tool's result: observation
+    assert not mask[: mask.argmax()].any() and mask[mask.argmax() :].all()
