@@ -10,7 +10,9 @@ The engine is used unchanged, through a subclass that replaces its environment h
   completion, or `max_tokens` (the engine's own `max_turn_tokens` is the cache length);
 * the turn's "environment" ends the episode at once (`_OneTurn`), so the slot's
   trajectory is the prompt plus the sampled tokens, with both log-probs and versions;
-* a cancelled request's slot is emptied between scheduling rounds (its pages return).
+* a cancelled request's slot is emptied between scheduling rounds (its pages return);
+* new prompts are prefilled over their own slots only (`Engine.row_prefill`): requests
+  admitted while others decode cost their rows, not all S.
 
 Streaming: after every engine step the thread reports each request's new tokens
 (`on_tokens`). Weights: `publish` goes through a ParamsStore; every step reads the latest
@@ -88,6 +90,7 @@ class _RequestEngine(Engine):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.row_prefill = True  # requests arrive one by one: a prompt costs its own row
         self.decode_calls = 0
         self.active_sum = 0  # slots decoding, summed over decode calls
         self.active_max = 0
@@ -190,8 +193,8 @@ class NativeBackend:
       tokenizer: the engine's tokenizer (eos ends every request; stop strings decode).
       cfg: the engine's settings (slots, max_len, sampling); max_turn_tokens is ignored.
       max_pending: requests waiting for a slot beyond which `submit` raises BackendBusy.
-      admit_wait_s: how long a request may wait for others to take slots with it (one
-        prefill call for all of them); 0 = each takes a slot at the next step.
+      admit_wait_s: how long a request may wait for others to take slots with it (their
+        prompts prefilled in the same calls); 0 = each takes a slot at the next step.
     """
 
     def __init__(
@@ -329,9 +332,10 @@ class NativeBackend:
 
     def _admit_due(self) -> float:
         """Seconds until the waiting requests should take slots (<= 0: now). Admissions
-        are batched: every new prompt costs the engine a prefill call over all its slots,
-        so requests that arrive close together wait up to `admit_wait_s` for each other,
-        unless they already fill the free slots. Called under the lock."""
+        are batched: the prompts admitted in one step are prefilled together (over their
+        own rows: Engine.row_prefill), so requests that arrive close together wait up to
+        `admit_wait_s` for each other (fewer, larger prefill calls), unless they already
+        fill the free slots. Called under the lock."""
         if not self._pending:
             return float("inf")
         free = self.cfg.num_slots - self._engine.active

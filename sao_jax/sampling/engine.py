@@ -5,7 +5,8 @@ instance per slot, and the host record of every slot's trajectory. One `step`:
 
 1. fills every free slot with the next prompt (env.reset -> encode);
 2. prefills every slot's pending tokens (prompt, or last action token + observation) in
-   bucketed [S, C] chunks; rows with nothing to write are inert;
+   bucketed [S, C] chunks; rows with nothing to write are inert (with `row_prefill`, a
+   chunk is written over its writing rows only, [R, C] in power-of-two groups);
 3. runs one decode call (`steps_per_sync` tokens per slot) and walks the sampled tokens
    on the host: a model turn ends at EOS, at an env stop string (found in the decoded
    tail of the turn), or at the per-turn token budget; the environment answers, and its
@@ -82,6 +83,19 @@ def generate_fns(mdef, cfg: EngineConfig, sharder=None) -> GenerateFns:
     )
 
 
+def row_groups(rows: list[int]) -> list[list[int]]:
+    """`rows` cut into runs of power-of-two sizes, largest first (the binary digits of
+    len(rows)): R rows cost R rows of prefill in at most log2(S) + 1 calls, and at most
+    that many compiled row counts exist per chunk width and span."""
+    out, i, size = [], 0, 1 << max(len(rows).bit_length() - 1, 0)
+    while i < len(rows):
+        if len(rows) - i >= size:
+            out.append(rows[i : i + size])
+            i += size
+        size //= 2
+    return out
+
+
 class Engine:
     """Continuous-batching rollouts over S slots; see the module docstring."""
 
@@ -123,6 +137,11 @@ class Engine:
         self._parked: dict[int, tuple[Slot, EnvCall]] = {}  # slots waiting for env.step
         self.env_calls = EnvCalls(cfg.env_workers, cfg.env_timeout_s)
         self.overlap_env = False  # True: decode other slots while env calls run
+        # True: a chunk that some slots do not write is prefilled over the writing slots
+        # only (GenerateFns.prefill_rows), so admitting a few prompts while the others
+        # decode costs their rows, not S (the gateway's NativeBackend); False: every
+        # chunk is one [S, C] call, as the in-process sampler computes it.
+        self.row_prefill = False
         self._routing = fns.routing_shape if cfg.record_routing else None
         self._key = jax.random.key(seed) if isinstance(seed, int) else seed
         self._cache = None
@@ -292,8 +311,10 @@ class Engine:
     # ---- device calls -------------------------------------------------------------------
 
     def _prefill_pending(self, params) -> None:
-        """Writes tokens[written : n - 1] of every active slot, chunk by chunk."""
-        S, L = self.cfg.num_slots, self.cfg.max_len
+        """Writes tokens[written : n - 1] of every active slot, chunk by chunk: one [S, C]
+        call per chunk, or with `row_prefill`, while some rows have nothing to write,
+        calls over the writing rows only (`row_groups`)."""
+        S = self.cfg.num_slots
         while True:
             slots = [self._running(s) for s in range(S)]
             pending = [0 if sl is None else sl.n - 1 - sl.written for sl in slots]  # per slot
@@ -301,29 +322,50 @@ class Engine:
             if most <= 0:
                 return
             width = bucket_length(most, self.cfg.buckets)
-            tokens_sc, positions_sc = inert_rows(S, width, L)
             counts = [min(p, width) for p in pending]
-            need_s = np.zeros(S, np.int64)  # cache slots each writing row reads
-            for s, c in enumerate(counts):
-                if c > 0:
-                    sl = slots[s]
-                    tokens_sc[s, :c] = sl.tokens[sl.written : sl.written + c]
-                    positions_sc[s, :c] = np.arange(sl.written, sl.written + c)
-                    need_s[s] = sl.written + c
-            spans = choose_spans(need_s, self.cfg.spans)  # inert rows' outputs are unused
+            writing = [s for s in range(S) if counts[s] > 0]
+            if self.row_prefill and len(writing) < S and self.fns.shards == 1:
+                for rows in row_groups(writing):
+                    self._prefill_chunk(params, slots, counts, width, rows)
+            else:
+                self._prefill_chunk(params, slots, counts, width, None)
+
+    def _prefill_chunk(self, params, slots, counts, width: int, rows) -> None:
+        """Writes counts[s] tokens of each slot s of `rows` (None: one call over all S,
+        rows with nothing to write inert) in one prefill call of width `width`."""
+        L = self.cfg.max_len
+        order = range(self.cfg.num_slots) if rows is None else rows  # row i is slot order[i]
+        tokens_rc, positions_rc = inert_rows(len(order), width, L)
+        need_r = np.zeros(len(order), np.int64)  # cache slots each writing row reads
+        for i, s in enumerate(order):
+            c = counts[s]
+            if c > 0:
+                sl = slots[s]
+                tokens_rc[i, :c] = sl.tokens[sl.written : sl.written + c]
+                positions_rc[i, :c] = np.arange(sl.written, sl.written + c)
+                need_r[i] = sl.written + c
+        spans = choose_spans(need_r, self.cfg.spans)  # inert rows' outputs are unused
+        table = self._block_table()
+        if rows is None:
             self._cache, experts = self.fns.prefill(
-                params, self._cache, tokens_sc, positions_sc, spans, block_table=self._block_table()
+                params, self._cache, tokens_rc, positions_rc, spans, block_table=table
             )
-            self.calls["prefill"] += 1
-            experts = None if (experts is None or self._routing is None) else np.asarray(experts)
-            for s, c in enumerate(counts):
-                if c > 0:
-                    sl = slots[s]
-                    if experts is not None:  # a recompute keeps the routing recorded first
-                        part = sl.experts[sl.written : sl.written + c]
-                        new = part[:, 0, 0] < 0
-                        part[new] = experts[s, :c][new]
-                    sl.written += c
+        else:
+            self._cache, experts = self.fns.prefill_rows(
+                params, self._cache, np.asarray(rows), tokens_rc, positions_rc, spans,
+                block_table=table,
+            )  # fmt: skip
+        self.calls["prefill"] += 1
+        experts = None if (experts is None or self._routing is None) else np.asarray(experts)
+        for i, s in enumerate(order):
+            c = counts[s]
+            if c > 0:
+                sl = slots[s]
+                if experts is not None:  # a recompute keeps the routing recorded first
+                    part = sl.experts[sl.written : sl.written + c]
+                    new = part[:, 0, 0] < 0
+                    part[new] = experts[i, :c][new]
+                sl.written += c
 
     def _decode(self, params):
         S, L = self.cfg.num_slots, self.cfg.max_len

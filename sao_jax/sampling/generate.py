@@ -227,6 +227,9 @@ class GenerateFns:
         self.programs: set[tuple] = set()  # (name, span, lane_span, ...) of every trace
         static = ("span", "lane_span")
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,), static_argnames=static)
+        self._prefill_rows = jax.jit(
+            self._prefill_rows_impl, donate_argnums=(1,), static_argnames=static
+        )
         self._decode = jax.jit(self._decode_impl, donate_argnums=(1,), static_argnames=static)
         self._init = jax.jit(self._init_impl)
 
@@ -329,6 +332,43 @@ class GenerateFns:
     ):
         self.traces["prefill"] += 1
         self.programs.add(("prefill", tokens_sc.shape[1], span, lane_span))
+        return self._prefill_body(
+            params, cache, tokens_sc, positions_sc, lane_rows_r, table_sn, span, lane_span
+        )
+
+    def _prefill_rows_impl(
+        self, params, cache, rows_r, tokens_rc, positions_rc, lane_rows_r, table_sn=None, *,
+        span, lane_span,
+    ):  # fmt: skip
+        """The prefill of slots `rows_r` [R] only: a dense cache's rows are gathered
+        ([R, L, K, H] per layer), written and scattered back; a paged pool is written
+        through the block table's rows `rows_r`. Each row's arithmetic is the full
+        prefill's on a batch of R rows."""
+        self.traces["prefill_rows"] += 1
+        self.programs.add(("prefill_rows", *tokens_rc.shape, span, lane_span))
+        if self.layout.paged:
+            return self._prefill_body(params, cache, tokens_rc, positions_rc, lane_rows_r,
+                                      table_sn[rows_r], span, lane_span)  # fmt: skip
+
+        def take(c):
+            axis = c.k_bskh.ndim - 4  # stacked: [L_run, S, ...]
+            return c.replace(k_bskh=jnp.take(c.k_bskh, rows_r, axis=axis),
+                             v_bskh=jnp.take(c.v_bskh, rows_r, axis=axis))  # fmt: skip
+
+        def put(c, part):
+            idx = (slice(None),) * (c.k_bskh.ndim - 4) + (rows_r,)
+            return c.replace(k_bskh=c.k_bskh.at[idx].set(part.k_bskh),
+                             v_bskh=c.v_bskh.at[idx].set(part.v_bskh))  # fmt: skip
+
+        part = jax.tree.map(take, cache, is_leaf=_is_cache)
+        part, experts = self._prefill_body(
+            params, part, tokens_rc, positions_rc, lane_rows_r, None, span, lane_span
+        )
+        return self._placed(jax.tree.map(put, cache, part, is_leaf=_is_cache)), experts
+
+    def _prefill_body(
+        self, params, cache, tokens_sc, positions_sc, lane_rows_r, table_sn, span, lane_span
+    ):
         model = self.mdef.bind(params)
         segments_sc = (positions_sc < self.max_len).astype(jnp.int32)
         cache = self._reading(cache, lane_rows_r, span, lane_span, table_sn)
@@ -426,6 +466,25 @@ class GenerateFns:
             cache,
             self._rows(tokens_sc),
             self._rows(positions_sc),
+            table_sn=self.block_table(block_table),
+            **self._spans(spans),
+        )
+
+    def prefill_rows(self, params, cache, rows_r, tokens_rc, positions_rc, spans=None, *,
+                     block_table=None):  # fmt: skip
+        """`prefill` of the slots `rows_r` [R] (distinct) only: tokens [R, C] at positions
+        [R, C]; `spans` (`lane_rows_r` indexing the R rows) bounds their read. Costs R
+        rows, not S: for the slots that take new tokens while the others decode. The
+        slot axis must not be split over devices (`shards` == 1). Returns the new cache
+        and, with record_routing, the experts [R, C, L_moe, k]."""
+        if self.shards != 1:
+            raise ValueError(f"prefill_rows: the slot axis is split {self.shards} ways")
+        return self._prefill_rows(
+            params,
+            cache,
+            self._rows(rows_r),
+            self._rows(tokens_rc),
+            self._rows(positions_rc),
             table_sn=self.block_table(block_table),
             **self._spans(spans),
         )
