@@ -6,7 +6,8 @@ r"""Serves a run config's policy behind the OpenAI-compatible rollout gateway.
 
 Once it accepts connections it writes DIR/gateway.json (base_url, api_key, port, model,
 pid); finished episodes go to DIR/episodes.jsonl. Serves the config's `init` policy
-without running SFT. SIGTERM or Ctrl-C stops it (exit 0). docs/harness.md has the contract.
+without running SFT, with its `gateway` section (the flags below override its fields).
+SIGTERM or Ctrl-C stops it (exit 0). docs/harness.md has the contract.
 """
 
 from absl import app, flags
@@ -14,18 +15,19 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from sao_jax import cli
-from sao_jax.serve.gateway import GatewayConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file[:variant].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for gateway.json and episodes.jsonl.")
-_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (others: a warning).")
-_PORT = flags.DEFINE_integer("port", 0, "Port; 0 picks a free one (gateway.json says which).")
-_MODEL = flags.DEFINE_string("model_name", GatewayConfig.model_name, "The served model's name.")
+# Overrides of the config's `gateway` section (sao_jax/defaults.py, the one source of the
+# defaults; --config.gateway.<field>=... works too): None = the config's value.
+_HOST = flags.DEFINE_string("host", None, "gateway.host: address to listen on (others warn).")
+_PORT = flags.DEFINE_integer("port", None, "gateway.port: 0 picks a free one (see gateway.json).")
+_MODEL = flags.DEFINE_string("model_name", None, "gateway.model_name: the served model's name.")
 _REWARD_TIMEOUT = flags.DEFINE_float(
-    "reward_timeout_s", GatewayConfig.reward_timeout_s, "Episodes with no reward are ended."
+    "reward_timeout_s", None, "gateway.reward_timeout_s: episodes with no reward are ended."
 )
 _STRICT = flags.DEFINE_bool(
-    "strict_sampling", False, "Refuse (400) requests whose sampling knobs differ from the run's."
+    "strict_sampling", None, "gateway.strict_sampling: refuse (400) other sampling knobs."
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -38,6 +40,7 @@ def main(argv):
     import logging
     import sys
 
+    from sao_jax.config import validate
     from sao_jax.serve.launch import serve
 
     handler = logging.StreamHandler(sys.stdout)
@@ -46,12 +49,13 @@ def main(argv):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    cfg = GatewayConfig(
-        model_name=_MODEL.value,
-        reward_timeout_s=_REWARD_TIMEOUT.value,
-        strict_sampling=_STRICT.value,
-    )
-    serve(_CONFIG.value, _WORKDIR.value, cfg, host=_HOST.value, port=_PORT.value)
+    config = _CONFIG.value
+    flag_values = {"host": _HOST, "port": _PORT, "model_name": _MODEL,
+                   "reward_timeout_s": _REWARD_TIMEOUT, "strict_sampling": _STRICT}  # fmt: skip
+    for field, flag in flag_values.items():
+        if flag.value is not None:
+            config.gateway[field] = flag.value
+    serve(validate(config), _WORKDIR.value)
 
 
 def cli_main() -> None:

@@ -192,7 +192,8 @@ def _import_validators() -> None:
     import sao_jax.rl.optim
     import sao_jax.rl.settings
     import sao_jax.run.settings
-    import sao_jax.sampling.sampler  # noqa: F401
+    import sao_jax.sampling.sampler
+    import sao_jax.serve.settings  # noqa: F401
 
 
 def _type_ok(value: Any, default: Any) -> bool:

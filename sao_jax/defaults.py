@@ -14,6 +14,8 @@ against (`reference`). The sections and who reads them:
   sampling        rollout engine and async sampler (sao_jax/sampling/)
   env, data, init, sft, value_pretrain, train
                   the run's stages (sao_jax/train.py, sao_jax/run/)
+  gateway         the OpenAI-compatible rollout gateway: serving, and training on agent
+                  harnesses' episodes (sao_jax/serve/settings.py, docs/harness.md)
 
 Ranges and cross-field rules are checked by the module that consumes a section (its
 validator, registered with `sao_jax.schema.register_validator`); a new field is one line
@@ -63,6 +65,7 @@ def default_config() -> ConfigDict:
     c.sft = sft_section()  # the SFT warm start
     c.value_pretrain = value_pretrain_section()  # the critic's pretraining before RL
     c.train = train_section()  # RL steps, rollout mode, logging, eval, checkpoints
+    c.gateway = gateway_section()  # the rollout gateway (serve; harness / live training)
     return c
 
 
@@ -331,6 +334,38 @@ def train_section() -> ConfigDict:
     c.wandb_name = ""  # W&B run name ("" = the workdir's name)
     c.wandb_mode = "online"  # 'online' | 'offline' (files in <workdir>/wandb, `wandb sync`
     # later) | 'disabled'
+    return c
+
+
+def gateway_section() -> ConfigDict:
+    """The rollout gateway (sao_jax/serve/; checks: sao_jax/serve/settings.py). Read by
+    `experiments.serve` (whose flags override these fields) and by a training run whose
+    `mode` is not 'off'."""
+    c = ConfigDict()
+    c.mode = "off"  # a training run's rollouts: 'off' = the in-process env sampler |
+    # 'harness' = harness processes (gateway.harness) through the gateway | 'live' = the
+    # episodes of any client's sessions (serve with training on)
+    c.host = "127.0.0.1"  # address to listen on (anything else: a warning)
+    c.port = 0  # 0 = a free port (<workdir>/gateway.json says which)
+    c.model_name = "sao-policy"  # the served model's name
+    c.max_tokens = 0  # per request at most; 0 = whatever the context leaves
+    c.max_body_bytes = 4 << 20  # larger request bodies: 413
+    c.reward_timeout_s = 600.0  # an episode with no reward this long after its last call
+    # is ended as by /end (scored by its task's reward, else dropped)
+    c.strict_sampling = False  # sampling knobs that differ from the run's: a 400, not
+    # ignored and counted
+    c.max_staleness = ml_collections.FieldReference(16, field_type=int)  # drop an episode
+    # whose oldest action token is more than this many versions behind the learner when
+    # taken (None = off); on by default, unlike sampling.max_staleness, because nothing
+    # else bounds a session's lag (docs/harness.md, "Training on harness episodes")
+    c.harness = ConfigDict()  # the training driver's harness processes (mode 'harness')
+    c.harness.command = ""  # template, split like a shell line; placeholders {base_url}
+    # {api_key} (the session's), {task_json}, {python} (this interpreter), {workdir}
+    c.harness.processes = 2  # harness processes running at once
+    c.harness.timeout_s = 600.0  # a process running longer is killed, its episode dropped
+    c.harness.sandbox = False  # run each inside bubblewrap; the gateway is reached
+    # through a Unix socket only (docs/harness.md, "Sandboxed harnesses")
+    c.harness.sandbox_paths = ()  # read-only paths the sandboxed harness needs (its code)
     return c
 
 

@@ -258,10 +258,10 @@ def check_run(config: ConfigDict, sharder) -> None:
         path = data[field] if data is not None else ""
         if path and not os.path.exists(path):
             raise ConfigError(f"config field data.{field}: {path!r} does not exist")
-    if init.tokenizer != "char" and not os.path.isdir(init.tokenizer):
+    if init.tokenizer not in ("char", "harness") and not os.path.isdir(init.tokenizer):
         raise ConfigError(
-            f"config field init.tokenizer: {init.tokenizer!r} is neither 'char' nor a "
-            "directory holding tokenizer.json"
+            f"config field init.tokenizer: {init.tokenizer!r} is neither 'char', 'harness' "
+            "nor a directory holding tokenizer.json"
         )
     if config.train.token_dump_steps and jax.process_count() > 1:
         raise ConfigError(

@@ -7,15 +7,19 @@ Routes (docs/harness.md has the contract):
                 the backend's: slots decoding together, queue, cancels)
   admin or the session's key:  POST /v1/sessions/{id}/reward, POST /v1/sessions/{id}/end
   session key:  GET /sessions/{id}/v1/models[/{model}], POST /sessions/{id}/v1/chat/completions,
-                POST /sessions/{id}/v1/completions (recorded into the session's episode)
+                POST /sessions/{id}/v1/completions (recorded into the session's episode),
+                POST /sessions/{id}/v1/reward and /end (the same as the admin routes: a
+                harness that knows only its base_url and key ends its own episode)
 
 Every error is OpenAI's shape (sao_jax/serve/errors.py), unknown routes and too large
 bodies included; a client's input never causes a 500. A retry (`x-stainless-retry-count`
 > 0, or the previous request's body again while it is in flight or before its reply was
 continued) gets the previous call's response and records nothing.
 
-`start_server(gateway, host, port)` runs the app on its own event loop in a thread (the
-test fixtures, the CLI) and returns a `Server` (its url, `stop()`).
+`start_server(gateway, host, port, unix_path)` runs the app on its own event loop in a
+thread (the test fixtures, the CLI, the training driver; `unix_path`: also on that Unix
+socket, the only network of sandboxed harnesses) and returns a `Server` (its url,
+`stop()`).
 """
 
 from __future__ import annotations
@@ -319,6 +323,8 @@ def make_app(gateway: Gateway) -> web.Application:
         web.get("/sessions/{sid}/v1/models/{model}", r.model),
         web.post("/sessions/{sid}/v1/chat/completions", r.session_chat),
         web.post("/sessions/{sid}/v1/completions", r.session_completion),
+        web.post("/sessions/{sid}/v1/reward", r.reward),
+        web.post("/sessions/{sid}/v1/end", r.end),
     ])  # fmt: skip
     return app
 
@@ -343,7 +349,7 @@ class Server:
         self.thread.join(timeout)
 
 
-async def _serve(gateway: Gateway, host: str, port: int, ready, stop_box: list):
+async def _serve(gateway: Gateway, host: str, port: int, unix_path, ready, stop_box: list):
     stop = asyncio.Event()
     stop_box.append(stop)
     runner = web.AppRunner(make_app(gateway), access_log=None, shutdown_timeout=2)
@@ -351,6 +357,8 @@ async def _serve(gateway: Gateway, host: str, port: int, ready, stop_box: list):
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound = runner.addresses[0][1]
+    if unix_path is not None:  # the same app on a Unix socket (sandboxed harnesses)
+        await web.UnixSite(runner, str(unix_path)).start()
     gateway.base_url = f"http://{host}:{bound}"
     ready(bound)
     try:
@@ -362,9 +370,11 @@ async def _serve(gateway: Gateway, host: str, port: int, ready, stop_box: list):
         await runner.cleanup()
 
 
-def start_server(gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> Server:
-    """Serves `gateway` on host:port (0 = a free port) from a new thread; returns once it
-    accepts connections."""
+def start_server(
+    gateway: Gateway, host: str = "127.0.0.1", port: int = 0, unix_path=None
+) -> Server:
+    """Serves `gateway` on host:port (0 = a free port), and on the Unix socket `unix_path`
+    too when given, from a new thread; returns once it accepts connections."""
     box: dict = {}
     stop_box: list = []
     started = threading.Event()
@@ -377,7 +387,7 @@ def start_server(gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> Se
         loop = asyncio.new_event_loop()
         box["loop"] = loop
         try:
-            loop.run_until_complete(_serve(gateway, host, port, ready, stop_box))
+            loop.run_until_complete(_serve(gateway, host, port, unix_path, ready, stop_box))
         except BaseException as e:
             box["error"] = e
             started.set()

@@ -8,9 +8,10 @@ section behind a `Gateway` writing `workdir/episodes.jsonl`. `init.tokenizer='ha
 builds the project's local BPE tokenizer with the Qwen3-style template
 (sao_jax/text/harness_tokenizer.py) into `workdir/tokenizer`.
 
-`serve(...)` starts it, writes `workdir/gateway.json` atomically once it accepts
-connections (`base_url`, `api_key` = the admin key, `port`, `model`, `pid`), and serves
-until SIGTERM or SIGINT; then the live sessions' episodes are written as dropped
+`serve(...)` starts it with the config's `gateway` section (sao_jax/serve/settings.py),
+writes `workdir/gateway.json` atomically once it accepts connections (`base_url`,
+`api_key` = the admin key, `port`, `model`, `pid`), and serves until SIGTERM or SIGINT;
+then the live sessions' episodes are written as dropped
 ('shutdown'), and it stops and returns (exit status 0).
 """
 
@@ -39,6 +40,7 @@ from sao_jax.serve.app import Server, start_server
 from sao_jax.serve.episodes import EpisodeLog
 from sao_jax.serve.gateway import Gateway, GatewayConfig
 from sao_jax.serve.render import ChatRenderer
+from sao_jax.serve.settings import gateway_config
 from sao_jax.text.chat_template import run_chat_format
 from sao_jax.text.harness_tokenizer import write_harness_tokenizer
 from sao_jax.text.tokenizer import load_tokenizer
@@ -114,13 +116,20 @@ def write_gateway_json(workdir: str | pathlib.Path, server: Server) -> pathlib.P
 def serve(
     config: ConfigDict,
     workdir: str | pathlib.Path,
-    cfg: GatewayConfig,
+    cfg: GatewayConfig | None = None,
     *,
-    host: str = "127.0.0.1",
-    port: int = 0,
+    host: str | None = None,
+    port: int | None = None,
     stop: threading.Event | None = None,
 ) -> None:
-    """Serves until SIGTERM / SIGINT (or `stop` is set); see the module docstring."""
+    """Serves until SIGTERM / SIGINT (or `stop` is set); see the module docstring. The
+    settings are the config's `gateway` section (serve-only: a request's sampling values
+    apply); `cfg`, `host`, `port` override it."""
+    section = config.get("gateway")
+    if cfg is None:
+        cfg = gateway_config(section, training=False) if section else GatewayConfig()
+    host = host if host is not None else (section.host if section else "127.0.0.1")
+    port = port if port is not None else (section.port if section else 0)
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("gateway: listening on %s: reachable beyond this machine", host)
     gateway = build_gateway(config, workdir, cfg)

@@ -10,6 +10,7 @@ Any other character encodes to `<unk>`; `<unk>` decodes to U+FFFD.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from collections.abc import Sequence
@@ -135,11 +136,30 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """ "char" -> CharTokenizer; a directory holding tokenizer.json -> HFTokenizer."""
+    """ "char" -> CharTokenizer; "harness" -> the harness demo's local BPE with the
+    Qwen3-style template (sao_jax/text/harness_tokenizer.py, built once per process); a
+    directory holding tokenizer.json -> HFTokenizer."""
     if spec == "char":
         return CharTokenizer()
+    if spec == "harness":
+        return HFTokenizer(_harness_dir())
     if pathlib.Path(spec).is_dir():
         return HFTokenizer(spec)
     raise ValueError(
         f"tokenizer spec {spec!r}: expected 'char' or a directory containing tokenizer.json"
     )
+
+
+@functools.cache
+def _harness_dir() -> pathlib.Path:
+    """The harness tokenizer's files, built into a temporary folder of this process
+    (deterministic: the same files every time, in about half a second)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from sao_jax.text.harness_tokenizer import write_harness_tokenizer
+
+    path = pathlib.Path(tempfile.mkdtemp(prefix="sao-harness-tokenizer-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return write_harness_tokenizer(path)
