@@ -1,21 +1,34 @@
-r"""The harness demo's policy behind the rollout gateway (sao_jax/serve/, docs/harness.md).
+r"""The harness demo: a policy behind the rollout gateway, trained on agent harnesses'
+episodes (sao_jax/serve/, docs/harness.md).
 
 A small Qwen3-MoE-style model with the project's local BPE tokenizer and Qwen3-style chat
-template (`init.tokenizer='harness'`: built into the workdir, sao_jax/text/
-harness_tokenizer.py); a context long enough for the calculator tool's schema. Serving
-uses `init`, `model`, `sampling` and `seed`; SFT is not run by the server.
+template (`init.tokenizer='harness'`, sao_jax/text/harness_tokenizer.py); a context long
+enough for the calculator tool's schema. Serving (`experiments.serve`) uses `init`,
+`model`, `sampling`, `seed` and `gateway` (SFT is not run by the server); training
+(`experiments.train`) runs `gateway.harness.processes` copies of
+examples/harness/calculator_agent.py, one per task, and trains SAO on their episodes.
 
   python -m experiments.serve --config=configs/harness.py:smoke --workdir=/tmp/gw
+  python -m experiments.train --config=configs/harness.py:smoke --workdir=/tmp/gw_train
+  python -m experiments.train --config=configs/harness.py:smoke,live --workdir=/tmp/gw_live
 
-Variants (`:a,b=1`): smoke (a tiny model that is up in seconds on a CPU), seed=N.
+Variants (`:a,b=1`): smoke (a tiny model and a run of a few steps on a CPU), live (train
+on any client's sessions instead of running harnesses: serve with training on), sandbox
+(each harness inside bubblewrap, reaching the gateway through a Unix socket only),
+seed=N.
 """
+
+import pathlib
+import shlex
 
 from sao_jax.config import parse_arg
 from sao_jax.configs import base
 
+AGENT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "harness" / "calculator_agent.py"
+
 
 def get_config(arg=None):
-    arg = parse_arg(arg, smoke=False, seed=0)
+    arg = parse_arg(arg, smoke=False, live=False, sandbox=False, seed=0)
     c = base.get_config()
     c.seed = arg.seed
     c.init.kind = "random"  # the server serves init as is (a warm start is a later stage)
@@ -25,8 +38,32 @@ def get_config(arg=None):
     c.sampling.num_slots = 16  # concurrent harness calls decoding together
     c.sampling.max_len = 1024  # the tool schema, a few turns and their results
     c.sampling.steps_per_sync = 4
-    c.sampling.temperature = 1.0  # the law of requests that send none (docs/harness.md)
+    c.sampling.temperature = 1.0  # the run's law: every harness request samples with it
+    c.env.prompts.n_ops = (1, 1)  # one operation: one calculator call answers it
+    c.value_pretrain.steps = 0  # the critic starts from the policy (no pretraining yet)
+    c.rl.batch_size = 16  # trajectories (episode segments) per update
+    c.train.rollouts = "async"
+    c.gateway.mode = "live" if arg.live else "harness"
+    # one process per task: the session's base URL and key, the task as JSON
+    agent = shlex.quote(str(AGENT))
+    c.gateway.harness.command = (
+        f"{{python}} {agent} --base_url={{base_url}} --api_key={{api_key}} --task={{task_json}}"
+    )
+    c.gateway.harness.processes = 8
+    c.gateway.harness.timeout_s = 300.0
+    c.gateway.harness.sandbox = arg.sandbox
+    c.gateway.harness.sandbox_paths = (str(AGENT.parent),)  # the agent's code, read-only
     if arg.smoke:
         c.model.update(hidden_size=32, num_hidden_layers=2, mlp_only_layers=(0,), num_experts=4)
         c.sampling.num_slots = 8
+        c.sampling.span_buckets = (1024,)  # one decode program (smoke contexts stay short)
+        c.sampling.queue_size = 4  # few episodes ahead of the learner: few processes
+        c.sampling.max_turn_tokens = 16  # the in-process evaluation's turns (not harnesses')
+        c.env.params.max_turns = 1
+        c.rl.batch_size = 2
+        c.env.eval_size = 2
+        c.train.update(total_steps=3, log_every=1, eval_every=0, checkpoint_every=1)
+        c.train.update(eval_sampled=False, report=False, progress=False, length_bucket=1024)
+        c.gateway.harness.processes = 2
+        c.gateway.harness.timeout_s = 120.0
     return c

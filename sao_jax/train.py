@@ -14,9 +14,11 @@ lengths, vocabulary, tools (`sao_jax.run.preflight`). A finished run is not run 
 (one line; a larger train.total_steps continues it). Resume order
 (docs/checkpointing.md): config check against the workdir -> models and learner ->
 restore the TrainState -> restore the prompt iterator and counters -> republish the
-policy to the sampler. SIGTERM / SIGINT: finish the current update, save, exit 0; every
-wait (rollouts, env calls) polls the stop flag (sao_jax/stop.py), so a run blocked on a
-hanging environment stops within seconds too. With several processes the stop decision
+policy to the sampler. With `gateway.mode` 'harness' or 'live' the trajectories come
+from agent harnesses' episodes through the rollout gateway (sao_jax/serve/source.py,
+docs/harness.md), into the same loop. SIGTERM / SIGINT: finish the current update, save,
+exit 0; every wait (rollouts, env calls) polls the stop flag (sao_jax/stop.py), so a run
+blocked on a hanging environment stops within seconds too. With several processes the stop decision
 is agreed once per step (`distributed.agree_stop`), so all save the same step.
 """
 
@@ -66,6 +68,7 @@ from sao_jax.sampling.trajectory import (
     round_up,
 )
 from sao_jax.schema import ConfigDict, ConfigError
+from sao_jax.serve.source import GatewayRollouts
 
 log = logging.getLogger("sao_jax")
 
@@ -357,6 +360,21 @@ class Run:
 
     def rollouts(self):
         cfg = self.config
+        gateway = cfg.get("gateway")
+        if gateway is not None and gateway.mode != "off":  # harness / live episodes
+            return GatewayRollouts(
+                gateway,
+                policy_def=self.sampler_def,
+                tokenizer=self.tokenizer,
+                chat=self.chat,
+                engine_cfg=self.engine_cfg,
+                prompts=self.prompts,
+                workdir=self.workdir,
+                seed=stream_seed(cfg.seed, "rollouts"),
+                queue_size=self.sampler_cfg.queue_size,
+                max_env_errors=self.sampler_cfg.max_env_errors,
+                take_timeout_s=cfg.train.take_timeout_s,
+            )
         kw = dict(group_size=cfg.env.group_size)
         args = (self.sampler_def, self.tokenizer, self.env_factory, self.prompts)
         kw.update(self.pool)

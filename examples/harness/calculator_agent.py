@@ -5,9 +5,17 @@ tool call the model makes, appends the results as `tool` messages and stops at t
 reply without tool calls. Pointed at a gateway session (docs/harness.md), every call is
 recorded; the reward is posted at the end.
 
+Against a running gateway (it opens its own session):
+
   python -m experiments.serve --config=configs/harness.py:smoke --workdir=/tmp/gw &
   python examples/harness/calculator_agent.py --gateway=/tmp/gw/gateway.json \
       --question="what is 12 + 30?" --answer=42
+
+Run by the training driver (configs/harness.py's `gateway.harness.command`: one process
+per task, given its session's base URL and key and the task as JSON):
+
+  python examples/harness/calculator_agent.py --base_url=URL --api_key=KEY \
+      --task='{"prompt": "what is 12 + 30?", "answer": 42}'
 """
 
 from __future__ import annotations
@@ -99,17 +107,30 @@ def _post(url: str, key: str, body: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gateway", required=True, help="the gateway's gateway.json")
-    parser.add_argument("--question", required=True)
-    parser.add_argument("--answer", required=True)
+    parser.add_argument("--gateway", help="the gateway's gateway.json (opens a session)")
+    parser.add_argument("--question")
+    parser.add_argument("--answer")
+    parser.add_argument("--base_url", help="a session's base URL (with --api_key, --task)")
+    parser.add_argument("--api_key")
+    parser.add_argument("--task", help='the task as JSON: {"prompt": ..., "answer": ...}')
     args = parser.parse_args()
-    with open(args.gateway) as f:
-        g = json.load(f)
-    session = _post(g["base_url"] + "/sessions", g["api_key"], {"task": args.question})
-    client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"])
-    text, _ = run_episode(client, g["model"], args.question)
-    r = reward(text, args.answer)
-    _post(f"{g['base_url']}/sessions/{session['id']}/reward", session["api_key"], {"reward": r})
+    if args.base_url:  # run by the training driver: the session exists
+        task = json.loads(args.task)
+        question, answer = task["prompt"], str(task["answer"])
+        client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key)
+        model = client.models.list().data[0].id
+        reward_url, key = args.base_url + "/reward", args.api_key
+    else:
+        with open(args.gateway) as f:
+            g = json.load(f)
+        question, answer, model = args.question, args.answer, g["model"]
+        session = _post(g["base_url"] + "/sessions", g["api_key"], {"task": question})
+        client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"])
+        reward_url = f"{g['base_url']}/sessions/{session['id']}/reward"
+        key = session["api_key"]
+    text, _ = run_episode(client, model, question)
+    r = reward(text, answer)
+    _post(reward_url, key, {"reward": r})
     print(json.dumps({"answer": text, "reward": r}))
 
 

@@ -125,6 +125,13 @@ def _check_gateway(config: ConfigDict) -> None:
             f"{g.mode!r} gives one episode per task (single rollouts): needs "
             f"env.group_size=1, got {config.env.group_size}",
         )
+    if "sampling" in config:
+        require(
+            config.sampling.get("placement", "colocated") == "colocated",
+            "gateway.mode",
+            f"{g.mode!r} serves from one backend on the trainer's devices: needs "
+            "sampling.placement='colocated'",
+        )
     if g.mode == "harness" and h.sandbox:
         from sao_jax.serve.harness_sandbox import unavailable
 
