@@ -62,7 +62,7 @@ def get_config(arg=None):
         c.env.params.max_turns = 1
         c.rl.batch_size = 2
         c.env.eval_size = 2
-        c.train.update(total_steps=3, log_every=1, eval_every=0, checkpoint_every=1)
+        c.train.update(total_steps=3, log_every=1, eval_every=0, checkpoint_every=0)
         c.train.update(eval_sampled=False, report=False, progress=False, length_bucket=1024)
         c.gateway.harness.processes = 2
         c.gateway.harness.timeout_s = 120.0

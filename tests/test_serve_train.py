@@ -165,6 +165,7 @@ def runs(tmp_path_factory, jax_cache_dir):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_sigterm_with_live_sessions_checkpoints_and_drops_them(runs):
     first, source = runs.first, runs.sources[0]
     assert first["interrupted"] is True and 1 <= first["steps"] < TOTAL
@@ -178,6 +179,7 @@ def test_sigterm_with_live_sessions_checkpoints_and_drops_them(runs):
     assert ts.unbalanced(first["counters"]) is None
 
 
+@pytest.mark.slow
 def test_resume_trains_to_the_last_step(runs):
     second, first = runs.second, runs.first
     assert second["steps"] == TOTAL and second["interrupted"] is False
@@ -189,6 +191,7 @@ def test_resume_trains_to_the_last_step(runs):
     assert runs.sources[1].stats()["version"] == TOTAL
 
 
+@pytest.mark.slow
 def test_crashed_harness_is_dropped_counted_and_the_run_goes_on(runs):
     source = runs.sources[1]
     crashed = [e for e in runs.episodes if e["dropped"] == "harness_error"]
@@ -200,6 +203,7 @@ def test_crashed_harness_is_dropped_counted_and_the_run_goes_on(runs):
     assert runs.second["steps"] == TOTAL
 
 
+@pytest.mark.slow
 def test_trained_rows_are_the_recorded_episodes(runs):
     """Every trained row is a segment of an episodes.jsonl record, token for token, with
     its recorded log-probs and versions; the learner's staleness is measured from them."""
@@ -219,6 +223,7 @@ def test_trained_rows_are_the_recorded_episodes(runs):
     assert sum(stale.values()) > 0
 
 
+@pytest.mark.slow
 def test_a_live_sessions_late_reward_is_trained(runs):
     """Serve with training on: an outside client's session, its reward posted after a
     weight publication, is trained with its staleness measured from its oldest token."""

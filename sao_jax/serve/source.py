@@ -323,7 +323,9 @@ class GatewayRollouts:
                 version=self._version,
             )
         if self.gateway is not None:
-            out["live_sessions"] = sum(not s.ended for s in list(self.gateway.sessions.values()))
+            c = self.gateway.counters  # (no walk over the sessions the loop changes)
+            ended = c.get("episodes", 0) + c.get("episodes_dropped", 0)
+            out["live_sessions"] = c.get("sessions", 0) - ended
             for k in ("calls", "retries", "sampling_ignored", "malformed_tool_calls"):
                 out[f"gateway_{k}"] = self.gateway.counters.get(k, 0)
         if self.pool is not None:
