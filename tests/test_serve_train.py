@@ -60,6 +60,7 @@ def _config(plan_dir: pathlib.Path):
     )
     config.train.total_steps = TOTAL
     config.sampling.queue_size = 2
+    config.sampling.num_slots = 2  # one per harness process (the live client's call waits)
     faults = REPO / "tests" / "harness_faults.py"
     config.gateway.harness.command = (
         f"{{python}} {faults} --plan_dir={plan_dir} --base_url={{base_url}} "
