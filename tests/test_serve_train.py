@@ -18,6 +18,7 @@ on their own, without a model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -37,6 +38,7 @@ from sao_jax.sampling.sampler import EnvErrorLimit
 from sao_jax.sampling.trajectory import Trajectory
 from sao_jax.schema import ConfigError
 from sao_jax.serve import harness_sandbox
+from sao_jax.serve.errors import ApiError
 from sao_jax.serve.harness import HarnessPool
 from sao_jax.serve.settings import HarnessConfig
 from sao_jax.serve.source import GatewayRollouts
@@ -75,7 +77,7 @@ _GIVE_UP = threading.Event()  # run 1 ended before its other thread was done
 def _wait(what: str, ok, deadline_s: float = STEP_DEADLINE_S):
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline and not _GIVE_UP.is_set():
-        if (value := ok()) is not None and value is not False:
+        if value := ok():
             return value
         time.sleep(0.1)
     raise AssertionError(f"not within {deadline_s} s: {what}")
@@ -395,6 +397,66 @@ def test_sandboxed_harness_reaches_only_the_gateway(tmp_path):
         assert json.loads(lines[0])["data"][0]["id"] == gateway.cfg.model_name
         assert lines[1].startswith("host unreachable"), lines
     finally:
+        unix.stop()
+        server.stop()
+        backend.close()
+
+
+@pytest.mark.skipif(bool(harness_sandbox.unavailable()), reason="bubblewrap unavailable")
+def test_driver_runs_the_calculator_agent_in_the_sandbox(tmp_path):
+    """The driver's sandboxed launch (gateway.harness.sandbox): the unmodified calculator
+    agent, with the real `openai` client, runs inside bubblewrap, reaches the gateway only
+    through its Unix socket, executes the policy's tool call and posts its own reward
+    (a scripted backend stands for the policy: a random one never writes the call)."""
+    import asyncio
+
+    from sao_jax.serve.app import start_server
+    from tests.serve_support import ScriptedBackend, episodes, serve, tokenizer
+
+    tok = tokenizer(tmp_path)
+    backend = ScriptedBackend(tok)
+    call = json.dumps({"name": "calculator", "arguments": {"expression": "12 + 30"}})
+    backend.script = [f"<tool_call>\n{call}\n</tool_call><|im_end|>", "It is 42.<|im_end|>"]
+    server, gateway = serve(backend, tok, tmp_path)
+    sock_dir = tmp_path / "s"
+    sock_dir.mkdir()
+    unix = start_server(gateway, "127.0.0.1", 0, sock_dir / harness_sandbox.SOCKET_NAME)
+    agent = REPO / "examples" / "harness" / "calculator_agent.py"
+    words = ("{python}", str(agent), "--base_url={base_url}", "--api_key={api_key}",
+             "--task={task_json}")  # fmt: skip
+    cfg = HarnessConfig(command=words, processes=1, timeout_s=60.0, sandbox=True,
+                        sandbox_paths=(str(agent.parent),))  # fmt: skip
+    ended, failures = [], []
+
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, server.loop).result(30)
+
+    async def new(task, base_url):
+        return gateway.new_session(task, None, base_url)
+
+    def end(sid, reason):
+        ended.append((sid, reason))
+        with contextlib.suppress(ApiError):  # the agent posted its reward: ended
+            on_loop(gateway.end(sid, None, None, reason))
+
+    prompt = types.SimpleNamespace(uid="t1", text="what is 12 + 30?", answer=42, meta={})
+    pool = HarnessPool(
+        cfg, iter([prompt]), open_session=lambda task, base: on_loop(new(task, base)),
+        end_session=end, workdir=tmp_path, on_failure=lambda r, m: failures.append(m),
+        socket_dir=sock_dir,
+    )  # fmt: skip
+    try:
+        pool.start()
+        _wait("the sandboxed agent's episode", lambda: ended, deadline_s=60)
+        pool.stop()
+        assert failures == [] and ended[0][1] is None, failures
+        (ep,) = episodes(tmp_path)
+        assert ep["reward"] == 1.0 and ep["calls"] == 2 and ep["task"]["answer"] == 42
+        seg = ep["segments"][0]
+        obs = [t for t, m in zip(seg["token_ids"], seg["action_mask"], strict=True) if not m]
+        assert "<tool_response>\n42\n</tool_response>" in tok.decode(obs)
+    finally:
+        pool.stop()
         unix.stop()
         server.stop()
         backend.close()
