@@ -266,10 +266,12 @@ def test_the_seeds_finish_in_order(tmp_path, fake):
     env, calls = fake
     spec = _spec(variants=("sao",), seeds=(0, 1, 2), grid=())
     env = dict(env, FAKE_SLEEP="0.3")
-    sweep.run_sweep(spec, tmp_path / "sw", env=env, parallel=2, log=lambda _: None)
-    t0 = {c["name"]: c["t0"] for c in calls()}
+    lines = []  # the runner's own start order (a child's clock reads after its start-up)
+    sweep.run_sweep(spec, tmp_path / "sw", env=env, parallel=2, log=lines.append)
+    started = [x.split()[-1] for x in lines if x.startswith("[sweep] start ")]
+    assert len(started) == 6 and {c["name"] for c in calls()} == set(started)
     points = [f"ablations__sao__seed={s}" for s in (0, 1)]
-    assert max(t0[p] for p in points) < t0[sweep.warm_start_name(spec, 2)]
+    assert max(map(started.index, points)) < started.index(sweep.warm_start_name(spec, 2))
 
 
 def test_a_failed_warm_start_blocks_only_its_seeds_points(tmp_path, fake):
