@@ -2,7 +2,8 @@
 examples/harness/calculator_agent.py unmodified, unless it claims one of the faults
 planned in `--plan_dir`.
 
-`<plan_dir>/plan` holds fault names, comma-separated (`crash`, `hang`); once
+`<plan_dir>/plan` holds fault names, comma-separated (`crash`, `hang`), handed out in
+that order; once
 `<plan_dir>/armed` exists, each process tries to claim the next one (`claim-<i>`,
 created exclusively: each fault goes to exactly one process). A `crash` makes one chat
 call through the real `openai` client, then exits with status 3; a `hang` makes one call,
@@ -45,6 +46,7 @@ def main() -> None:
         sys.argv = [str(AGENT), *args]
         runpy.run_path(str(AGENT), run_name="__main__")
         return
+    print(f"fault: {fault}", flush=True)  # its working directory is kept: the test reads it
     opts = dict(a.removeprefix("--").split("=", 1) for a in args)
     client = openai.OpenAI(base_url=opts["base_url"], api_key=opts["api_key"])
     question = json.loads(opts["task"])["prompt"]

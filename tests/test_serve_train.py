@@ -9,11 +9,13 @@ tests/harness_faults.py), in this process, with the session's compilation cache:
   while a hanging harness holds a live session: it checkpoints, returns (the entry
   point then exits 0, as tests/test_train.py checks for every run), and drops the live
   sessions as `shutdown`, counted;
-* run 2 resumes it in the same workdir with one harness that crashes after a call: its
-  episode is dropped and counted, and the run goes on to its last step.
+* run 2 resumes it in the same workdir; its first two harnesses hang after a call (both
+  slots: the run can only go on once they are killed at gateway.harness.timeout_s), the
+  next one crashes after a call: their episodes are dropped and counted, and the run
+  goes on to its last step.
 
-The harness timeout, the failure streak, the staleness cap and the sandbox are checked
-on their own, without a model.
+The timeout's process-group kill, the failure streak, the staleness cap and the sandbox
+are checked on their own too, without a model.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TOTAL = 7  # RL steps of the pair of runs (run 1 stops at about 4)
 SIGTERM_DEADLINE_S = 30.0  # SIGTERM -> run() returned, checkpoint written
 STEP_DEADLINE_S = 300.0  # a run step reached (compiles included) on a loaded 2-core box
+HARNESS_TIMEOUT_S = 20.0  # gateway.harness.timeout_s: a calculator episode takes 1-5 s here
 
 
 def _config(plan_dir: pathlib.Path):
@@ -63,6 +66,7 @@ def _config(plan_dir: pathlib.Path):
     config.train.total_steps = TOTAL
     config.sampling.queue_size = 2
     config.sampling.num_slots = 2  # one per harness process (the live client's call waits)
+    config.gateway.harness.timeout_s = HARNESS_TIMEOUT_S
     faults = REPO / "tests" / "harness_faults.py"
     config.gateway.harness.command = (
         f"{{python}} {faults} --plan_dir={plan_dir} --base_url={{base_url}} "
@@ -158,7 +162,9 @@ def runs(tmp_path_factory, jax_cache_dir):
             raise AssertionError(
                 f"run 1 ended at step {first['steps']} before its SIGTERM"
             ) from box.get("error")
-        (plan_dir / "plan").write_text("crash")  # run 2: one harness crashes after a call
+        # run 2: both processes hang after a call (so the run waits for their timeout),
+        # then one crashes after a call; the others are well behaved
+        (plan_dir / "plan").write_text("hang,hang,crash")
         for claim in plan_dir.glob("claim-*"):
             claim.unlink()
         second = train.run(config, workdir)
@@ -204,6 +210,19 @@ def test_crashed_harness_is_dropped_counted_and_the_run_goes_on(runs):
     assert source.stats()["harness_failed"] == 1
     kept = list((runs.workdir / "harness").glob(f"*-{crashed[0]['id']}"))
     assert len(kept) == 1 and (kept[0] / "stderr.txt").exists()  # its logs are kept
+    assert runs.second["steps"] == TOTAL
+
+
+@pytest.mark.slow
+def test_hanging_harnesses_are_killed_dropped_counted_and_the_run_goes_on(runs):
+    source = runs.sources[1]
+    by_id = {e["id"]: e for e in runs.episodes}
+    hung = [d for d in (runs.workdir / "harness").iterdir()
+            if (d / "stdout.txt").read_text().startswith("fault: hang")]  # fmt: skip
+    reasons = sorted(by_id[d.name.split("-", 1)[1]]["dropped"] for d in hung)
+    assert reasons == ["harness_timeout", "harness_timeout", "shutdown"]  # run 2's, run 1's
+    assert source.stats()["dropped"]["harness_timeout"] >= 2
+    assert source.stats()["harness_timed_out"] >= 2
     assert runs.second["steps"] == TOTAL
 
 
