@@ -45,7 +45,7 @@ from sao_jax.experiments.online_shift import report as user_shift
 
 from sao_jax import sweep
 from sao_jax.report import compare, stats, tables
-from sao_jax.report.experiment import Experiment, failures
+from sao_jax.report.experiment import Experiment, failures, plots_text
 
 REFERENCE, ROW = ROWS = ("sao", "sao_brace")  # lambda = 1 targets, BRACE-style targets
 LABELS = {"sao": "lambda = 1 targets (SAO)", "sao_brace": "BRACE-style targets"}
@@ -220,6 +220,7 @@ def report(exp: Experiment, specs: Sequence[sweep.SweepSpec], results, wall_s: f
     values = {c: {v: seed_values(rs.get(v, [])) for v in ROWS} for c, rs in grouped.items()}
     ev, success = differences(values, "ev"), differences(values, "success")
     ev_holm, success_holm = holm_over_cells(ev), holm_over_cells(success)
+    instead = exp.withheld(results)  # a pilot's or an incomplete table's: no test read
     text = exp.header(
         "A stale-critic correction: BRACE-style vs lambda = 1 critic targets",
         specs[0],
@@ -227,11 +228,15 @@ def report(exp: Experiment, specs: Sequence[sweep.SweepSpec], results, wall_s: f
         wall_s,
     )
     text += "\n" + rows_text(grouped, values)
-    text += "\n" + ev_text(values, ev, ev_holm)
-    text += "\n" + success_text(success, success_holm)
+    text += "\n" + ev_text(values, ev, ev_holm, instead)
+    text += "\n" + success_text(success, success_holm, instead)
     text += "\n" + cost_text(values)
-    text += "\n" + reading_text(ev, ev_holm, success, success_holm)
-    text += "\n" + design_text(specs, ev, success)
+    text += "\n" + (
+        f"## Reading (pre-registered)\n\n- {instead}: no reading.\n"
+        if instead
+        else reading_text(ev, ev_holm, success, success_holm)
+    )
+    text += "\n" + design_text(specs)
     text += _plots(exp, grouped)
     text += failures(results)
     graded = [r for r in results if cell_of(r.point) != ONLINE]
@@ -291,41 +296,47 @@ def rows_text(grouped, values) -> str:
     )
 
 
-def family_table(what: str, diffs, holm, extra) -> str:
-    """One Holm family's table: per cell the difference, its test and verdict, then the
-    `extra` columns ((header, fn(cell) -> text), ...)."""
+def family_table(what: str, diffs, holm, extra, instead: str = "") -> str:
+    """One Holm family's table: per cell the difference, its test, verdict and MDD, then
+    the `extra` columns (((header, fn(cell) -> text), a test?), ...); `instead` (a pilot's or an
+    incomplete table's reading, Experiment.withheld) in place of each test and verdict."""
     headers = [
         "cell",
         f"Δ {what}, points ± SE [95% CI]",
         f"test (Holm over {len(diffs)} cells)",  # identical pairs count (holm_over_cells)
         "verdict",
-        *(h for h, _ in extra),
+        compare.MDD_HEADER,
+        *(h for (h, _), _ in extra),
     ]
     body = [
         [
             cell_label(c),
             compare.fmt_difference(d),
-            compare.fmt_test(d, holm[c]),
-            compare.verdict(d, holm[c]),
-            *(fn(c) for _, fn in extra),
+            instead or compare.fmt_test(d, holm[c]),
+            instead or compare.verdict(d, holm[c]),
+            compare.fmt_mdd(d, len(diffs)),
+            *(instead or fn(c) if tested else fn(c) for (_, fn), tested in extra),
         ]
         for c, d in diffs.items()
     ]
     return tables.markdown_table(headers, body)
 
 
-def ev_text(values, ev, ev_holm) -> str:
+def ev_text(values, ev, ev_holm, instead: str = "") -> str:
     stale = differences(values, "ev_stale")
     extra = (
         (
-            f"Δ critic EV, points, records at lag >= {HIGH_LAG:g} ± SE [95% CI]",
-            lambda c: compare.fmt_difference(stale[c]),
+            (
+                f"Δ critic EV, points, records at lag >= {HIGH_LAG:g} ± SE [95% CI]",
+                lambda c: compare.fmt_difference(stale[c]),
+            ),
+            False,
         ),
-        ("test (unadjusted)", lambda c: compare.fmt_test(stale[c])),
+        (("test (unadjusted)", lambda c: compare.fmt_test(stale[c])), True),
     )
     return (
         "## Critic EV: BRACE - lambda, paired by seed (primary family)\n\n"
-        + family_table("critic EV (run mean)", ev, ev_holm, extra)
+        + family_table("critic EV (run mean)", ev, ev_holm, extra, instead)
         + f"\n- The EV family: these {len(ev)} differences (BRACE minus lambda targets in the "
         "run-mean critic EV, one per cell), Holm-adjusted together; a verdict says "
         f"'higher'/'lower' only at Holm p < {compare.ALPHA:g}. The stale-record columns are "
@@ -333,16 +344,12 @@ def ev_text(values, ev, ev_holm) -> str:
     )
 
 
-def success_text(success, success_holm) -> str:
-    extra = (
-        (
-            "does BRACE cost success?",
-            lambda c: success_reading(success[c], success_holm[c]),
-        ),
-    )
+def success_text(success, success_holm, instead: str = "") -> str:
+    reading = lambda c: success_reading(success[c], success_holm[c])
+    extra = ((("does BRACE cost success?", reading), True),)
     return (
         "## Success: BRACE - lambda, paired by seed (second family)\n\n"
-        + family_table("success", success, success_holm, extra)
+        + family_table("success", success, success_holm, extra, instead)
         + f"\n- The success family: these {len(success)} differences, Holm-adjusted "
         "together, apart from the EV family (a cell whose pairs are identical, SE 0, has no "
         "test and counts as not rejected). 'costs success': lower at Holm p < "
@@ -413,8 +420,7 @@ def reading_text(ev, ev_holm, success, success_holm) -> str:
     return "\n".join(lines) + "\n"
 
 
-def design_text(specs: Sequence[sweep.SweepSpec], ev, success) -> str:
-    mdd = lambda diffs: [d.mdd for d in diffs.values() if d.n > 1 and d.se == d.se]
+def design_text(specs: Sequence[sweep.SweepSpec]) -> str:
     lines = [
         "## What this design can detect",
         "",
@@ -425,29 +431,17 @@ def design_text(specs: Sequence[sweep.SweepSpec], ev, success) -> str:
         "held-out prompts and the sampling keys; each difference is paired by seed, Student "
         "t on n - 1 df (95% interval, two-sided p).",
     ]
-    for name, diffs in (("critic EV", ev), ("success", success)):
-        m = mdd(diffs)
-        if m:
-            lines.append(
-                f"- {name}: true differences detected with 80% power (two-sided t, alpha "
-                f"{compare.ALPHA:g}, unadjusted): {100 * min(m):.1f} to {100 * max(m):.1f} "
-                "points, from the observed SEs."
-            )
-    lines.append(
-        "- 'no difference shown' is not evidence of no effect unless the detectable "
-        "difference is small next to the effect in question."
-    )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + compare.MDD_NOTE
 
 
 def _plots(exp: Experiment, grouped) -> str:
-    paths = []
-    for c, rows in grouped.items():
-        curves = {
-            LABELS[v]: tables.mean_curve([r.history for r in rows[v]], EV) for v in ROWS if rows[v]
-        }
-        slug = "online" if c == ONLINE else f"S{c[0]}_lr{c[1]:.0e}"
-        path = exp.plot_path(f"critic_correction_ev_{slug}")
-        tables.plot_curves(path, f"Critic EV before its update, {cell_label(c)}", "EV", curves)
-        paths.append(path)
-    return "\n## Plots\n\n" + "".join(f"![{p.stem}](plots/{p.name})\n" for p in paths)
+    return plots_text(
+        exp.plot_mean_curves(
+            f"critic_correction_ev_{'online' if c == ONLINE else f'S{c[0]}_lr{c[1]:.0e}'}",
+            f"Critic EV before its update, {cell_label(c)}",
+            "EV",
+            EV,
+            {LABELS[v]: rows[v] for v in ROWS if rows[v]},
+        )
+        for c, rows in grouped.items()
+    )

@@ -34,7 +34,7 @@ from sao_jax.experiments.ablations import report as table
 
 from sao_jax import sweep
 from sao_jax.report import compare, tables
-from sao_jax.report.experiment import Experiment, failures
+from sao_jax.report.experiment import Experiment, failures, plots_text
 from sao_jax.rl import losses
 from sao_jax.rl import mask_budget as mb
 from sao_jax.run import token_dump
@@ -225,11 +225,14 @@ def report(
             held[(f, row)] = compare.paired_difference(finals[(f, row)], finals[(f, "sao")])
             ent[(f, row)] = compare.paired_difference(masked[(f, row)], masked[(f, "sao")])
     holm_held, holm_ent = compare.holm_family(held), compare.holm_family(ent)
+    instead = exp.withheld(results)  # a pilot's or an incomplete table's: no test read
     headers = ["budget", "rule", "runs", "achieved mask % at calibration steps"]
     headers += ["keep rate % over the run (min)", "entropy of masked tokens (nats)"]
     headers += ["entropy of kept tokens", "collapse", "held-out success %"]
     headers += ["held-out Δ vs DIS (paired) [95% CI]", f"test (Holm over {len(held)})"]
+    headers += [f"held-out {compare.MDD_HEADER}"]
     headers += ["masked-entropy Δ vs DIS [95% CI]", f"test (Holm over {len(ent)})"]
+    headers += [f"masked-entropy {compare.MDD_HEADER}"]
     body = []
     order = lambda k: (math.inf if k[0] is None else k[0], list(ROWS).index(k[1]))
     for key in sorted(groups, key=order):
@@ -249,12 +252,14 @@ def report(
         if key in held:
             line += [
                 compare.fmt_difference(held[key]),
-                compare.fmt_test(held[key], holm_held[key]),
+                instead or compare.fmt_test(held[key], holm_held[key]),
+                compare.fmt_mdd(held[key], len(held)),
                 compare.fmt_difference(ent[key], scale=1.0, digits=3),
-                compare.fmt_test(ent[key], holm_ent[key]),
+                instead or compare.fmt_test(ent[key], holm_ent[key]),
+                compare.fmt_mdd(ent[key], len(ent), scale=1.0, digits=3),
             ]
         else:
-            line += ["(reference)" if row == "sao" else "-", "-", "-", "-"]
+            line += ["(reference)" if row == "sao" else "-", "-", "-", "-", "-", "-"]
         body.append(line)
     s, lr = _cell(spec)
     text = exp.header(
@@ -276,7 +281,7 @@ def report(
         f"- Families for Holm: the {len(held)} held-out differences from DIS (every rule "
         f"and budget), and separately the {len(ent)} masked-entropy differences from DIS. "
         "Differences are paired by seed (shared warm start, prompts and sampling keys), "
-        "read with Student's t on n - 1 df.\n"
+        "read with Student's t on n - 1 df.\n" + compare.MDD_NOTE
     )
     text += "\n" + calibration_text(calibration) + "\n"
     text += "\n" + table.definitions_text(f"budget: {total} RL steps.")
@@ -292,17 +297,15 @@ def _cell(spec: sweep.SweepSpec) -> tuple:
 
 
 def _plots(exp: Experiment, groups) -> str:
-    text = "\n## Plots\n\n"
-    for metric, what in (("train/success", "success"), (MASKED_H, "masked_entropy")):
-        curves = {
-            f"{mb.RULES[ROWS[row]].label.split(',')[0]}, {100 * f:g}%": tables.mean_curve(
-                [r.history for r in rs], metric
-            )
-            for (f, row), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1]))
-            if f is not None and row in ROWS
-        }
-        path = exp.plot_path(f"mask_budget_{what}")
-        title = "Training success" if what == "success" else "Mean entropy of masked tokens"
-        tables.plot_curves(path, f"{title} (mean ± std over seeds)", metric, curves)
-        text += f"![{path.stem}](plots/{path.name})\n"
-    return text
+    rows = {
+        f"{mb.RULES[ROWS[row]].label.split(',')[0]}, {100 * f:g}%": rs
+        for (f, row), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1]))
+        if f is not None and row in ROWS
+    }
+    return plots_text(
+        exp.plot_mean_curves(f"mask_budget_{what}", f"{title} (mean ± std over seeds)", m, m, rows)
+        for m, what, title in (
+            ("train/success", "success", "Training success"),
+            (MASKED_H, "masked_entropy", "Mean entropy of masked tokens"),
+        )
+    )

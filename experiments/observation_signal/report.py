@@ -17,7 +17,7 @@ from sao_jax.experiments.ablations import report as table
 
 from sao_jax import sweep
 from sao_jax.report import compare, tables
-from sao_jax.report.experiment import Experiment, failures
+from sao_jax.report.experiment import Experiment, failures, plots_text
 
 METRIC = table.METRIC  # held-out sampled success (pass@1, T = 1)
 # The rows of configs/observation_signal.py; the difference is ROW - REFERENCE.
@@ -93,8 +93,9 @@ def report(exp: Experiment, specs: Sequence[sweep.SweepSpec], results, wall_s: f
         results,
         wall_s,
     )
-    text += "\n" + success_text(grouped, steps, diffs, holm)
-    text += "\n" + jumps_text(grouped)
+    instead = exp.withheld(results)  # a pilot's or an incomplete table's: no test read
+    text += "\n" + success_text(grouped, steps, diffs, holm, instead)
+    text += "\n" + jumps_text(grouped, instead)
     text += "\n" + design_text(diffs, specs[0])
     text += "\n" + table.definitions_text(
         f"budgets: evaluations at steps {', '.join(map(str, [0, *steps]))}."
@@ -105,11 +106,11 @@ def report(exp: Experiment, specs: Sequence[sweep.SweepSpec], results, wall_s: f
     return text
 
 
-def success_text(grouped, steps, diffs, holm) -> str:
+def success_text(grouped, steps, diffs, holm, instead: str = "") -> str:
     last = steps[-1]
     headers = ["task", "row", "runs", *(f"success % @{s}" for s in (0, *steps))]
     headers += [f"greedy % @{last}", f"Δ {ROW_LABELS[ROW]} - SAO @{last} (paired, ± SE [95% CI])"]
-    headers += [f"test (Holm over {len(diffs)} tasks)", "verdict"]
+    headers += [f"test (Holm over {len(diffs)} tasks)", "verdict", compare.MDD_HEADER]
     body = []
     for task in grouped:
         rows = grouped.get(task, {})
@@ -126,11 +127,12 @@ def success_text(grouped, steps, diffs, holm) -> str:
             line = [task, ROW_LABELS[row], f"{done}/{len(rs)}", *cells]
             line.append(compare.fmt_mean_se(greedy))
             if row == REFERENCE or task not in diffs:
-                line += ["(reference)" if row == REFERENCE else "n/a", "-", "-"]
+                line += ["(reference)" if row == REFERENCE else "n/a", "-", "-", "-"]
             else:
                 d = diffs[task]
-                line += [compare.fmt_difference(d), compare.fmt_test(d, holm[task])]
-                line.append(compare.verdict(d, holm[task]))
+                line += [compare.fmt_difference(d), instead or compare.fmt_test(d, holm[task])]
+                line.append(instead or compare.verdict(d, holm[task]))
+                line.append(compare.fmt_mdd(d, len(diffs)))
             body.append(line)
     lines = ["## Held-out success, per task", "", tables.markdown_table(headers, body)]
     lines.append(
@@ -140,7 +142,7 @@ def success_text(grouped, steps, diffs, holm) -> str:
     return "\n".join(lines) + "\n"
 
 
-def jumps_text(grouped) -> str:
+def jumps_text(grouped, instead: str = "") -> str:
     """Per task and row: the critic's value change across observation spans and the share
     of the return's variance it explains; then the share's difference between tasks."""
     headers = ["task", "row", *(c for c, _ in JUMPS), "share of Var(G) at observations"]
@@ -175,13 +177,12 @@ def jumps_text(grouped) -> str:
         "the model's own tokens; critic noise inflates it. Mean ± SE over seeds.",
         f"- share, {first} - {second} (SAO rows, Welch, not paired: the tasks' warm starts "
         f"differ): {compare.fmt_difference(d, scale=1.0, digits=3)}, "
-        f"{compare.fmt_test(d)} (secondary, outside the Holm family).",
+        f"{instead or compare.fmt_test(d)} (secondary, outside the Holm family).",
     ]
     return "\n".join(lines) + "\n"
 
 
 def design_text(diffs: Mapping[str, compare.Difference], spec: sweep.SweepSpec) -> str:
-    mdds = {t: d.mdd for t, d in diffs.items() if d.n > 1 and d.se == d.se}
     lines = [
         "## What this design can detect",
         "",
@@ -199,31 +200,20 @@ def design_text(diffs: Mapping[str, compare.Difference], spec: sweep.SweepSpec) 
         "(gamma lambda)^(observation length) more and reads the critic's values on "
         "observation tokens, which no loss trains.",
     ]
-    if mdds:
-        lines.append(
-            "- True differences this design detects with 80% power (two-sided t, alpha "
-            f"{compare.ALPHA:g}, unadjusted): "
-            + ", ".join(f"{t} {100 * v:.1f} points" for t, v in mdds.items())
-            + ", from the observed SEs."
-        )
-    lines.append(
-        "- 'no difference shown' is not evidence of no effect unless the detectable "
-        "difference is small next to the effect in question."
-    )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + compare.MDD_NOTE
 
 
 def _plots(exp: Experiment, grouped) -> str:
-    paths = []
-    for task in grouped:
-        rows = grouped.get(task, {})
-        curves = {
-            ROW_LABELS[row]: tables.mean_curve([r.history for r in rows.get(row, [])], METRIC)
-            for row in ROWS
-        }
-        path = exp.plot_path(f"observation_signal_{task}_success")
-        tables.plot_curves(path, f"Held-out success (sampled), {task}", "success", curves)
-        paths.append(path)
+    paths = [
+        exp.plot_mean_curves(
+            f"observation_signal_{task}_success",
+            f"Held-out success (sampled), {task}",
+            "success",
+            METRIC,
+            {ROW_LABELS[row]: rows.get(row, []) for row in ROWS},
+        )
+        for task, rows in grouped.items()
+    ]
     bars = {}
     for task in grouped:
         for row in ROWS:
@@ -232,5 +222,4 @@ def _plots(exp: Experiment, grouped) -> str:
             bars[f"{task}: {ROW_LABELS[row]}"] = (m, 0.0 if se != se else se)
     path = exp.plot_path("observation_signal_variance_share")
     tables.plot_bars(path, "Share of Var(G) at observations (mean ± SE)", "share", bars)
-    paths.append(path)
-    return "\n## Plots\n\n" + "".join(f"![{p.stem}](plots/{p.name})\n" for p in paths)
+    return plots_text([*paths, path])

@@ -36,7 +36,7 @@ from sao_jax.experiments.ablations.report import fmt_run_means, mechanisms_text
 from sao_jax import sweep
 from sao_jax.envs.user_style import BIN_STEPS, RECOVERY_STEPS, success_bin
 from sao_jax.report import compare, stats, tables
-from sao_jax.report.experiment import INCOMPLETE, PILOT, Experiment, by_row, failures
+from sao_jax.report.experiment import Experiment, by_row, failures
 from sao_jax.run.accounting import ENV_PREFIX
 
 PRIMARY = "success_recovering"
@@ -210,8 +210,7 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
     holm = compare.holm_family(diffs)
     sdiffs = family(primary, [(v, "sao") for v in secondary_rows(variants)])
     sholm = compare.holm_family(sdiffs)
-    state = exp.reading(results)  # a pilot's or an incomplete table's tests are not read
-    instead = state if state in (PILOT, INCOMPLETE) else ""
+    instead = exp.withheld(results)  # a pilot's or an incomplete table's: no test read
     headers = [
         "row",
         "runs",
@@ -250,7 +249,7 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
     text = exp.header("Online learning with per-user moving targets", spec, results, wall_s)
     text += "\n" + tables.markdown_table(headers, body) + "\n"
     params = _env_params(results)
-    text += _definitions(spec, params.get("recovery_steps", RECOVERY_STEPS))
+    text += _definitions(spec, params.get("recovery_steps", RECOVERY_STEPS)) + compare.MDD_NOTE
     secondary_prereg = (exp.prereg or {}).get("tests") == "secondary"
     if secondary_prereg:  # made under the pre-registration of the secondary family
         text += (
@@ -329,11 +328,12 @@ def _family_table(diffs, holm, name: str, instead: str = "") -> str:
             compare.fmt_difference(d),
             instead or compare.fmt_test(d, holm[(a, b)]),
             instead or compare.verdict(d, holm[(a, b)]),
+            compare.fmt_mdd(d, len(diffs)),
         ]
         for (a, b), d in diffs.items()
     ]
     return (
-        tables.markdown_table(headers, body)
+        tables.markdown_table([*headers, compare.MDD_HEADER], body)
         + f"\n- The {name} family: "
         + (
             f"these {len(diffs)} differences of recovering success, Holm-adjusted together"
@@ -473,8 +473,15 @@ def tracking_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: flo
         body.append(line)
     effects = main_effects(primary, factors_of(variants))
     holm = compare.holm_family(effects)
+    instead = exp.withheld(results)  # a pilot's or an incomplete table's: no test read
     eff_rows = [
-        [f, compare.fmt_difference(d), compare.fmt_test(d, holm[f]), compare.verdict(d, holm[f])]
+        [
+            f,
+            compare.fmt_difference(d),
+            instead or compare.fmt_test(d, holm[f]),
+            instead or compare.verdict(d, holm[f]),
+            compare.fmt_mdd(d, len(effects)),
+        ]
         for f, d in effects.items()
     ]
     text = exp.header("Critic tracking on the per-user online shift", spec, results, wall_s)
@@ -488,12 +495,19 @@ def tracking_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: flo
         "clip (0 without a clip).\n"
         "\n## Main effects on recovering success\n\n"
         + tables.markdown_table(
-            ["factor at 'high'", "effect, points ± SE [95% t]", "test", "verdict"], eff_rows
+            [
+                "factor at 'high'",
+                "effect, points ± SE [95% t]",
+                "test",
+                "verdict",
+                compare.MDD_HEADER,
+            ],
+            eff_rows,
         )
         + "\n- Per seed: mean recovering success of the four cells with the factor at "
         "'high' minus that of the four at 'low' (a resolution IV design: main effects are "
         "not confounded with two-factor interactions); t over seeds; Holm over the "
-        f"{len(effects)} factors.\n"
+        f"{len(effects)} factors.\n" + compare.MDD_NOTE
     )
     text += failures(results)
     text += "\n## Every run\n\n" + tables.points_table(results, "eval/sampled_success", rule=None)

@@ -65,6 +65,12 @@ class Experiment:
             return PILOT
         return INCOMPLETE if audit.unfinished(self.prereg, results) else "read"
 
+    def withheld(self, results) -> str:
+        """PILOT or INCOMPLETE where the table's tests are not read: a report prints it in
+        every test cell (p, Holm p, verdict) and reading in place of the test; '' else."""
+        state = self.reading(results)
+        return state if state in (PILOT, INCOMPLETE) else ""
+
     def _prereg_text(self, results) -> str:
         state = self.reading(results)
         if not state:
@@ -241,6 +247,20 @@ class Experiment:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
+    def plot_mean_curves(
+        self, name: str, title: str, ylabel: str, metric: str, rows: dict[str, Sequence]
+    ) -> pathlib.Path:
+        """plots/<name>.png: `metric`'s mean ± std curve over each row's runs."""
+        curves = {k: tables.mean_curve([r.history for r in rs], metric) for k, rs in rows.items()}
+        path = self.plot_path(name)
+        tables.plot_curves(path, title, ylabel, curves)
+        return path
+
+
+def plots_text(paths) -> str:
+    """The report's '## Plots' section: a link to each PNG under plots/."""
+    return "\n## Plots\n\n" + "".join(f"![{p.stem}](plots/{p.name})\n" for p in paths)
+
 
 def by_row(results: Sequence[sweep.PointResult]) -> dict[str, list[sweep.PointResult]]:
     out: dict[str, list[sweep.PointResult]] = collections.defaultdict(list)
@@ -402,13 +422,42 @@ def experiment() -> Experiment:
 
 
 Report = Callable[[Experiment, sweep.SweepSpec, list, float], str]
+SweepOf = Callable[[str], sweep.SweepSpec | tuple[sweep.SweepSpec, ...]]
 
 
-def table_main(
-    name: str,
-    sweep_of: Callable[[str], sweep.SweepSpec | tuple[sweep.SweepSpec, ...]],
-    write: Report,
-):
+def chosen(exp: Experiment, sweep_of: SweepOf):
+    """The mode's sweep (or tuple of sweeps) with the seeds and rows `exp` chose."""
+    specs = sweep_of(exp.mode)
+    if isinstance(specs, sweep.SweepSpec):
+        return exp.chosen(specs)
+    return tuple(exp.chosen(s) for s in specs)
+
+
+def replay(
+    name: str, sweep_of: SweepOf, write: Report, runs_file: str, base: Experiment
+) -> tuple[Experiment, str]:
+    """(settings, text) of table `name` written again from a committed runs file
+    (--from_runs): `base` with the file's recorded settings (its commit, or none for runs
+    files written before one was recorded), the pre-registration beside the file, and the
+    sweep as the file ran it (its rows, seeds, schedule: `audit.recorded_spec`)."""
+    results, header = audit.read_runs(runs_file)
+    folder = pathlib.Path(runs_file).parent
+    exp = dataclasses.replace(
+        base,
+        **{"commit": None, **header.settings},
+        own_runs=(str(runs_file),),
+        prereg=audit.read_preregistration(folder, name),
+        prereg_folder=str(folder),
+    )
+    spec = chosen(exp, sweep_of)
+    if isinstance(spec, sweep.SweepSpec):
+        spec = audit.recorded_spec(spec, results)
+    else:
+        spec = tuple(audit.recorded_spec(s, results) for s in spec)
+    return exp, write(exp, spec, results, header.wall_s)
+
+
+def table_main(name: str, sweep_of: SweepOf, write: Report):
     """The main of a table script: the sweep of the mode (`sweep_of(mode)`) with the
     command line's seeds and rows, run (or resumed), then `write(...)` as <out>/<name>.md.
     `sweep_of` may return a tuple of sweeps (one per task, each with its own warm starts):
@@ -419,34 +468,13 @@ def table_main(
 
     f = flags()
 
-    def chosen(exp: Experiment):
-        """The mode's sweep (or tuple of sweeps) with the seeds and rows `exp` chose."""
-        specs = sweep_of(exp.mode)
-        if isinstance(specs, sweep.SweepSpec):
-            return exp.chosen(specs)
-        return tuple(exp.chosen(s) for s in specs)
-
     @cli.guard
     def main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
         if f.from_runs.value:  # the committed runs, nothing trained
-            results, header = audit.read_runs(f.from_runs.value)
-            # the commit the file recorded, or none (runs files before it was recorded)
-            exp = dataclasses.replace(experiment(), **{"commit": None, **header.settings})
-            folder = pathlib.Path(f.from_runs.value).parent
-            exp = dataclasses.replace(
-                exp,
-                own_runs=(f.from_runs.value,),
-                prereg=audit.read_preregistration(folder, name),
-                prereg_folder=str(folder),
-            )
-            spec = chosen(exp)  # then as the file ran it (its rows, seeds, schedule)
-            if isinstance(spec, sweep.SweepSpec):
-                spec = audit.recorded_spec(spec, results)
-            else:
-                spec = tuple(audit.recorded_spec(s, results) for s in spec)
-            exp.write(name, write(exp, spec, results, header.wall_s))
+            exp, text = replay(name, sweep_of, write, f.from_runs.value, experiment())
+            exp.write(name, text)
             return
         exp = experiment()
         own = [audit.runs_path(exp.out_path, name), *([f.add_to.value] * bool(f.add_to.value))]
@@ -456,7 +484,7 @@ def table_main(
             prereg=audit.read_preregistration(exp.out_path, name),
             prereg_folder=str(exp.out_path),
         )
-        spec = chosen(exp)
+        spec = chosen(exp, sweep_of)
         earlier = None
         if f.add_to.value:
             if not isinstance(spec, sweep.SweepSpec):
