@@ -86,7 +86,9 @@ def command(
     if bwrap is None:
         raise RuntimeError("bwrap (bubblewrap) is not installed")
     cmd = [bwrap, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
-           "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv"]  # fmt: skip
+           "--die-with-parent", "--new-session", "--clearenv"]  # fmt: skip
+    if os.geteuid() == 0:  # bwrap keeps a root caller's capabilities unless told not to
+        cmd += ["--cap-drop", "ALL"]
     for k, v in env.items():
         cmd += ["--setenv", k, v]
     cmd += ["--ro-bind", "/usr", "/usr", *_system_links()]

@@ -16,6 +16,7 @@ like a shell line (`shlex`), then each word is formatted with the placeholders b
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import string
 
@@ -137,3 +138,9 @@ def _check_gateway(config: ConfigDict) -> None:
 
         why = unavailable()
         require(not why, "gateway.harness.sandbox", f"bubblewrap sandbox unavailable: {why}")
+        for path in h.sandbox_paths:
+            require(
+                os.path.exists(path),
+                "gateway.harness.sandbox_paths",
+                f"{path!r} does not exist (the harness's code, bound read-only)",
+            )
