@@ -18,8 +18,9 @@ policy to the sampler. With `gateway.mode` 'harness' or 'live' the trajectories 
 from agent harnesses' episodes through the rollout gateway (sao_jax/serve/source.py,
 docs/harness.md), into the same loop. SIGTERM / SIGINT: finish the current update, save,
 exit 0; every wait (rollouts, env calls) polls the stop flag (sao_jax/stop.py), so a run
-blocked on a hanging environment stops within seconds too. With several processes the stop decision
-is agreed once per step (`distributed.agree_stop`), so all save the same step.
+blocked on a hanging environment stops within seconds too. With several processes the
+stop decision is agreed once per step (`distributed.agree_stop`), so all save the same
+step.
 """
 
 from __future__ import annotations
