@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from sao_jax.experiments.ablations import report as table
 
 from sao_jax.report import compare
 
@@ -70,10 +71,10 @@ def test_gain_shares():
     # paper: sao 97.3, moving average 79.8, sft 80.4: the moving average lost 0.6 points,
     # -0.6 / 16.9 = -3.6% of SAO's gain
     paper = {"sao": 97.3, "moving_average": 79.8, "sft": 80.4}
-    assert compare.paper_share(paper, "moving_average", "sao", "sft") == pytest.approx(-0.6 / 16.9)
-    assert math.isnan(compare.paper_share(paper, "grpo", "sao", "sft"))
-    assert compare.gain_share(0.12, 0.15) == pytest.approx(0.8)
-    assert math.isnan(compare.gain_share(0.1, 0.0))
+    assert table.paper_share(paper, "moving_average", "sao", "sft") == pytest.approx(-0.6 / 16.9)
+    assert math.isnan(table.paper_share(paper, "grpo", "sao", "sft"))
+    assert table.gain_share(0.12, 0.15) == pytest.approx(0.8)
+    assert math.isnan(table.gain_share(0.1, 0.0))
 
 
 def test_holm_family_and_pooling():

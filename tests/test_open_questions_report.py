@@ -1,5 +1,6 @@
 """The reports of experiments/staleness_law/ and experiments/mask_budget/ on synthetic
-histories, and the censored-time statistics they rest on (sao_jax/report/survival.py)."""
+histories, and the censored-time statistics they rest on
+(experiments/staleness_law/survival.py)."""
 
 import math
 
@@ -7,11 +8,11 @@ import numpy as np
 import pytest
 from sao_jax.experiments.mask_budget import report as mbr
 from sao_jax.experiments.staleness_law import report as law
+from sao_jax.experiments.staleness_law import survival
 from scipy import optimize
 from scipy import stats as sp_stats
 
 from sao_jax import sweep
-from sao_jax.report import survival
 from sao_jax.report.experiment import Experiment
 
 

@@ -1,7 +1,6 @@
 """The sweep runner (with a fake trainer process) and the aggregation helpers."""
 
 import json
-import math
 import os
 import signal
 import sys
@@ -356,16 +355,8 @@ def test_a_signal_stops_the_sweep_cleanly_and_the_same_command_resumes(tmp_path,
 # --------------------------------------------------------------------------- tables
 
 
-def test_mean_std_and_formatting():
-    assert tables.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0, 3)
-    assert tables.mean_std([0.5]) == (0.5, 0.0, 1)
-    m, s, n = tables.mean_std([None, float("nan")])
-    assert n == 0 and math.isnan(m) and math.isnan(s)
-    assert tables.fmt_mean_std([0.1, 0.3]) == f"20.0 ± {100 * np.std([0.1, 0.3], ddof=1):.1f}"
-    assert tables.fmt_mean_std([0.1, None]) == "10.0 (n=1)"
-    assert tables.fmt_mean_std([0.25]) == "25.0"
+def test_ranking_joins_ties():
     assert table.ranking({"a": 1.0, "b": 2.0, "c": 1.0}, {"b": "B"}) == "B > a = c"
-    assert tables.fmt_mean_std([]) == "n/a"
 
 
 def test_series_value_at_and_mean_curve_match_literal():
@@ -425,7 +416,7 @@ def test_markdown_table_and_plots(tmp_path):
         tables.markdown_table(["a"], [[1, 2]])
     curve = (np.array([0, 1, 2]), np.array([0.1, 0.2, 0.3]), np.array([0.0, 0.1, 0.0]))
     tables.plot_curves(tmp_path / "c.png", "t", "y", {"x": curve}, vlines=[1], vline_label="s")
-    tables.plot_bars(tmp_path / "b.png", "t", "y", {"x": (0.5, 0.1)}, reference={"x": 0.6})
+    table.plot_bars(tmp_path / "b.png", "t", "y", {"x": (0.5, 0.1)}, reference={"x": 0.6})
     empty = (np.array([]), np.array([]), np.array([]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no empty-legend warning: the figure says "no points"

@@ -221,5 +221,5 @@ def _plots(exp: Experiment, grouped) -> str:
             m, se, _ = compare.mean_se(list(shares.values()))
             bars[f"{task}: {ROW_LABELS[row]}"] = (m, 0.0 if se != se else se)
     path = exp.plot_path("observation_signal_variance_share")
-    tables.plot_bars(path, "Share of Var(G) at observations (mean ± SE)", "share", bars)
+    table.plot_bars(path, "Share of Var(G) at observations (mean ± SE)", "share", bars)
     return plots_text([*paths, path])

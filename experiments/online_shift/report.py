@@ -26,6 +26,7 @@ factor's main effect per seed (mean of the four cells at 'high' - mean of the fo
 from __future__ import annotations
 
 import math
+import pathlib
 import re
 from collections.abc import Mapping, Sequence
 
@@ -399,7 +400,7 @@ def _window_text(exp: Experiment, variants, primary) -> str:
         for v in ("sao", "ceiling")
         if v in primary
     }
-    tables.plot_window(
+    plot_window(
         path,
         "Recovering success against the moving average's window",
         "recovering success",
@@ -543,3 +544,35 @@ def main_effects(
                 contrast[s] = float(np.mean(hi) - np.mean(lo))
         out[f] = compare.paired_difference(contrast, dict.fromkeys(contrast, 0.0))
     return out
+
+
+def plot_window(
+    path: str | pathlib.Path,
+    title: str,
+    ylabel: str,
+    points: Mapping[float, tuple[float, float]],
+    references: Mapping[str, tuple[float, float]],
+    *,
+    marker: float,
+    marker_label: str,
+) -> None:
+    """A quantity against a window (log2 x axis): {window: (mean, SE)} as points with
+    error bars; each reference (mean, SE) a horizontal line with its band; a dashed
+    vertical line at `marker`."""
+    fig, ax = tables.figure()
+    xs = sorted(points)
+    ax.errorbar(
+        xs, [points[x][0] for x in xs], yerr=[points[x][1] for x in xs], marker="o",
+        capsize=3, label="moving average",
+    )  # fmt: skip
+    for name, (mean, se) in references.items():
+        line = ax.axhline(mean, linestyle="-.", linewidth=1.2, label=name)
+        if math.isfinite(se):
+            ax.axhspan(mean - se, mean + se, color=line.get_color(), alpha=0.12)
+    ax.axvline(marker, color="gray", linestyle="--", linewidth=1, label=marker_label)
+    ax.set_xscale("log", base=2)
+    ax.set(title=title, xlabel="window (steps of rewards)", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"Software": None})

@@ -101,7 +101,7 @@ def report(exp, spec, results, rescored, step: int, heldout: int, wall_s: float,
             line.append(compare.verdict(d, holm[variant]))
             own_gain = compare.paired_difference(per_seed(rescored, variant, primary), sft)
             line.append(table.fmt_gain(own_gain.diff, gain))
-            share = compare.paper_share(paper0, variant, "sao", "sft")
+            share = table.paper_share(paper0, variant, "sao", "sft")
             line.append("-" if share != share else f"{100 * share:.0f}%")
         if leveled:
             raw = per_seed(rescored, variant, table.METRIC)

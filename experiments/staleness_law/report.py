@@ -20,7 +20,7 @@ by O(S eta)). Per run:
 - runs that did not finish for another reason than a non-finite collapse are left out
   and listed.
 
-The law is read from a censored log-normal regression (sao_jax/report/survival.py):
+The law is read from a censored log-normal regression (experiments/staleness_law/survival.py):
   log t = a + b log lr + c log S (+ d [DIS]) + sigma e,
 b = -1 is "t x lr constant", c = -1 "t x S constant"; exp(d) is the factor by which DIS
 multiplies the collapse time at equal lr and S. Terms whose factor has one level in the
@@ -36,9 +36,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 from sao_jax.experiments.ablations import report as table
+from sao_jax.experiments.staleness_law import survival
 
 from sao_jax import sweep
-from sao_jax.report import compare, stats, survival, tables
+from sao_jax.report import compare, stats, tables
 from sao_jax.report.experiment import Experiment, failures
 
 ROWS = {"sao": "DIS", "vanilla_vapo": "no DIS"}

@@ -14,15 +14,9 @@ shared luck cancels. Where rows do not share seeds, the unpaired (Welch) form is
   power: Student's t on df (sao_jax/report/stats.py)
   the differences of one table are one family: Holm-adjusted p-values (`holm_family`);
   a difference counts when its Holm-adjusted p < alpha (0.05)
-  gain share = (row - start) / (SAO - start): a row's gain over its own starting point
-               as a share of SAO's, comparable with the paper's same share
   ratio of paired differences, rho = mean(a) / mean(b) with a_s, b_s per seed (e.g. the
                share of an oracle's gain over a baseline that SAO recovers): Fieller's
                interval (sao_jax/report/stats.py), undefined unless mean(b) > 0 at alpha
-
-The gain share replaces the earlier "paper-sized gap" (the paper's row gap scaled by the
-ratio of SAO's gains), whose yardstick for the moving average was a paper row that sits
-below the paper's own SFT start (79.8 vs 80.4: a baseline that learned nothing).
 """
 
 from __future__ import annotations
@@ -181,22 +175,6 @@ def fmt_ratio(r: Ratio) -> str:
         f"undefined: the denominator ({100 * d.diff:+.1f} points, p {fmt_p(d.p)}) is not "
         f"> 0 at p < {ALPHA:g}"
     )
-
-
-def gain_share(gain: float, ref_gain: float) -> float:
-    """A row's gain over its own start as a share of the reference row's (NaN when the
-    reference gained nothing or a number is missing)."""
-    if not (math.isfinite(gain) and math.isfinite(ref_gain)) or ref_gain == 0:
-        return math.nan
-    return gain / ref_gain
-
-
-def paper_share(paper: Mapping[str, float], row: str, ref: str, base: str) -> float:
-    """The paper's (row - base) / (ref - base): its row's gain over the start as a share
-    of its reference's (NaN when a number is missing)."""
-    if not all(k in paper for k in (row, ref, base)):
-        return math.nan
-    return gain_share(paper[row] - paper[base], paper[ref] - paper[base])
 
 
 def fmt_p(p: float) -> str:

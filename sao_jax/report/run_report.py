@@ -44,6 +44,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from sao_jax.metrics import METRICS_FILE, read_jsonl
+from sao_jax.report.tables import finite
 
 REPORT_FILE = "report.md"
 PLOTS_DIR = "plots"
@@ -130,18 +131,11 @@ def _check_history(history: Sequence[Mapping[str, Any]]) -> None:
             raise ValueError(f"history[{i}]: expected a mapping with an integer 'step'")
 
 
-def _number(value: Any) -> float | None:
-    """A finite float, or None for null / NaN / non-numeric values (text)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
 def collect_series(history: Sequence[Mapping[str, Any]], names: Sequence[str]) -> Series:
     """name -> (steps, values), by step, over the records holding a finite number for it."""
     out: Series = {}
     for name in names:
-        points = [(r["step"], _number(r.get(name))) for r in history]
+        points = [(r["step"], finite(r.get(name))) for r in history]
         points = sorted(((s, v) for s, v in points if v is not None), key=lambda p: p[0])
         if points:
             out[name] = ([s for s, _ in points], [v for _, v in points])
@@ -161,7 +155,7 @@ def staleness_from_history(history: Sequence[Mapping[str, Any]]) -> dict[int, in
         hist = {
             int(k.removeprefix(STALENESS_HIST_PREFIX)): int(v)
             for k, v in record.items()
-            if k.startswith(STALENESS_HIST_PREFIX) and _number(v) is not None
+            if k.startswith(STALENESS_HIST_PREFIX) and finite(v) is not None
         }
         if hist:
             return dict(sorted(hist.items()))
@@ -261,7 +255,7 @@ def _fmt(value: Any) -> str:
 
 
 def _fmt_duration(seconds: Any) -> str:
-    s = _number(seconds)
+    s = finite(seconds)
     if s is None:
         return _fmt(seconds)
     h, rem = divmod(round(s), 3600)
@@ -289,7 +283,7 @@ def pretrain_lines(history: Sequence[Mapping[str, Any]]) -> list[str]:
     """| step | held-out EV | fresh-batch EV | held-out loss | at every held-out evaluation
     of value pretraining ([] without one)."""
     p = PRETRAIN_PREFIX
-    rows = [r for r in history if _number(r.get(PRETRAIN_HELDOUT_EV)) is not None]
+    rows = [r for r in history if finite(r.get(PRETRAIN_HELDOUT_EV)) is not None]
     if not rows:
         return []
     lines = [

@@ -43,20 +43,6 @@ def finite(value: Any) -> float | None:
 # --------------------------------------------------------------------------- statistics
 
 
-def mean_std(values: Sequence[Any]) -> tuple[float, float, int]:
-    """(mean, sample std (ddof=1; 0 for one value), n) over the finite values; NaNs if none."""
-    x = np.array([v for v in map(finite, values) if v is not None], np.float64)
-    if x.size == 0:
-        return math.nan, math.nan, 0
-    std = float(np.std(x, ddof=1)) if x.size > 1 else 0.0
-    return float(np.mean(x)), std, int(x.size)
-
-
-def fmt_mean_std(values: Sequence[Any], *, scale: float = 100.0, digits: int = 1) -> str:
-    """'mean ± std' of scale * values; see `fmt_spread`."""
-    return fmt_spread(mean_std(values), len(values), scale=scale, digits=digits)
-
-
 def fmt_spread(
     stats: tuple[float, float, int], n_values: int, *, scale: float = 100.0, digits: int = 1
 ) -> str:
@@ -214,7 +200,8 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines) + "\n"
 
 
-def _figure(width: float = 6.4, height: float = 3.8) -> tuple[Figure, Any]:
+def figure(width: float = 6.4, height: float = 3.8) -> tuple[Figure, Any]:
+    """A figure on the Agg canvas (no pyplot) and its one axes."""
     fig = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(fig)
     return fig, fig.subplots()
@@ -231,7 +218,7 @@ def plot_curves(
     xlabel: str = "step",
 ) -> None:
     """Mean lines with +/- std bands against the step; dashed vertical lines at `vlines`."""
-    fig, ax = _figure()
+    fig, ax = figure()
     for label, (steps, mean, std) in curves.items():
         if len(steps) == 0:
             continue
@@ -248,66 +235,6 @@ def plot_curves(
         ax.legend(fontsize="x-small")
     else:  # say so in the figure, not an empty frame (runs that logged none of these keys)
         ax.text(0.5, 0.5, "no logged points", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, format="png", metadata={"Software": None})
-
-
-def plot_window(
-    path: str | pathlib.Path,
-    title: str,
-    ylabel: str,
-    points: Mapping[float, tuple[float, float]],
-    references: Mapping[str, tuple[float, float]],
-    *,
-    marker: float,
-    marker_label: str,
-) -> None:
-    """A quantity against a window (log2 x axis): {window: (mean, SE)} as points with
-    error bars; each reference (mean, SE) a horizontal line with its band; a dashed
-    vertical line at `marker`."""
-    fig, ax = _figure()
-    xs = sorted(points)
-    ax.errorbar(
-        xs, [points[x][0] for x in xs], yerr=[points[x][1] for x in xs], marker="o",
-        capsize=3, label="moving average",
-    )  # fmt: skip
-    for name, (mean, se) in references.items():
-        line = ax.axhline(mean, linestyle="-.", linewidth=1.2, label=name)
-        if math.isfinite(se):
-            ax.axhspan(mean - se, mean + se, color=line.get_color(), alpha=0.12)
-    ax.axvline(marker, color="gray", linestyle="--", linewidth=1, label=marker_label)
-    ax.set_xscale("log", base=2)
-    ax.set(title=title, xlabel="window (steps of rewards)", ylabel=ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="x-small")
-    fig.tight_layout()
-    fig.savefig(path, format="png", metadata={"Software": None})
-
-
-def plot_bars(
-    path: str | pathlib.Path,
-    title: str,
-    ylabel: str,
-    bars: Mapping[str, tuple[float, float]],
-    *,
-    reference: Mapping[str, float] | None = None,
-    reference_label: str = "paper",
-) -> None:
-    """One bar (mean, std error bar) per row; optional reference markers (paper numbers)."""
-    labels = list(bars)
-    fig, ax = _figure(max(6.4, 0.9 * len(labels)), 3.8)
-    x = np.arange(len(labels))
-    means = [bars[k][0] for k in labels]
-    stds = [bars[k][1] for k in labels]
-    ax.bar(x, means, yerr=stds, capsize=3, color="tab:blue", alpha=0.8, label="ours")
-    if reference:
-        ref = [(i, reference[k]) for i, k in enumerate(labels) if k in reference]
-        if ref:
-            ax.scatter(*zip(*ref), marker="_", s=300, color="tab:red", label=reference_label)
-    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize="small")
-    ax.set(title=title, ylabel=ylabel)
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize="x-small")
     fig.tight_layout()
     fig.savefig(path, format="png", metadata={"Software": None})
 
