@@ -108,9 +108,10 @@ def ablation_report(
         v: compare.paired_difference(f, ref) for v, f in finals.items() if v != "sao"
     }  # the family: every row's difference from SAO at the last budget
     holm = compare.holm_family(diffs)
+    instead = exp.withheld(results)  # a pilot's or an incomplete table's: no test read
     headers = ["row", "runs", *(f"success % @{s}" for s in cols)]
     headers += [f"greedy % @{last}", f"Δ vs SAO @{last} (paired, ± SE [95% CI])"]
-    headers += [f"test (Holm over {len(diffs)} rows)", "verdict"]
+    headers += [f"test (Holm over {len(diffs)} rows)", "verdict", compare.MDD_HEADER]
     headers += ["gain over start (share of SAO's)"]
     headers += ["paper: share of SAO's gain", "collapse", *(f"paper {c}" for c in paper_columns)]
     if paper_collapse is not None:
@@ -119,8 +120,9 @@ def ablation_report(
     if sft:
         line = ["SFT warm start (step 0)", len(sft), compare.fmt_mean_se(list(sft.values()))]
         d = compare.paired_difference(sft, ref)
-        line += ["-"] * len(steps) + ["-", compare.fmt_difference(d), compare.fmt_test(d)]
-        line += ["SAO's gain (not in the family)", "-", "-", "-"]
+        line += ["-"] * len(steps) + ["-", compare.fmt_difference(d)]
+        line += [instead or compare.fmt_test(d), "SAO's gain (not in the family)", "-", "-", "-"]
+        line += ["-"]
         line += [f"{x}" for x in paper.get("sft", ("-",) * len(paper_columns))]
         line += ["-"] if paper_collapse is not None else []
         body.append(line)
@@ -133,11 +135,12 @@ def ablation_report(
         cells.append(compare.fmt_mean_se([tables.value_at(r.history, GREEDY, last) for r in rs]))
         line = [LABELS.get(variant, row), f"{len(done[row])}/{len(rs)}", *cells]
         if variant == "sao":
-            line += ["(reference)", "-", "-"]
+            line += ["(reference)", "-", "-", "-"]
         else:
             d = diffs[variant]
-            line += [compare.fmt_difference(d), compare.fmt_test(d, holm[variant])]
-            line.append(compare.verdict(d, holm[variant]))
+            line += [compare.fmt_difference(d), instead or compare.fmt_test(d, holm[variant])]
+            line.append(instead or compare.verdict(d, holm[variant]))
+            line.append(compare.fmt_mdd(d, len(diffs)))
         line.append(fmt_gain(compare.paired_difference(finals[variant], sft).diff, gain))
         share = paper_share(paper0, variant, "sao", "sft")
         line.append("-" if share != share else f"{100 * share:.0f}%")
@@ -260,7 +263,6 @@ def design_text(
     """What differences this design can see, the family its Holm adjustment covers, and
     how to read the gain shares."""
     lines = ["## What this design can detect", ""]
-    mdds = [d.mdd for d in diffs.values() if d.n > 1 and d.se == d.se]
     eval_size = spec.fixed.get("env.eval_size", "?")
     lines.append(
         f"- {n_ref} seeds; each run is scored on {eval_size} held-out prompts (one sampled "
@@ -277,12 +279,6 @@ def design_text(
         + f"); each p is Holm-adjusted over them, and a verdict says 'higher'/'lower' only "
         f"when its Holm p < {compare.ALPHA:g}. The SFT row (SAO's own gain) is not in it."
     )
-    if mdds:
-        lines.append(
-            f"- True differences this table detects with 80% power (two-sided t, alpha "
-            f"{compare.ALPHA:g}, unadjusted): {100 * min(mdds):.1f} to {100 * max(mdds):.1f} "
-            f"points (median {100 * float(np.median(mdds)):.1f}), from the observed SEs."
-        )
     if gain == gain:
         lines.append(
             f"- SAO's gain over its warm start: {100 * gain:+.1f} points. 'gain over start' "
@@ -297,11 +293,7 @@ def design_text(
                 else ""
             )
         )
-    lines.append(
-        "- 'no difference shown' is not evidence of no effect unless the detectable "
-        "difference is small next to the effect in question."
-    )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + compare.MDD_NOTE
 
 
 def ranking(values: Mapping[str, float], labels: Mapping[str, str] | None = None) -> str:

@@ -86,15 +86,18 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
             f"{name}: staleness mean / max (seed {spec.seeds[0]})",
         ]
     headers += ["held-out: DIS - no DIS (paired) [95% CI]", f"test (Holm over {len(grid)} cells)"]
+    headers += [compare.MDD_HEADER]
     diffs = {(s, lr): dis_difference(index, s, lr) for s, lr in grid}
     holm = compare.holm_family(diffs)
+    instead = exp.withheld(results)  # a pilot's or an incomplete table's: no test read
     body = [
         [
             s,
             f"{lr:g}",
             *[x for v in ROWS for x in cell(index.get((v, s, lr), []))],
             compare.fmt_difference(diffs[(s, lr)]),
-            compare.fmt_test(diffs[(s, lr)], holm[(s, lr)]),
+            instead or compare.fmt_test(diffs[(s, lr)], holm[(s, lr)]),
+            compare.fmt_mdd(diffs[(s, lr)], len(diffs)),
         ]
         for s, lr in grid
     ]
@@ -116,6 +119,7 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
         "- DIS - no DIS: held-out success of the DIS row minus the no-DIS row of the same "
         "cell, paired by seed, ± SE [95% t interval]; test: t on n - 1 df, two-sided p, "
         "Holm-adjusted over the family of the grid's cells (one test per cell).\n"
+        + compare.MDD_NOTE
     )
     text += "\n" + table.definitions_text(f"budget: {total} RL steps; held-out success at the end.")
     text += "\n## Plots\n\n"
