@@ -23,6 +23,7 @@ import pathlib
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    + " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
