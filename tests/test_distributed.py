@@ -31,7 +31,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESH = (1, 2, 4, 1)  # fsdp across the two hosts, experts within each host
 B, T, STEPS = 8, 24, 3
 WORKER_TIMEOUT_S = 240
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# The compile-speed flags tests/conftest.py sets (its XLA_FLAGS without the device count).
+FAST_COMPILE = " ".join(
+    f for f in os.environ["XLA_FLAGS"].split() if "xla_force_host_platform_device_count" not in f
+)
 
 
 def _config():
@@ -153,8 +156,8 @@ def _free_port() -> int:
 def _spawn(tmp_path) -> list[subprocess.Popen]:
     """Worker 0 and 1 (4 devices each) and the 1-process reference (8 devices), at once.
 
-    All three use the same XLA flags (optimisation level 0: compiles twice as fast on
-    this machine; the numerics are those of the same fp32 ops).
+    All three use the same XLA flags (tests/conftest.py's compile-speed flags; the numerics
+    are those of the same fp32 ops).
     """
     port = _free_port()
     procs = []
