@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import shlex
 import subprocess
-import sys
 
 import pytest
 
@@ -18,6 +18,7 @@ from sao_jax.checkpointing import integrity
 from sao_jax.configs import online_shift
 from sao_jax.report import audit
 from sao_jax.report.experiment import Experiment, git_commit, machine_of
+from tests.experiment_support import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Runs files of finished designs whose code is gone: each regenerates at the commit named
@@ -44,25 +45,31 @@ def test_retired_tables_name_the_commit_that_regenerates_them():
         assert f"`{commit}`" in readme.read_text(), f"{readme} names no commit {commit}"
 
 
-def _regenerate_argv(runs: pathlib.Path, out: pathlib.Path) -> list[str]:
-    """The recorded command (its script and flags: --design, --table) with --from_runs in
+def _regenerate(runs: pathlib.Path, out: pathlib.Path) -> tuple[str, list[str]]:
+    """The recorded command's script and flags (--table, --offsets) with --from_runs in
     place of training and the output in `out`."""
     header = json.loads(runs.read_text().splitlines()[0])
     words = shlex.split(header["settings"]["command"])
     assert words[:2] == ["python", "-m"], f"{runs}: recorded command {words}"
+    assert words[2].startswith("experiments."), f"{runs}: recorded command {words}"
     flags = [w for w in words[3:] if w.split("=", 1)[0] not in DROP]
-    return [sys.executable, "-m", words[2], *flags, f"--from_runs={runs}", f"--out_dir={out}"]
+    return words[2].removeprefix("experiments."), [
+        *flags,
+        f"--from_runs={runs}",
+        f"--out_dir={out}",
+    ]
 
 
 @pytest.mark.parametrize("runs", RUNS_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_committed_table_recomputes_from_its_runs(runs, tmp_path):
+    """The recorded command with --from_runs, run as its script's absl main in this
+    process (tests/experiment_support.py run_script; the command line's own
+    mechanics: tests/test_experiments_smoke.py)."""
     name = runs.name[: -len(audit.RUNS_SUFFIX)]
     table = runs.parent / f"{name}.md"
     assert table.exists(), f"{runs} has no table {table.name} beside it"
-    proc = subprocess.run(
-        _regenerate_argv(runs, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = run_script(*_regenerate(runs, tmp_path), dict(os.environ))
+    assert code == 0, err[-3000:]
     assert (tmp_path / table.name).read_text() == table.read_text()
 
 

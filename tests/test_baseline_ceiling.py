@@ -6,8 +6,6 @@ undefined when the oracle does not beat the moving average. The script's real sm
 is in tests/test_experiments_smoke.py (slow)."""
 
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,7 +18,7 @@ from configs import ablations as ablations_cfg
 from sao_jax import sweep
 from sao_jax.report import compare, tables
 from sao_jax.report.experiment import Experiment
-from tests.experiment_support import ROOT, env
+from tests.experiment_support import run_experiment
 
 LEVELS = (1, 2, 3, 4)
 
@@ -109,9 +107,6 @@ def test_recovered_share_is_undefined_without_an_oracle_gap(tmp_path):
 
 
 def test_the_script_runs_the_table_sweep(tmp_path):
-    argv = [sys.executable, "-m", "experiments.baseline_ceiling", "--mode=smoke", "--dry_run"]
-    argv.append(f"--sweep_dir={tmp_path}")
-    proc = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "configs/ablations.py:moving_average_per_level" in proc.stdout
-    assert "ablations__sao__seed=0" in proc.stdout
+    out = run_experiment("baseline_ceiling", tmp_path, None, "--dry_run")
+    assert "configs/ablations.py:moving_average_per_level" in out
+    assert "ablations__sao__seed=0" in out

@@ -8,8 +8,6 @@ tests/test_ablations_config.py; the smoke run end to end is marked slow."""
 import itertools
 import math
 import statistics
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,7 +18,7 @@ from configs import ablations, online_shift
 from sao_jax import sweep
 from sao_jax.report import audit
 from sao_jax.report.experiment import Experiment
-from tests.experiment_support import ROOT, SharedRuns, check_report, env, run_experiment
+from tests.experiment_support import SharedRuns, check_report, run_experiment
 
 
 def _specs(mode="full"):
@@ -215,13 +213,7 @@ def test_success_reading_and_ratio_format():
 
 
 def _dry_run(tmp_path, mode: str) -> str:
-    argv = [sys.executable, "-m", "experiments.critic_correction", f"--mode={mode}", "--dry_run"]
-    proc = subprocess.run(
-        [*argv, f"--sweep_dir={tmp_path / mode}"], cwd=ROOT, env=env(), capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return run_experiment("critic_correction", tmp_path / mode, None, "--dry_run", mode=mode)
 
 
 def test_the_script_dry_run_lists_both_tasks_rows_and_quick_the_graded_only(tmp_path):
@@ -238,16 +230,19 @@ def test_the_script_dry_run_lists_both_tasks_rows_and_quick_the_graded_only(tmp_
 
 @pytest.mark.slow
 def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs_dir):
-    # the staleness cell's warm start and SAO run are the staleness grid smoke's
+    # the staleness cell's warm start and SAO run are the staleness grid smoke's, the
+    # online cell's the per-user main table's (`offsets=none`)
     shared = (
         "warm_start__ablations__smoke__seed=0",
         "ablations__sao__max_staleness=1__queue_size=16__lr=0.0001__seed=0",
+        "warm_start__online_shift__smoke__seed=0",
+        "online_shift__sao__seed=0",
     )
     SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(tmp_path / "sweep", *shared)
-    run_experiment(
-        "critic_correction", tmp_path / "sweep", tmp_path / "out", cache=jax_cache_dir,
-        timeout=1800,
-    )  # fmt: skip
+    log = run_experiment(
+        "critic_correction", tmp_path / "sweep", tmp_path / "out", cache=jax_cache_dir
+    )
+    assert "start warm_start" not in log and "start online_shift__sao__" not in log  # pooled
     cells = ((1, 1e-4), cc.ONLINE)
     labels = [f"{cc.cell_label(c)} | {cc.LABELS[v]}" for c in cells for v in cc.ROWS]
     text = check_report(tmp_path / "out", "critic_correction", labels)

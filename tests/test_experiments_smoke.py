@@ -4,12 +4,10 @@ session's compilation cache (tests/conftest.py) so programs are compiled once ac
 sweeps."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.experiment_support import ROOT, SHARED, SharedRuns
+from tests.experiment_support import SHARED, SharedRuns, run_script
 from tests.experiment_support import check_report as _check_report
 from tests.experiment_support import env as _env
 from tests.experiment_support import run_experiment as _experiment
@@ -36,7 +34,10 @@ def test_ablations_gae_and_rescore_share_one_sweep(tmp_path, jax_cache_dir, shar
 
     # Rescoring on as many prompts as the runs' own evaluation reproduces it exactly (the
     # same prompts and sampling keys); the scores are cached beside each run.
-    _experiment("rescore", sweep_dir, out, "--table=table4", "--heldout=8", cache=jax_cache_dir)
+    _experiment(
+        "rescore", sweep_dir, out, "--table=table4", "--heldout=8", cache=jax_cache_dir,
+        in_process=False,
+    )  # fmt: skip
     text = _check_report(out, "ablations_rescored", ["SAO", "GRPO", "SFT warm start (step 0)"])
     for row in ("sao", "grpo"):
         run = sweep_dir / f"ablations__{row}__seed=0"
@@ -52,17 +53,24 @@ def test_ablations_gae_and_rescore_share_one_sweep(tmp_path, jax_cache_dir, shar
     assert "Δ vs SAO" in text and "## By difficulty level" in text
 
 
-def test_online_shift_tables_and_their_runs_files(tmp_path, jax_cache_dir):
+def test_online_shift_tables_and_their_runs_files(tmp_path, jax_cache_dir, shared_runs_dir):
+    """The per-user task's main table (payouts only, `--offsets=none`: its warm start and SAO
+    run are critic_correction's, from the session's pool), a later invocation adding a row,
+    the table again from its runs file, and the tracking table."""
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
-    first = ("--seeds=1", "--rows=sao,moving_average")
-    _experiment("online_shift", sweep_dir, out, *first, cache=jax_cache_dir)
+    pooled = ("warm_start__online_shift__smoke__seed=0", "online_shift__sao__seed=0")
+    SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(sweep_dir, *pooled)
+    none = "--offsets=none"
+    first = ("--rows=sao,moving_average", none)
+    log = _experiment("online_shift", sweep_dir, out, *first, cache=jax_cache_dir)
+    assert "start online_shift__sao" not in log and "start warm_start" not in log  # pooled
     runs = out / "online_shift_main_runs.jsonl"
     # A later invocation (a later session) adds the ceiling row to the recorded runs.
     log = _experiment(
-        "online_shift", sweep_dir, out, "--seeds=1", "--rows=ceiling", f"--add_to={runs}",
+        "online_shift", sweep_dir, out, "--rows=ceiling", none, f"--add_to={runs}",
         cache=jax_cache_dir,
     )  # fmt: skip
-    assert "start online_shift__ceiling__seed=1" in log and "start online_shift__sao" not in log
+    assert "start online_shift__ceiling__seed=0" in log and "start online_shift__sao" not in log
     ma = "moving average, 128 rewards (the paper's)"
     text = _check_report(
         out, "online_shift_main", ["SAO", ma, "ceiling: critic sees the current target"]
@@ -70,41 +78,37 @@ def test_online_shift_tables_and_their_runs_files(tmp_path, jax_cache_dir):
     for section in ("## The pre-registered family", "## The moving average's window"):
         assert section in text
     assert "## Recovery curves" in text and "## Do the mechanisms fire?" in text
-    assert "- mode: smoke; seeds: 1\n" in text  # --seeds replaces the mode's seed 0
-    assert "online_shift__sao__seed=1" in text and "seed=0" not in text
     assert "- adds to the runs of `python -m experiments.online_shift --mode=smoke" in text
     assert "every seed's runs, of every invocation, start from the same tensors" in text
     # The runs file holds what the table reads: the table comes back without training.
     regen = tmp_path / "regen"
     _experiment(
-        "online_shift", tmp_path / "no_sweep", regen, f"--from_runs={runs}", cache=jax_cache_dir
-    )
+        "online_shift", tmp_path / "no_sweep", regen, f"--from_runs={runs}", none,
+        cache=jax_cache_dir,
+    )  # fmt: skip
     assert (regen / "online_shift_main.md").read_text() == text
     assert not (tmp_path / "no_sweep").exists()  # nothing ran
     with pytest.raises(AssertionError, match="already in"):  # never a run twice
-        _experiment("online_shift", sweep_dir, out, "--seeds=1", "--rows=sao", f"--add_to={runs}")
+        _experiment("online_shift", sweep_dir, out, "--rows=sao", none, f"--add_to={runs}")
 
-    log = _experiment(
-        "online_shift", sweep_dir, out, "--seeds=1", "--table=tracking", cache=jax_cache_dir
-    )
-    assert "start online_shift__sao__seed=1" not in log  # the main table's SAO run is reused
+    log = _experiment("online_shift", sweep_dir, out, "--table=tracking", none, cache=jax_cache_dir)
+    assert "start online_shift__sao__seed=0" not in log  # the main table's SAO run is reused
     text = _check_report(out, "online_shift_tracking", ["SAO", "tracking: lr + k"])
     assert "## Main effects on recovering success" in text
 
 
-def _dry_run(*extra: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "experiments.ablations", "--mode=smoke", "--dry_run", *extra]
-    return subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+def _dry_run(*extra: str) -> tuple[int, str, str]:
+    return run_script("ablations", ["--mode=smoke", "--dry_run", *extra], _env())
 
 
-def test_rows_runs_only_the_chosen_rows(tmp_path, jax_cache_dir):
+def test_rows_runs_only_the_chosen_rows(tmp_path):
     # smoke's Table 4 has the rows sao and grpo; --rows keeps one
-    proc = _dry_run("--rows=grpo", "--seeds=3,7", f"--sweep_dir={tmp_path}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ablations__grpo__seed=3" in proc.stdout, proc.stdout
-    assert "ablations__grpo__seed=7" in proc.stdout and "ablations__sao__" not in proc.stdout
-    assert "seed=0" not in proc.stdout
+    code, out, err = _dry_run("--rows=grpo", "--seeds=3,7", f"--sweep_dir={tmp_path}")
+    assert code == 0, err[-3000:]
+    assert "ablations__grpo__seed=3" in out, out
+    assert "ablations__grpo__seed=7" in out and "ablations__sao__" not in out
+    assert "seed=0" not in out
 
-    bad = _dry_run("--rows=sao,nope", f"--sweep_dir={tmp_path}")
-    assert bad.returncode != 0
-    assert "--rows: nope" in bad.stderr and "rows sao, grpo" in bad.stderr  # names the rows
+    code, _, err = _dry_run("--rows=sao,nope", f"--sweep_dir={tmp_path}")
+    assert code != 0
+    assert "--rows: nope" in err and "rows sao, grpo" in err  # names the rows

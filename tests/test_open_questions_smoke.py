@@ -2,8 +2,6 @@
 (tiny model, 2-3 steps, one seed), sharing one sweep dir and so one warm start."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,9 +9,8 @@ import pytest
 from sao_jax.metrics import read_jsonl
 from sao_jax.rl import mask_budget as mb
 from sao_jax.run import token_dump
-from tests.experiment_support import ROOT, SharedRuns
+from tests.experiment_support import SharedRuns
 from tests.experiment_support import check_report as _check_report
-from tests.experiment_support import env as _env
 from tests.experiment_support import run_experiment as _experiment
 
 pytestmark = pytest.mark.slow
@@ -77,11 +74,8 @@ def test_full_mode_dry_runs_list_the_pilots_then_the_grid(tmp_path):
     their calibration), and the law's 80 runs; 5 shared warm starts each."""
 
     def dry(module):
-        argv = [sys.executable, "-m", f"experiments.{module}", "--mode=full", "--dry_run"]
-        argv += [f"--sweep_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}"]
-        proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return [x for x in proc.stdout.splitlines() if "experiments.train" in x]
+        out = _experiment(module, tmp_path, tmp_path / "out", "--dry_run", mode="full")
+        return [x for x in out.splitlines() if "experiments.train" in x]
 
     pilots = dry("mask_budget")
     assert (
