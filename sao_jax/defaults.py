@@ -33,6 +33,7 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES
 from sao_jax.rl import advantages, critic_targets, losses
 from sao_jax.rl.optim import ATTENTION_PATTERNS
+from sao_jax.sampling import vllm_config
 from sao_jax.schema import ConfigDict
 
 # Fields whose owner checks them itself (model: ModelConfig.from_config; sampling:
@@ -218,6 +219,9 @@ def sampling_section() -> ConfigDict:
     c.pool_devices = 0  # disaggregated: each process's last N local devices form its pool
     c.pool_mesh = ()  # the pool's mesh shape over mesh.axes (product = pool_devices);
     # () = (pool_devices, 1, 1, 1): the engine's slots over the first (data) axis
+    c.backend = "native"  # the engine: 'native' (JAX, in process) | 'vllm' (vLLM's CPU
+    # build in its own env, `make vllm-env`; docs/vllm.md)
+    c.vllm = vllm_config.section()  # vLLM's knobs (sao_jax/sampling/vllm_config.py)
     return c
 
 

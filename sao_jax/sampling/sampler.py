@@ -59,6 +59,7 @@ from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel import placement
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
+from sao_jax.sampling import vllm_config
 from sao_jax.sampling.engine import Engine, EngineConfig, generate_fns
 from sao_jax.sampling.generate import GenerateFns
 from sao_jax.sampling.params_store import ParamsStore
@@ -117,7 +118,8 @@ def configs_from_section(section: ConfigDict, seed: int = 0) -> tuple[EngineConf
     values = dict(section.to_dict() if isinstance(section, ConfigDict) else section)
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     sampler_fields = {f.name for f in dataclasses.fields(SamplerConfig)} - {"seed", "poll_s"}
-    unknown = sorted(set(values) - engine_fields - sampler_fields - set(placement.FIELDS))
+    unknown = set(values) - engine_fields - sampler_fields - set(placement.FIELDS)
+    unknown = sorted(unknown - set(vllm_config.FIELDS))
     if unknown:
         raise ConfigError(f"config field sampling.{unknown[0]}: unknown sampling field")
     values["prefill_buckets"] = tuple(values.get("prefill_buckets", ()))
@@ -141,6 +143,7 @@ def configs_from_section(section: ConfigDict, seed: int = 0) -> tuple[EngineConf
 def _validate_section(config: ConfigDict) -> None:
     configs_from_section(config.sampling, config.get("seed", 0))
     placement.check_fields(config.sampling)
+    vllm_config.check_fields(config.sampling)
 
 
 class AsyncSampler:
