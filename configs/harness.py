@@ -12,10 +12,23 @@ examples/harness/calculator_agent.py, one per task, and trains SAO on their epis
   python -m experiments.train --config=configs/harness.py:smoke --workdir=/tmp/gw_train
   python -m experiments.train --config=configs/harness.py:smoke,live --workdir=/tmp/gw_live
 
+The demo (examples/harness/calculator_agent.py's task: one arithmetic operation, the
+calculator tool's schema in context) runs the project's three stages: SFT on the agent's
+tool-format demonstrations rendered with the harness template
+(experiments/harness_demo/task.py, `env.name`), value pretraining on the warm-started
+policy's episodes, then async SAO on the harness episodes through the gateway; held-out
+success is evaluated in process on the same rendered task (`CalculatorAgentEnv`), before
+RL and after. `python -m experiments.harness_demo` runs it over seeds with `inprocess`
+beside it (docs/harness.md, Measurements).
+
 Variants (`:a,b=1`): smoke (a tiny model and a run of a few steps on a CPU), live (train
 on any client's sessions instead of running harnesses: serve with training on), sandbox
 (each harness inside bubblewrap, reaching the gateway through a Unix socket only),
-seed=N.
+inprocess (the same stages and task, RL on the in-process `Env` sampler instead of the
+gateway: the demo's descriptive row), warm=DIR (start from another run's warm start,
+DIR/warm_start: the rows of one seed share it; the critic is pretrained again, since a
+gateway run's pretrained critic is refused by an in-process run: its recorded
+sampling.backend differs), seed=N.
 """
 
 import pathlib
@@ -28,10 +41,10 @@ AGENT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "harness" / "
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, smoke=False, live=False, sandbox=False, seed=0)
+    arg = parse_arg(arg, smoke=False, live=False, sandbox=False, inprocess=False, warm="", seed=0)
     c = base.get_config()
     c.seed = arg.seed
-    c.init.kind = "random"  # the server serves init as is (a warm start is a later stage)
+    c.init.kind = "sft"  # warm start on the agent's demonstrations (the server serves init as is)
     c.init.tokenizer = "harness"  # the local BPE (vocabulary 506) + the Qwen3-style template
     c.init.chat_template = "tokenizer"
     c.model.vocab_size = 512  # >= the tokenizer's 506
@@ -39,11 +52,24 @@ def get_config(arg=None):
     c.sampling.max_len = 1024  # the tool schema, a few turns and their results
     c.sampling.steps_per_sync = 4
     c.sampling.temperature = 1.0  # the run's law: every harness request samples with it
+    c.env.name = "experiments.harness_demo.task:TASK"  # the agent's loop, in process
+    c.env.params.max_turns = 4  # the agent's MAX_TURNS
     c.env.prompts.n_ops = (1, 1)  # one operation: one calculator call answers it
-    c.value_pretrain.steps = 0  # the critic starts from the policy (no pretraining yet)
-    c.rl.batch_size = 16  # trajectories (episode segments) per update
+    c.env.eval_size = 64  # held-out prompts, greedy, before RL and after
+    c.sampling.max_turn_tokens = 48  # the in-process turns (the agent asks max_tokens=64)
+    c.sft.steps = 600  # demonstrations of ~320-360 tokens (at 200 no held-out success)
+    c.sft.batch_size = 8
+    c.sft.length = 384
+    c.sft.error_rate = 0.3  # a guess or a wrong final number: headroom for RL
+    c.value_pretrain.update(steps=20, batch_size=16, heldout_rollouts=32, eval_every=5)
+    c.rl.batch_size = 8  # trajectories (episode segments) per update
+    c.train.update(total_steps=20, log_every=1, eval_every=0, checkpoint_every=0)
+    c.train.update(report=False, progress=False, length_bucket=128)
     c.train.rollouts = "async"
-    c.gateway.mode = "live" if arg.live else "harness"
+    c.gateway.mode = "live" if arg.live else ("off" if arg.inprocess else "harness")
+    if arg.warm:
+        c.init.kind = "params"
+        c.init.params_path = str(pathlib.Path(arg.warm) / "warm_start")
     # one process per task: the session's base URL and key, the task as JSON
     agent = shlex.quote(str(AGENT))
     c.gateway.harness.command = (
@@ -53,7 +79,11 @@ def get_config(arg=None):
     c.gateway.harness.timeout_s = 300.0
     c.gateway.harness.sandbox = arg.sandbox
     c.gateway.harness.sandbox_paths = (str(AGENT.parent),)  # the agent's code, read-only
-    if arg.smoke:
+    if arg.smoke:  # as before the demo: a random init, no SFT or value pretraining
+        c.init.kind = "random"
+        c.value_pretrain.steps = 0
+        c.env.name = "arithmetic"  # the in-process evaluation's env as before (the tests')
+        c.env.eval_size = 2
         c.model.update(hidden_size=32, num_hidden_layers=2, mlp_only_layers=(0,), num_experts=4)
         c.sampling.num_slots = 8
         c.sampling.span_buckets = (1024,)  # one decode program (smoke contexts stay short)
@@ -61,7 +91,6 @@ def get_config(arg=None):
         c.sampling.max_turn_tokens = 16  # the in-process evaluation's turns (not harnesses')
         c.env.params.max_turns = 1
         c.rl.batch_size = 2
-        c.env.eval_size = 2
         c.train.update(total_steps=3, log_every=1, eval_every=0, checkpoint_every=0)
         c.train.update(eval_sampled=False, report=False, progress=False, length_bucket=1024)
         c.gateway.harness.processes = 2

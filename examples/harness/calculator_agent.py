@@ -41,6 +41,8 @@ TOOL = {
         },
     },
 }
+SYSTEM = "Use the calculator tool, then answer with the number."
+MAX_TURNS = 4  # calls per episode; the last reply without tool calls is the answer
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.USub: operator.neg}  # fmt: skip
 
@@ -64,12 +66,14 @@ def calculator(expression: str) -> str:
     return str(int(result) if float(result).is_integer() else round(result, 6))
 
 
-def run_episode(client: openai.OpenAI, model: str, question: str, max_turns: int = 4):
+def messages_for(question: str) -> list[dict]:
+    """The conversation an episode opens with."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def run_episode(client: openai.OpenAI, model: str, question: str, max_turns: int = MAX_TURNS):
     """(final answer text, messages) of one episode."""
-    messages = [
-        {"role": "system", "content": "Use the calculator tool, then answer with the number."},
-        {"role": "user", "content": question},
-    ]
+    messages = messages_for(question)
     for _ in range(max_turns):
         reply = (
             client.chat.completions.create(
