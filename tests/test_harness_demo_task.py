@@ -1,0 +1,51 @@
+"""experiments/harness_demo/task.py: the calculator agent's loop as an Env scores what the
+agent scores, and its demonstrations replay through it (the demo's reward fires)."""
+
+import numpy as np
+import pytest
+
+from experiments.harness_demo import task
+from sao_jax.envs.arithmetic import task_prompts
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    sample = task_prompts(n_ops=(1, 1))
+    rng = np.random.default_rng(0)
+    return [sample(rng) for _ in range(8)]
+
+
+def test_correct_demonstrations_score_one_and_end_turns_at_eos(prompts):
+    chat = task.harness_chat()
+    rng = np.random.default_rng(1)
+    for p in prompts:
+        segments = task.demonstration(p, rng, error_rate=0.0)
+        assert [m for _, m in segments] == [False, True, False, True]
+        assert all(t.endswith(chat.eos_text) for t, m in segments if m)
+        assert not segments[2][0].startswith(chat.eos_text)  # the eos is the model's
+        assert f'"expression": "{p.meta["expr"]}"' in segments[1][0]
+        env = task.CalculatorAgentEnv(chat=chat)
+        assert env.reset(p) == segments[0][0]
+        first = env.step(segments[1][0])
+        assert not first.done and first.observation.removeprefix(chat.eos_text) == segments[2][0]
+        last = env.step(segments[3][0])
+        assert last.done and last.reward == 1.0 and last.info["success"]
+
+
+def test_wrong_answers_and_truncation_score_zero(prompts):
+    chat = task.harness_chat()
+    p = prompts[0]
+    env = task.CalculatorAgentEnv(chat=chat)
+    env.reset(p)
+    assert env.step(f"The answer is {p.answer + 1}.").reward == 0.0
+    env = task.CalculatorAgentEnv(chat=chat, max_turns=1)
+    env.reset(p)
+    result = env.step(task.call_text(p.meta["expr"]))
+    assert result.done and result.reward == 0.0 and result.info["truncated"]
+    rng = np.random.default_rng(2)
+    imperfect = [task.demonstration(p, rng, error_rate=1.0) for p in prompts]
+    for p, segments in zip(prompts, imperfect, strict=True):
+        env = task.CalculatorAgentEnv(chat=chat)
+        env.reset(p)
+        results = [env.step(t) for t, m in segments if m]
+        assert results[-1].done and results[-1].reward == 0.0
