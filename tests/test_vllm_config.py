@@ -32,7 +32,7 @@ def test_default_backend_is_native_and_needs_no_vllm_env():
         ({"sampling__vllm__max_model_len": -1}, "sampling.vllm.max_model_len", ">= 0"),
         ({"sampling__vllm__port": 70000}, "sampling.vllm.port", "<= 65535"),
         ({"sampling__vllm__omp_threads": 0}, "sampling.vllm.omp_threads", "> 0"),
-        ({"sampling__vllm__kv_cache_gib": 0.0}, "sampling.vllm.kv_cache_gib", "> 0"),
+        ({"sampling__vllm__kv_cache_gib": 0}, "sampling.vllm.kv_cache_gib", "> 0"),
         (
             {"sampling__backend": "vllm", "sampling__vllm__python": "/nonexistent/python"},
             "sampling.vllm.python",

@@ -29,12 +29,12 @@ class VllmConfig:
     python: str = ".vllm-venv/bin/python"  # the vLLM env's interpreter (make vllm-env)
     dtype: str = "bfloat16"  # weights and activations in the engine
     max_model_len: int = 0  # prompt + completion tokens per request; 0 = sampling.max_len
-    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE: the KV cache's reserved GiB
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: the KV cache's reserved GiB (vLLM
+    # takes whole GiB)
     port: int = 0  # VLLM_PORT, the base of the ports vLLM opens; 0 = a free one
     omp_threads: int = 1  # OpenMP threads of the engine (OMP_NUM_THREADS)
     max_num_seqs: int = 16  # requests decoded together
     startup_timeout_s: float = 300.0  # engine start (load + warm-up) before a clear error
-    load_timeout_s: float = 120.0  # one weight publication before a clear error
 
 
 def section() -> ConfigDict:
@@ -70,7 +70,8 @@ def vllm_config(section: ConfigDict | dict | None) -> VllmConfig:
         raise ConfigError(f"config field sampling.vllm.port: must be <= 65535, got {cfg.port}")
     _positive("omp_threads", cfg.omp_threads)
     _positive("max_num_seqs", cfg.max_num_seqs)
-    for name in ("kv_cache_gib", "startup_timeout_s", "load_timeout_s"):
+    _positive("kv_cache_gib", cfg.kv_cache_gib)
+    for name in ("startup_timeout_s",):
         value = getattr(cfg, name)
         if isinstance(value, int) and not isinstance(value, bool):
             value = float(value)

@@ -1,0 +1,378 @@
+"""sampling.backend='vllm': the generation backend interface (sampling/backend.py) on vLLM.
+
+vLLM cannot share this project's environment (docs/vllm.md), so `VllmBackend` starts
+sao_jax/sampling/vllm_server.py with the vLLM env's python (`sampling.vllm.python`,
+`make vllm-env`) in a process group of its own, and speaks JSON lines with it: commands on
+its stdin, events on a pipe of their own (vLLM's logs go to `<workdir>/vllm.log`).
+
+* Token ids in and out: the prompt's ids go to vLLM as a `TokensPrompt`; the sampled ids
+  come back as ids (the server runs without a tokenizer, so nothing is re-tokenized).
+* `rollout_logp`: vLLM's log-prob of each sampled token under the raw logits
+  (log_softmax at temperature 1 over the full vocabulary, vLLM's default
+  `logprobs_mode`), the value the learner recomputes. `sampled_logp` is the same value
+  at temperature 1 without truncation, 0 under greedy, and NaN for other laws (not yet
+  reported by this backend: docs/vllm.md, what remains).
+* `publish(params, version)`: the params are written in Hugging Face layout by
+  models/hf.py's `save_hf_checkpoint` (the one export mapping) to
+  `<workdir>/weights/v<version>/`, and the server is restarted on them (vLLM 0.32's
+  in-place reload corrupts this CPU model: `publish`'s docstring). A file, not shared
+  memory: one code path with the checkpoint export.
+* `cancel()` aborts the request in vLLM (its KV blocks are freed) and resolves the future
+  with 'cancelled' and the tokens sampled so far.
+Stop strings need a detokenizer and are refused (GenerationError) in this slice.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sao_jax.models import hf
+from sao_jax.models.config import ModelConfig
+from sao_jax.sampling.backend import (
+    GenChunk,
+    GenerationError,
+    GenHandle,
+    GenRequest,
+    GenResult,
+)
+from sao_jax.sampling.vllm_config import SETUP_HINT, VllmConfig, check_python
+
+SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_server.py")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Live:
+    """A request in flight: its handle, stream callback and the records so far."""
+
+    def __init__(self, handle: GenHandle, on_tokens, sampling: dict[str, Any]):
+        self.handle = handle
+        self.on_tokens = on_tokens
+        self.sampling = sampling
+        self.ids: list[int] = []
+        self.logp: list[float] = []
+        self.versions: list[int] = []
+
+
+def sampled_logp(rollout_logp: float, temperature: float, top_p: float) -> float:
+    """log q(token) under the law it was sampled with, where it follows from the raw
+    log-prob: the same at temperature 1 without truncation, 0 under greedy, else NaN."""
+    if temperature == 0:
+        return 0.0
+    if temperature == 1 and top_p == 1:
+        return rollout_logp
+    return math.nan
+
+
+class VllmBackend:
+    """GenerationBackend on a vLLM server process; see the module docstring.
+
+    Args:
+      cfg: the `sampling.vllm` knobs (vllm_config.vllm_config).
+      model_cfg, params: the policy; written in Hugging Face layout as the engine's first
+        weights (version `version`).
+      workdir: where the weights, the server's log and nothing else go.
+      max_len: prompt + completion tokens per request (vLLM's max_model_len unless
+        cfg.max_model_len is set).
+      eos_id: the turn's end token (a stop id of every request).
+      temperature, top_p: the backend's own law (a request without values samples with it).
+      base_config: the source checkpoint's config.json (fields the export keeps).
+    """
+
+    def __init__(
+        self,
+        cfg: VllmConfig,
+        model_cfg: ModelConfig,
+        params,
+        *,
+        workdir: str,
+        max_len: int,
+        eos_id: int | None = None,
+        version: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        base_config: dict | None = None,
+    ):
+        self._python = check_python(cfg)
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.max_len = cfg.max_model_len or max_len
+        self.eos_id = eos_id
+        self._law = dict(temperature=temperature, top_p=top_p)
+        self._seed = seed
+        self._base_config = base_config
+        self._workdir = os.path.abspath(workdir)
+        os.makedirs(self._workdir, exist_ok=True)
+        self._uids = itertools.count()
+        self._lock = threading.Lock()
+        self._live: dict[str, _Live] = {}
+        self._restarting = False
+        self._ready = threading.Event()
+        self._version: int | None = None
+        self._error: str | None = None
+        self._closed = False
+        self.counters: collections.Counter = collections.Counter()
+        self.publish_s: list[float] = []
+        self._log = open(os.path.join(self._workdir, "vllm.log"), "ab")  # noqa: SIM115 (close())
+        self._proc = None
+        self._start(self._export(params, version), version)
+
+    # ---- the interface -------------------------------------------------------------------
+
+    def submit(
+        self, request: GenRequest, on_tokens: Callable[[GenChunk], None] | None = None
+    ) -> GenHandle:
+        if request.stop_strings:
+            raise GenerationError("stop_strings: the vLLM backend takes stop ids only")
+        if len(request.prompt_ids) >= self.max_len:
+            raise GenerationError(
+                f"{len(request.prompt_ids)} prompt tokens leave no room in max_len={self.max_len}"
+            )
+        sampling = self.sampling_of(request)
+        handle = GenHandle(request, self._request_cancel)
+        stop_ids = set(request.stop_ids) | ({self.eos_id} if self.eos_id is not None else set())
+        with self._lock:
+            self._check_alive()
+            handle.uid = f"r{next(self._uids)}"
+            self._live[handle.uid] = _Live(handle, on_tokens, sampling)
+            self.counters["submitted"] += 1
+            self._send(
+                op="generate",
+                id=handle.uid,
+                prompt_ids=list(request.prompt_ids),
+                max_tokens=min(request.max_tokens, self.max_len - len(request.prompt_ids)),
+                stop_ids=sorted(stop_ids),
+                seed=self._seed + int(handle.uid[1:]),
+                **sampling,
+            )
+        return handle
+
+    def _request_cancel(self, handle: GenHandle) -> None:
+        with self._lock:
+            if not self._closed and self._error is None:
+                self._send(op="cancel", id=handle.uid)
+
+    def publish(self, params: Any, version: int) -> None:
+        """Exports `params` and restarts the engine on them; returns once it serves them.
+
+        vLLM 0.32's in-place reload (`reload_weights`) corrupts this CPU model (reloading
+        the very same weights moved log-probs by up to 2.4 nats, docs/vllm.md), so this
+        slice restarts the server: requests in flight fail with GenerationError (the
+        caller drops or resubmits them) and no token is ever sampled by mixed weights."""
+        start = time.perf_counter()
+        with self._lock:
+            self._check_alive()
+        path = self._export(params, version)
+        self._restarting = True
+        try:
+            self._stop()
+            self._fail_all(f"weights v{version} published: the engine restarted")
+            self._start(path, version)
+        finally:
+            self._restarting = False
+        self.publish_s.append(time.perf_counter() - start)
+        self._prune_weights(keep=path)
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        return dict(self._law)
+
+    def sampling_of(self, request: GenRequest) -> dict[str, Any]:
+        out = self.sampling
+        if request.temperature is not None:
+            out["temperature"] = request.temperature
+        if request.top_p is not None:
+            out["top_p"] = request.top_p
+        return out
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            live = len(self._live)
+        return dict(self.counters, active_requests=live, publishes=len(self.publish_s))
+
+    def close(self) -> None:
+        """Ends the server's process group; requests in flight fail with GenerationError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop()
+        self._fail_all("the backend is closed")
+        self._log.close()
+
+    def _start(self, path: str, version: int) -> None:
+        """Starts the server on the checkpoint at `path` and waits until it is ready."""
+        cfg = self.cfg
+        read_fd, write_fd = os.pipe()
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(cfg.omp_threads),
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib),
+            VLLM_PORT=str(cfg.port or free_port()),
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine in the server's process
+        )
+        env.pop("PYTHONPATH", None)  # nothing of this environment leaks into vLLM's
+        cmd = [
+            self._python,
+            SERVER,
+            f"--model={path}",
+            f"--dtype={cfg.dtype}",
+            f"--max_model_len={self.max_len}",
+            f"--max_num_seqs={cfg.max_num_seqs}",
+            f"--version={version}",
+            f"--events_fd={write_fd}",
+        ]
+        with self._lock:
+            self._error = None
+        self._ready = threading.Event()
+        self._proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write_fd,),
+            env=env,
+            start_new_session=True,  # its own process group: _stop ends all of it
+        )
+        os.close(write_fd)
+        events = os.fdopen(read_fd, "r")
+        threading.Thread(
+            target=self._read, args=(events, self._proc), name="sao-vllm-events", daemon=True
+        ).start()
+        if not self._ready.wait(cfg.startup_timeout_s) or self._error is not None:
+            error = self._error or f"not ready after {cfg.startup_timeout_s} s"
+            self.close()
+            raise GenerationError(f"vLLM server: {error}; its log: {self._log.name}")
+
+    def _stop(self) -> None:
+        """Ends the server's process group (a shutdown command first, then signals)."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            proc.stdin.write(b'{"op": "shutdown"}\n')
+            proc.stdin.flush()
+            proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _export(self, params, version: int) -> str:
+        path = os.path.join(self._workdir, "weights", f"v{version}")
+        shutil.rmtree(path, ignore_errors=True)
+        hf.save_hf_checkpoint(
+            path, self.model_cfg, params, dtype=self.cfg.dtype, base_config=self._base_config
+        )
+        return path
+
+    def _prune_weights(self, keep: str) -> None:
+        root = os.path.dirname(keep)
+        for name in os.listdir(root):
+            if os.path.join(root, name) != keep:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise GenerationError("the backend is closed")
+        if self._error is not None:
+            raise GenerationError(f"vLLM server failed: {self._error}; {SETUP_HINT}")
+
+    def _send(self, **command) -> None:
+        try:
+            self._proc.stdin.write((json.dumps(command) + "\n").encode())
+            self._proc.stdin.flush()
+        except OSError as e:
+            raise GenerationError(f"vLLM server gone ({e}); its log: {self._log.name}") from e
+
+    def _read(self, events, proc) -> None:
+        for line in events:
+            event = json.loads(line)
+            op = event["op"]
+            if op == "ready":
+                with self._lock:
+                    self._version = event["version"]
+                self._ready.set()
+            elif op == "tokens":
+                self._on_tokens(event)
+            elif op == "error":
+                live = None
+                with self._lock:
+                    live = self._live.pop(event.get("id") or "", None)
+                if live is not None:
+                    live.handle.future.set_exception(GenerationError(event["message"]))
+                else:
+                    with self._lock:
+                        self._error = event["message"]
+        code = proc.wait()
+        with self._lock:  # the server ended
+            if self._closed or self._restarting:
+                return
+            if self._error is None:
+                self._error = f"exited with code {code}"
+        self._ready.set()
+        self._fail_all(self._error)
+
+    def _on_tokens(self, event: dict) -> None:
+        with self._lock:
+            live = self._live.get(event["id"])
+            if live is None:
+                return
+            if event["finish"] is not None:
+                del self._live[event["id"]]
+        ids, logp, version = event["token_ids"], event["logp"], event["version"]
+        sampled = [sampled_logp(lp, **live.sampling) for lp in logp]
+        live.ids += ids
+        live.logp += logp
+        live.versions += [version] * len(ids)
+        if ids and live.on_tokens is not None:
+            live.on_tokens(GenChunk(list(ids), list(logp), sampled, [version] * len(ids)))
+        if event["finish"] is not None:
+            self.counters[event["finish"]] += 1
+            live.handle.future.set_result(
+                GenResult(
+                    token_ids=live.ids,
+                    rollout_logp=live.logp,
+                    sampled_logp=[sampled_logp(lp, **live.sampling) for lp in live.logp],
+                    versions=live.versions,
+                    finish_reason=event["finish"],
+                    sampling=live.sampling,
+                )
+            )
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            lives, self._live = list(self._live.values()), {}
+        for live in lives:
+            if not live.handle.future.done():
+                live.handle.future.set_exception(GenerationError(message))
