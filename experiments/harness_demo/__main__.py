@@ -114,7 +114,7 @@ def table(runs: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in ("gateway", "inprocess"):
-        rs = [r for r in runs if r["row"] == row]
+        rs = [r for r in runs if r["row"] == row and r["rc"] == 0]  # failed runs: per seed only
         if not rs:
             continue
         before = {r["seed"]: r["before"] for r in rs}
