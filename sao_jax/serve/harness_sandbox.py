@@ -92,13 +92,14 @@ def command(
     for k, v in env.items():
         cmd += ["--setenv", k, v]
     cmd += ["--ro-bind", "/usr", "/usr", *_system_links()]
+    # /tmp's tmpfs first: a checkout, interpreter or workdir under /tmp is bound over it
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     prefixes = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
     prefixes |= {sys.prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
     for path in sorted(prefixes) + [str(pathlib.Path(p).resolve()) for p in read_only]:
         if not path.startswith("/usr/") and os.path.exists(path):
             cmd += ["--ro-bind", path, path]
     here = str(workdir.resolve())
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     cmd += ["--bind", here, here, "--bind", str(socket_dir), SOCKET_DIR]
     cmd += ["--ro-bind", str(pathlib.Path(__file__).with_name("forwarder.py")), FORWARDER]
     cmd += ["--chdir", here, "--", sys.executable, "-I", FORWARDER]
