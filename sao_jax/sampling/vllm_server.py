@@ -50,8 +50,12 @@ def main() -> None:
     def emit(**event):
         events.write(json.dumps(event) + "\n")
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    try:  # vLLM lives in its own environment (`make vllm-env`; docs/vllm.md), not .venv
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except ImportError as e:
+        emit(op="error", id=None, message=f"{e}: run this server with .vllm-venv's python")
+        raise SystemExit(f"vllm_server: {e}; run it with `make vllm-env`'s python") from e
 
     llm = LLM(
         model=args.model,
