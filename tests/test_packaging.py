@@ -19,7 +19,9 @@ BACKENDS = {"jaxlib": "jax", "tensorstore": "orbax-checkpoint"}
 # experiments/bench/gae.py compares against PyTorch; experiments/bench/gateway.py drives
 # the rollout gateway with the OpenAI client; experiments/bench/peers.py times google-tunix
 # (the `bench` extra of pyproject.toml, never a library dependency)
-DEV_ONLY_IMPORTS = {"torch", "openai", "tunix"}
+# torch, openai: tests and examples; tunix: the peers bench; vllm: sao_jax/sampling/
+# vllm_server.py, run by vLLM's own environment (make vllm-env; docs/vllm.md)
+DEV_ONLY_IMPORTS = {"torch", "openai", "tunix", "vllm"}
 
 
 def _packages_on_disk() -> set[str]:
