@@ -2,6 +2,7 @@
 
     python -m experiments.bench.gateway                       # both models, 3 rounds
     python -m experiments.bench.gateway --models smoke --rounds 5 --tokens 32
+    python -m experiments.bench.gateway --models default --full_prefill  # before the fix
 
 For each model (configs/harness.py: `smoke`, the demo's size, and the default, about 4x
 its parameters), with the harness tokenizer and the Qwen3-style template, one engine
@@ -9,17 +10,23 @@ setting (32 slots, temperature 1) and the calculator question rendered with its 
 
   in-process  `Engine.run` on 32 prompts (an environment that ends after one turn of at
               most --tokens tokens): the in-process sampler's path;
-  gateway     32 concurrent sessions (async `openai` clients sharing one connection
-              pool, in a client process of their own unless --same_process: one session,
-              one chat call with max_tokens=--tokens, one reward each) through the
-              gateway on its own NativeBackend with the same settings.
+  gateway     32 concurrent sessions (in a client process of their own unless
+              --same_process, its clients kept across rounds: one session and one
+              reward each over aiohttp, as a driver posts them, one chat call with
+              max_tokens=--tokens through the `openai` client, the sessions' clients
+              sharing its connection pool) through the gateway on its own
+              NativeBackend with the same settings (new prompts prefilled over their
+              own slots, Engine.row_prefill; --full_prefill: over all 32, for
+              comparison; every prefill program compiled before timing).
 
 Rounds are INTERLEAVED (the machine may be shared); printed per model: the median
-trajectories/s and decode tokens/s of both and their ratio (gateway / in-process), and
-the gateway's added latency per call (client latency minus the backend's own time from
-submit to result), p50 and p99 over all calls. A random-init model stops at eos at
-random, so tokens are counted, not assumed. Not a timed test: docs/harness.md has the
-rows and the command.
+trajectories/s and decode tokens/s of both and their ratio (gateway / in-process), each
+round's ratio and their median (paired rounds ran seconds apart, under the same load), the
+gateway's added latency per call (client latency minus the backend's own time from
+submit to result), p50 and p99 over all calls, and the prefill calls per round (requests
+that reach the backend within `admit_wait_s` of each other are admitted together). A
+random-init model stops at eos at random, so tokens are counted, not assumed. Not a
+timed test: docs/benchmarks.md and docs/harness.md have the rows and the command.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import statistics
 import tempfile
 import time
 
+import aiohttp
 import jax
 import numpy as np
 from flax import nnx
@@ -44,6 +52,7 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
+from sao_jax.sampling.backend import GenRequest
 from sao_jax.sampling.backend_native import NativeBackend
 from sao_jax.sampling.engine import Engine, EngineConfig
 from sao_jax.serve.app import start_server
@@ -90,32 +99,60 @@ def _in_process(engine: Engine, params, text: str) -> tuple[float, int, int]:
     return dt, len(trajs), sum(t.num_actions for t in trajs)
 
 
-async def _sessions(url: str, admin: str, tokens: int):
-    """One round of the clients: (seconds, [(call latency, completion tokens)])."""
-    admin_client = AsyncOpenAI(base_url=f"{url}/v1", api_key=admin, max_retries=0)
+class _Clients:
+    """The client side, kept across rounds as a long-running harness driver keeps it, on
+    an event loop of its own: the admin routes (create a session, post its reward) over
+    one aiohttp session, as a driver calls them; the model calls through one AsyncOpenAI
+    client whose connection pool every session's client shares (`with_options`)."""
 
-    async def one():
-        s = await admin_client.post("/sessions", cast_to=object, body={"task": "12+30"})
-        client = admin_client.with_options(base_url=s["base_url"], api_key=s["api_key"])
+    def __init__(self, url: str, admin: str, tokens: int):
+        self.url, self.tokens = url, tokens
+        self.loop = asyncio.new_event_loop()
+        headers = {"Authorization": f"Bearer {admin}"}
+        self.http = self.loop.run_until_complete(self._open(headers))
+        self.model = AsyncOpenAI(base_url=f"{url}/v1", api_key=admin, max_retries=0)
+
+    @staticmethod
+    async def _open(headers) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(headers=headers)
+
+    async def _post(self, path: str, body: dict) -> dict:
+        async with self.http.post(f"{self.url}/v1{path}", json=body) as r:
+            r.raise_for_status()
+            return await r.json()
+
+    async def _one(self) -> tuple[float, int]:
+        s = await self._post("/sessions", {"task": "12+30"})
+        client = self.model.with_options(base_url=s["base_url"], api_key=s["api_key"])
         t = time.perf_counter()
         r = await client.chat.completions.create(
-            model="sao-policy", messages=MESSAGES, tools=[CALCULATOR_TOOL], max_tokens=tokens
+            model="sao-policy", messages=MESSAGES, tools=[CALCULATOR_TOOL], max_tokens=self.tokens
         )
         latency = time.perf_counter() - t
-        await admin_client.post(f"/sessions/{s['id']}/reward", cast_to=object, body={"reward": 0})
+        await self._post(f"/sessions/{s['id']}/reward", {"reward": 0})
         return latency, r.usage.completion_tokens
 
-    t0 = time.perf_counter()
-    out = await asyncio.gather(*(one() for _ in range(SESSIONS)))
-    dt = time.perf_counter() - t0
-    await admin_client.close()
-    return dt, out
+    async def _round(self):
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(self._one() for _ in range(SESSIONS)))
+        return time.perf_counter() - t0, out
+
+    def round(self):
+        """One round: (seconds, [(call latency, completion tokens)])."""
+        return self.loop.run_until_complete(self._round())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.http.close())
+        self.loop.run_until_complete(self.model.close())
+        self.loop.close()
 
 
 def _client_worker(url: str, admin: str, tokens: int, conn) -> None:
     """A client process: one round of sessions per message on `conn`, until None."""
+    clients = _Clients(url, admin, tokens)
     while conn.recv() is not None:
-        conn.send(asyncio.run(_sessions(url, admin, tokens)))
+        conn.send(clients.round())
+    clients.close()
 
 
 def _gateway_round(run_clients, backend, added: list):
@@ -141,8 +178,26 @@ def _gateway_round(run_clients, backend, added: list):
     return dt, len(out), sum(n for _, n in out)
 
 
+def _compile_admissions(backend, prompt_ids: list[int]) -> None:
+    """Compiles the prefill programs an admission of the bench's prompt may run: groups
+    of 1, 2, 4, ... requests submitted at once are admitted together, and each group's
+    rows are prefilled in one call of that many rows (Engine.row_prefill), so no timed
+    round compiles."""
+    n = 1
+    while n < SESSIONS:
+        handles = [backend.submit(GenRequest(tuple(prompt_ids), 1)) for _ in range(n)]
+        for h in handles:
+            h.future.result(timeout=600)
+        n *= 2
+
+
 def bench(
-    variant: str, rounds: int, tokens: int, root: pathlib.Path, client_process: bool = True
+    variant: str,
+    rounds: int,
+    tokens: int,
+    root: pathlib.Path,
+    client_process: bool = True,
+    row_prefill: bool = True,
 ) -> None:
     tok = HFTokenizer(write_harness_tokenizer(root / "tok"))
     sharder = Sharder()
@@ -153,7 +208,7 @@ def bench(
     cfg = EngineConfig(num_slots=SESSIONS, max_len=512, max_turn_tokens=tokens, steps_per_sync=4,
                        add_bos=False)  # fmt: skip
     engine = Engine.create(mdef, tok, OneTurn, cfg, seed=0)
-    backend = NativeBackend(mdef, params, tok, cfg, seed=0)
+    backend = NativeBackend(mdef, params, tok, cfg, seed=0, row_prefill=row_prefill)
     renderer = ChatRenderer(qwen3_tools_template(), tok)
     gateway = Gateway(backend, renderer, GatewayConfig(), EpisodeLog(root / variant / "ep.jsonl"))
     server = start_server(gateway)
@@ -171,13 +226,14 @@ def bench(
             conn.send(True)
             return conn.recv()
     else:
-
-        def run_clients():
-            return asyncio.run(_sessions(*args))
+        clients = _Clients(*args)
+        run_clients = clients.round
 
     try:
         _in_process(engine, params, text)  # compile both paths before timing
         _gateway_round(run_clients, backend, [])
+        _compile_admissions(backend, renderer.prompt_ids(MESSAGES, tools=[CALCULATOR_TOOL]))
+        prefills = (backend.stats()["prefill_calls"], engine.calls["prefill"])
         for _ in range(rounds):
             rows["in-process"].append(_in_process(engine, params, text))
             rows["gateway"].append(_gateway_round(run_clients, backend, added))
@@ -185,9 +241,14 @@ def bench(
         if worker is not None:
             conn.send(None)
             worker.join(30)
+        else:
+            clients.close()
         server.stop()
         backend.close()
+    now = (backend.stats()["prefill_calls"], engine.calls["prefill"])
+    prefills = [(a - b) / rounds for a, b in zip(now, prefills, strict=True)]
     where = "a client process" if client_process else "the server's process"
+    where += "" if row_prefill else ", full prefill"
     print(f"\n{variant}: {n_params / 1e6:.2f}M parameters, {SESSIONS} sessions in {where}, "
           f"max {tokens} tokens, {rounds} rounds, load {os.getloadavg()[0]:.1f}")  # fmt: skip
     med = {}
@@ -198,9 +259,14 @@ def bench(
         print(f"  {name:10s} {traj_s:8.2f} trajectories/s {tok_s:9.1f} decode tokens/s")
     ratio = [med["gateway"][i] / med["in-process"][i] for i in range(2)]
     print(f"  ratio      {ratio[0]:8.2f} (trajectories) {ratio[1]:8.2f} (tokens)")
+    paired = [(g[1] / g[0]) / (p[1] / p[0]) for p, g in zip(*rows.values(), strict=True)]
+    ratios = ", ".join(f"{r:.2f}" for r in paired)
+    print(f"  per-round trajectories/s ratios (gateway / in-process, round by round): {ratios}; "
+          f"median {statistics.median(paired):.2f}")  # fmt: skip
     a = np.asarray(added) * 1000
     print(f"  added latency per call: p50 {np.percentile(a, 50):.1f} ms, "
           f"p99 {np.percentile(a, 99):.1f} ms")  # fmt: skip
+    print(f"  prefill calls per round: gateway {prefills[0]:.1f}, in-process {prefills[1]:.1f}")
 
 
 def main() -> None:
@@ -212,10 +278,16 @@ def main() -> None:
     parser.add_argument(
         "--same_process", action="store_true", help="the clients in the server's process"
     )
+    parser.add_argument(
+        "--full_prefill",
+        action="store_true",
+        help="the gateway's engine prefills over all slots (no Engine.row_prefill)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
         for variant in args.models:
-            bench(variant, args.rounds, args.tokens, pathlib.Path(d), not args.same_process)
+            bench(variant, args.rounds, args.tokens, pathlib.Path(d), not args.same_process,
+                  not args.full_prefill)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -90,7 +90,6 @@ class _RequestEngine(Engine):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.row_prefill = True  # requests arrive one by one: a prompt costs its own row
         self.decode_calls = 0
         self.active_sum = 0  # slots decoding, summed over decode calls
         self.active_max = 0
@@ -195,6 +194,8 @@ class NativeBackend:
       max_pending: requests waiting for a slot beyond which `submit` raises BackendBusy.
       admit_wait_s: how long a request may wait for others to take slots with it (their
         prompts prefilled in the same calls); 0 = each takes a slot at the next step.
+      row_prefill: new prompts are prefilled over their own slots (Engine.row_prefill);
+        False: every prefill is an [S, C] call over all slots (for comparison).
     """
 
     def __init__(
@@ -208,6 +209,7 @@ class NativeBackend:
         seed: int = 0,
         max_pending: int = 256,
         admit_wait_s: float = 0.02,
+        row_prefill: bool = True,
         sharder=None,
     ):
         cfg = dataclasses.replace(cfg, max_turn_tokens=cfg.max_len)
@@ -220,6 +222,7 @@ class NativeBackend:
         self._engine = _RequestEngine(
             generate_fns(mdef, cfg, sharder), tokenizer, _OneTurn, cfg, seed=seed
         )
+        self._engine.row_prefill = row_prefill
         self._store = ParamsStore()
         self._store.publish(params, version, copy=False)
         self._cond = threading.Condition()
@@ -315,6 +318,7 @@ class NativeBackend:
             waiting=waiting,
             active_slots=eng.active,
             decode_calls=eng.decode_calls,
+            prefill_calls=eng.calls["prefill"],
             max_active_slots=eng.active_max,
             mean_active_slots=eng.active_sum / calls,
             **eng.stats(),
