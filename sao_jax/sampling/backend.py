@@ -68,6 +68,12 @@ class GenRequest:
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"GenRequest.top_p: must be in (0, 1], got {self.top_p!r}")
 
+    def law(self, backend_law: dict[str, Any]) -> dict[str, Any]:
+        """The law this request is sampled with: `backend_law` (a backend's own values)
+        with this request's temperature / top_p where it sets them."""
+        mine = {"temperature": self.temperature, "top_p": self.top_p}
+        return {**backend_law, **{k: v for k, v in mine.items() if v is not None}}
+
 
 @dataclasses.dataclass
 class GenChunk:

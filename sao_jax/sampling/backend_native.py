@@ -280,12 +280,7 @@ class NativeBackend:
 
     def sampling_of(self, request: GenRequest) -> dict[str, Any]:
         """The law `request` is sampled with."""
-        out = self.sampling
-        if request.temperature is not None:
-            out["temperature"] = request.temperature
-        if request.top_p is not None:
-            out["top_p"] = request.top_p
-        return out
+        return request.law(self.sampling)
 
     @property
     def vocab_size(self) -> int:

@@ -200,12 +200,8 @@ class VllmBackend:
         return dict(self._law)
 
     def sampling_of(self, request: GenRequest) -> dict[str, Any]:
-        out = self.sampling
-        if request.temperature is not None:
-            out["temperature"] = request.temperature
-        if request.top_p is not None:
-            out["top_p"] = request.top_p
-        return out
+        """The law `request` is sampled with."""
+        return request.law(self.sampling)
 
     def stats(self) -> dict[str, float]:
         with self._lock:
