@@ -77,17 +77,11 @@ def test_gain_shares():
     assert math.isnan(table.gain_share(0.1, 0.0))
 
 
-def test_holm_family_and_pooling():
+def test_holm_family():
     a = compare.Difference(0.03, 0.01, 5, True)  # t 3: p 0.0399
     b = compare.Difference(0.01, 0.01, 5, True)  # t 1: p 0.373
     holm = compare.holm_family({"a": a, "b": b})
     assert holm["a"] == pytest.approx(2 * a.p) and holm["b"] == pytest.approx(max(2 * a.p, b.p))
-    iv, eq = compare.pooled([compare.Difference(0.027, 0.008, 5, True),
-                             compare.Difference(0.012, 0.017, 5, True)])  # fmt: skip
-    assert iv.diff == pytest.approx(0.0242805, abs=1e-6) and iv.se == pytest.approx(
-        0.0072385, abs=1e-6
-    )
-    assert eq.diff == pytest.approx(0.0195) and iv.n == 10 and iv.paired
 
 
 def test_verdict_text():

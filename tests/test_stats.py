@@ -80,26 +80,6 @@ def test_holm_by_hand():
     assert S.holm({}) == {}
 
 
-def test_pooling_by_hand():
-    # The synchronous pair of results/full* online_shift: +2.7 ± 0.8 and +1.2 ± 1.7, df 4.
-    a, b = S.Estimate(2.7, 0.8, 4), S.Estimate(1.2, 1.7, 4)
-    w1, w2 = 1 / 0.64, 1 / 2.89
-    iv = S.pool_inverse_variance([a, b])
-    assert iv.mean == pytest.approx((2.7 * w1 + 1.2 * w2) / (w1 + w2))
-    assert iv.mean == pytest.approx(2.42805, abs=1e-5)
-    assert iv.se == pytest.approx(1 / math.sqrt(w1 + w2)) and iv.se == pytest.approx(
-        0.72385, abs=1e-5
-    )
-    eq = S.pool_equal_weight([a, b])
-    assert eq.mean == pytest.approx(1.95) and eq.se == pytest.approx(math.sqrt(0.64 + 2.89) / 2)
-    # Welch-Satterthwaite: (0.16 + 0.7225)^2 / ((0.16^2 + 0.7225^2) / 4)
-    assert eq.df == pytest.approx(0.8825**2 / ((0.16**2 + 0.7225**2) / 4))
-    one = S.pool_inverse_variance([a])
-    assert tuple(one) == pytest.approx((2.7, 0.8, 4))
-    with pytest.raises(ValueError, match="se > 0"):
-        S.pool_equal_weight([S.Estimate(1.0, 0.0, 4)])
-
-
 def _tost_reference(diffs, low, high):
     """TOST written out from its definition with scipy's one-sample t tests: the
     difference is above `low` and below `high`, each one-sided; p is the larger."""

@@ -85,9 +85,6 @@ class Difference:
         """The true |difference| this design detects with 80% power at alpha (unadjusted)."""
         return stats.detectable(self.se, self.dof)
 
-    def estimate(self) -> stats.Estimate:
-        return stats.Estimate(self.diff, self.se, self.dof)
-
 
 def paired_difference(row: Mapping[int, Any], ref: Mapping[int, Any]) -> Difference:
     """Over the seeds with a finite value in both: d_s = row_s - ref_s."""
@@ -115,18 +112,6 @@ def _ok(x: Any) -> bool:
 def holm_family(diffs: Mapping[Hashable, Difference]) -> dict[Hashable, float]:
     """Holm-adjusted p of each difference of one family (NaN where no p)."""
     return stats.holm({k: d.p for k, d in diffs.items()})
-
-
-def pooled(diffs: Sequence[Difference]) -> tuple[Difference, Difference]:
-    """(inverse-variance, equal-weight) pooled difference of independent estimates of one
-    difference (e.g. two machines' runs of the same seeds), df by Welch-Satterthwaite."""
-    ok = [d for d in diffs if d.n > 1 and d.se > 0]
-    n = sum(d.n for d in ok)
-    iv = stats.pool_inverse_variance([d.estimate() for d in ok])
-    eq = stats.pool_equal_weight([d.estimate() for d in ok])
-    paired = all(d.paired for d in ok)
-    iv_d = Difference(iv.mean, iv.se, n, paired, iv.df)
-    return iv_d, Difference(eq.mean, eq.se, n, paired, eq.df)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Small-sample inference for the experiment tables: t intervals, p-values, Holm, pooling.
+"""Small-sample inference for the experiment tables: t intervals, p-values, Holm, ratios.
 
 A table's differences are means over a handful of seeds (5-20), so they are read with
 Student's t distribution on their degrees of freedom, not with a normal "2 SE" rule
@@ -19,18 +19,6 @@ step-down method, which controls the family-wise error rate at alpha with no ass
 on how the tests depend on each other:
 
   p_(1) <= ... <= p_(m):  adjusted p_(i) = max_{j <= i} min(1, (m - j + 1) * p_(j))
-
-Pooling estimates of one quantity from independent runs (e.g. two machines), each
-(mean_k, SE_k, df_k):
-
-  equal weight:      mean = (1/K) sum_k mean_k,          SE^2 = (1/K^2) sum_k SE_k^2
-  inverse variance:  w_k = 1 / SE_k^2, mean = sum w_k mean_k / sum w_k,  SE^2 = 1 / sum w_k
-  df of either (Welch-Satterthwaite, weights c_k taken as fixed):
-                     df = (sum c_k^2 SE_k^2)^2 / sum (c_k^2 SE_k^2)^2 / df_k
-
-Inverse variance trusts the run with the smaller SE more, which is right when the SEs are
-estimated well; with 5 seeds each SE is itself uncertain by ~35%, so the tables give the
-equal-weight figure beside it.
 
 A ratio of two paired means, rho = mean(a) / mean(b) over the same n seeds (e.g. the
 share of an oracle's gain that a method recovers), gets Fieller's interval: the values r
@@ -55,14 +43,6 @@ ALPHA = 0.05  # two-sided level of every test and interval in the tables
 POWER = 0.8  # the power `detectable` is quoted at
 
 K = TypeVar("K", bound=Hashable)
-
-
-class Estimate(NamedTuple):
-    """A mean with its standard error and the degrees of freedom of that SE."""
-
-    mean: float
-    se: float
-    df: float
 
 
 def betainc(a: float, b: float, x: float) -> float:
@@ -193,37 +173,6 @@ def holm(pvalues: Mapping[K, float]) -> dict[K, float]:
         running = max(running, min(1.0, (m - i) * p))
         out[k] = running
     return out
-
-
-def _satterthwaite(coef: Sequence[float], estimates: Sequence[Estimate]) -> float:
-    parts = [(c * e.se) ** 2 for c, e in zip(coef, estimates, strict=True)]
-    den = sum(v**2 / e.df for v, e in zip(parts, estimates, strict=True))
-    return sum(parts) ** 2 / den if den > 0 else math.nan
-
-
-def _checked(estimates: Sequence[Estimate]) -> list[Estimate]:
-    out = [Estimate(*e) for e in estimates]
-    if not out or not all(e.se > 0 and e.df > 0 for e in out):
-        raise ValueError(f"pooling: need estimates with se > 0 and df > 0, got {out}")
-    return out
-
-
-def pool_equal_weight(estimates: Sequence[Estimate]) -> Estimate:
-    """The plain mean of independent estimates (module docstring)."""
-    est = _checked(estimates)
-    c = [1.0 / len(est)] * len(est)
-    mean = sum(ci * e.mean for ci, e in zip(c, est, strict=True))
-    se = math.sqrt(sum((ci * e.se) ** 2 for ci, e in zip(c, est, strict=True)))
-    return Estimate(mean, se, _satterthwaite(c, est))
-
-
-def pool_inverse_variance(estimates: Sequence[Estimate]) -> Estimate:
-    """The 1 / SE^2-weighted mean of independent estimates (module docstring)."""
-    est = _checked(estimates)
-    w = [1.0 / e.se**2 for e in est]
-    c = [wi / sum(w) for wi in w]
-    mean = sum(ci * e.mean for ci, e in zip(c, est, strict=True))
-    return Estimate(mean, math.sqrt(1.0 / sum(w)), _satterthwaite(c, est))
 
 
 class Tost(NamedTuple):
