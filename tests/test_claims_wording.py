@@ -1,8 +1,12 @@
 """No committed text claims that two rows are equivalent without an equivalence test
-(issue 43): "level with", "equivalent", "same as" and "powered null" (any case, whole
-words, across line breaks) may appear in README.md, docs/*.md and results/**/README.md only
-beside a TOST, i.e. in a unit of text that also names "TOST" (the two one-sided tests
-against a margin stated before the runs, sao_jax/report/stats.py `tost_paired`).
+(issue 43): "level with", "equivalent", "same as", "powered null", "indistinguishable" and
+"not distinguishable" (any case, whole words, across line breaks) may appear in README.md,
+docs/**/*.md and results/**/*.md (the READMEs and the generated tables) only beside a TOST,
+i.e. in a unit of text that also names "TOST" (the two one-sided tests against a margin
+stated before the runs, sao_jax/report/stats.py `tost_paired`). The pre-registrations
+(results/**/PREREGISTRATION*.md) are left out: they are the readings fixed before their
+runs and are never edited after (two name a "powered null" outcome); their folder's
+README says how each result reads now.
 
 A unit is what a reader takes in as one statement: a paragraph (lines up to a blank line),
 one list item (a line starting "- ", "* " or "N. " begins a new one), one table row, one
@@ -15,15 +19,22 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PHRASES = re.compile(r"\b(level with|equivalent|same as|powered null)\b", re.IGNORECASE)
+RUNS = sorted((ROOT / "results").rglob("*_runs.jsonl"))
+PHRASES = re.compile(
+    r"\b(level with|equivalent|same as|powered null|indistinguishable|not distinguishable)\b",
+    re.IGNORECASE,
+)
 TOST = re.compile(r"\bTOST\b")
 NEW_UNIT = re.compile(r"^\s*(?:[-*]|\d+\.)\s|^\s*\||^#")
 
 
 def claim_files(root: pathlib.Path) -> list[pathlib.Path]:
-    """README.md, docs/*.md and every README.md under results/ (what a reader reads)."""
-    files = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
-    files += sorted((root / "results").rglob("README.md"))
+    """README.md, docs/**/*.md and every results/**/*.md but the pre-registrations (what a
+    reader reads as the project's claims: the pages, the results' READMEs and tables)."""
+    files = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    files += sorted(
+        f for f in (root / "results").rglob("*.md") if not f.name.startswith("PREREGISTRATION")
+    )
     return [f for f in files if f.is_file()]
 
 
@@ -72,8 +83,22 @@ def test_committed_text_claims_no_equivalence_without_a_tost():
 def test_the_files_read_are_the_readers_pages():
     names = {p.relative_to(ROOT).as_posix() for p in claim_files(ROOT)}
     assert {"README.md", "docs/results.md"} <= names
+    assert sum(n.startswith("docs/") for n in names) > 1  # every page, not one
     assert any(n.startswith("results/") and n.endswith("/README.md") for n in names)
+    # the generated tables too, the committed table of every runs file among them
+    tables = {p.with_name(p.name.replace("_runs.jsonl", ".md")) for p in RUNS}
+    assert tables and {t.relative_to(ROOT).as_posix() for t in tables} <= names
     assert all(n == "README.md" or n.startswith(("docs/", "results/")) for n in names)
+    assert not any(pathlib.PurePath(n).name.startswith("PREREGISTRATION") for n in names)
+
+
+def test_pre_registrations_are_left_out_by_name_only(tmp_path):
+    for rel in ("README.md", "docs/a/b.md", "results/x/PREREGISTRATION_two.md", "results/x/t.md"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("text")
+    (tmp_path / "results/x/notes.txt").write_text("not markdown")
+    got = [p.relative_to(tmp_path).as_posix() for p in claim_files(tmp_path)]
+    assert got == ["README.md", "docs/a/b.md", "results/x/t.md"]
 
 
 def test_what_counts_as_beside():
@@ -83,6 +108,7 @@ def test_what_counts_as_beside():
     assert flagged("SAO is level with the oracle.") == ["level with"]
     assert flagged("A Powered\nNull here.") == ["Powered Null"]  # across a line break
     assert flagged("the same as before; equivalent rows") == ["same as", "equivalent"]
+    assert flagged("K=1 is not distinguishable from K=2") == ["not distinguishable"]
     # whole words only: no hit inside another word
     assert flagged("Equivalently, the same assumptions; the levels with care") == []
     # a TOST in the same paragraph backs it; in the next paragraph it does not
