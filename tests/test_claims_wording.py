@@ -12,7 +12,11 @@ A unit is what a reader takes in as one statement: a paragraph (lines up to a bl
 one list item (a line starting "- ", "* " or "N. " begins a new one), one table row, one
 heading. Fenced code blocks are commands, not claims, and are skipped. A "no difference
 shown" verdict needs none of these words: write "no difference shown (MDD x)" instead
-(docs/results.md, "How to read these tables"). Pure text: no import of the library.
+(docs/results.md, "How to read these tables").
+
+And every MDD such a page quotes (README.md, docs/, the results' READMEs) is a figure of a
+committed table's MDD cells (issue 43 item 3): copied, not computed beside the table.
+Pure text: no import of the library.
 """
 
 import pathlib
@@ -78,6 +82,75 @@ def test_committed_text_claims_no_equivalence_without_a_tost():
         " table row); write 'no difference shown (MDD x)', or cite the TOST row:\n"
         + "\n".join(found)
     )
+
+
+NUMBER = re.compile(r"(?<![\d.])\d+\.\d+(?![\d.])")
+# from "MDD" up to the end of its parenthesis, bracket, table cell or sentence
+MDD_QUOTE = re.compile(r"\bMDDs?\b[^)\]|]*?(?=[)\]|]|\. [A-Z]|$)")
+
+
+def table_mdds(text: str) -> set[str]:
+    """Every figure of a generated table's MDD cells: the cells of a column whose heading
+    names "MDD", and "MDD x (y)" written anywhere in it (the Fieller table's cells)."""
+    out: set[str] = set()
+    lines = text.splitlines()
+    heading: list[str] | None = None
+    for i, line in enumerate(lines):
+        for m in re.finditer(r"MDD (\d+\.\d+)(?: \((\d+\.\d+)\))?", line):
+            out |= {g for g in m.groups() if g}
+        if not line.startswith("|"):
+            heading = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if i + 1 < len(lines) and lines[i + 1].startswith("|-"):
+            heading = cells
+        elif heading and not set(line) <= set("|-: "):
+            out |= {n for h, c in zip(heading, cells) if "MDD" in h for n in NUMBER.findall(c)}
+    return out
+
+
+def quoted_mdds(text: str) -> list[str]:
+    """The figures of two or more decimals a text quotes as MDDs: those after "MDD" in the
+    same parenthesis, bracket, table cell or sentence, but p-values, powers and the alpha
+    0.05 (also of 0.05/m)."""
+    flat = re.sub(r"\s+", " ", text)
+    return [
+        n.group(0)
+        for m in MDD_QUOTE.finditer(flat)
+        for n in NUMBER.finditer(m.group(0))
+        if re.fullmatch(r"\d+\.\d\d+", n.group(0))
+        and not re.search(r"(\bp|power|alpha) $", m.group(0)[: n.start()][-7:])
+        and n.group(0) != "0.05"
+    ]
+
+
+def test_every_mdd_quoted_is_a_generated_table_cell():
+    """An MDD in README.md, docs/ or a results README is copied from a committed table's MDD
+    cells (issue 43), never computed by hand beside it: a figure found in no table's MDD
+    cells is a typo, another row's figure, or a hand computation."""
+    cells = set().union(
+        *(table_mdds(p.read_text()) for p in claim_files(ROOT) if p.name != "README.md")
+    )
+    pages = [p for p in claim_files(ROOT) if p.name == "README.md" or "docs" in p.parts]
+    found = [
+        f"{p.relative_to(ROOT)}: MDD {n}"
+        for p in pages
+        for n in quoted_mdds(p.read_text())
+        if n not in cells
+    ]
+    assert cells and not found, "an MDD no table prints:\n" + "\n".join(found)
+
+
+def test_what_counts_as_an_mdd_quote():
+    table = "| d | MDD (80% power) |\n|---|---|\n| a | 2.95 (3.57) |\n\n- Fieller: MDD 2.01 (2.55)"
+    assert table_mdds(table) == {"2.95", "3.57", "2.01", "2.55"}
+    text = "no difference shown (MDD 2.95; 3.57 at 0.05/3, p 0.123, power 0.56). Rest 1.234"
+    assert quoted_mdds(text) == ["2.95", "3.57"]
+    assert quoted_mdds("MDDs of 8.91 / 19.76 points at 1%; alpha 0.05 and 0.05/4") == [
+        "8.91",
+        "19.76",
+    ]
+    assert quoted_mdds("(MDD 1.1-6.7 points by hand)") == []  # one decimal: not a cell figure
 
 
 def test_the_files_read_are_the_readers_pages():
