@@ -15,7 +15,10 @@ the expected reward differs per prompt and changes mid-episode (docs/experiments
 
 Variants (`:a,b=1`): smoke (a run of seconds for tests), sync (deterministic rollouts, in
 RL and in value pretraining), seed=N, calculator (the previous task: one problem format,
-sao_jax/envs/arithmetic.py).
+sao_jax/envs/arithmetic.py), vllm (rollouts by vLLM's CPU build, `make vllm-env` first:
+sampling.backend='vllm' on a model of the shapes its CPU kernels take, docs/vllm.md):
+
+  python -m experiments.train --config=configs/sao.py:vllm --workdir=workdirs/sao_vllm
 """
 
 from sao_jax.config import ConfigDict, parse_arg
@@ -23,7 +26,7 @@ from sao_jax.configs import base
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, smoke=False, sync=False, seed=0, calculator=False)
+    arg = parse_arg(arg, smoke=False, sync=False, seed=0, calculator=False, vllm=False)
     c = base.get_config()
     c.seed = arg.seed
 
@@ -76,4 +79,13 @@ def get_config(arg=None):
         # 32 its longest rollout reaches, so a run compiles its update once (of a smoke run's
         # ~100 s, the second bucket's trace and compile took ~40).
         c.train.length_bucket = c.sampling.max_len
+    if arg.vllm:  # after smoke: these shapes are what vLLM's CPU kernels take
+        # hidden and expert widths multiples of 32, head_dim 64, every layer MoE (the
+        # shapes tests/test_vllm_backend.py checks); evaluation stays on the native engine
+        c.model.update(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+        c.model.update(head_dim=64, moe_intermediate_size=32, num_experts=4, mlp_only_layers=())
+        c.sampling.backend = "vllm"
+        c.sampling.vllm.max_num_seqs = c.sampling.num_slots  # every episode decodes at once
+        if not arg.smoke:  # vLLM on 2 CPU cores is ~10x slower than the native engine here
+            c.value_pretrain.steps = 40
     return c

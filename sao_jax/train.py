@@ -59,6 +59,7 @@ from sao_jax.run.inputs import Inputs, build_models, read_inputs, resolved_confi
 from sao_jax.run.settings import check_run
 from sao_jax.run.sft import SFTTrainer, demo_batches
 from sao_jax.run.streams import stream_seed
+from sao_jax.sampling.backend_factory import backend_builder, sampler_backend
 from sao_jax.sampling.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.sampling.trajectory import (
@@ -140,6 +141,15 @@ class Run:
             stall_timeout_s=config.train.take_timeout_s,
         )
         self.pool = dict(device_context=self.placement.pool_context)  # rollouts' kwargs
+        # sampling.backend (sao_jax/sampling/backend_factory.py): what rollouts generate
+        # with (None: the sampler's own engines); evaluation stays on the native engine
+        self.backend_args = dict(
+            mdef=self.sampler_def,
+            tokenizer=self.tokenizer,
+            workdir=workdir,
+            seed=stream_seed(config.seed, "rollouts"),
+        )
+        self.pool["backend"] = sampler_backend(config, **self.backend_args)
         t = config.train
         self.ckpt = checkpointing.Checkpointer(
             workdir / "checkpoints", keep=t.keep_checkpoints, async_save=t.async_checkpoints
@@ -375,6 +385,7 @@ class Run:
                 queue_size=self.sampler_cfg.queue_size,
                 max_env_errors=self.sampler_cfg.max_env_errors,
                 take_timeout_s=cfg.train.take_timeout_s,
+                backend=backend_builder(cfg, **self.backend_args),
             )
         kw = dict(group_size=cfg.env.group_size)
         args = (self.sampler_def, self.tokenizer, self.env_factory, self.prompts)

@@ -12,7 +12,10 @@ backend other than the native engine (vLLM, later) plugs in by implementing it:
 * `handle.cancel()`: the request leaves its slot at the next scheduling round; its future
   resolves with finish_reason 'cancelled' and whatever was sampled so far.
 * `publish(params, version)`: new weights. Requests in flight continue on them (each
-  token records the version that sampled it, `GenResult.versions`).
+  token records the version that sampled it, `GenResult.versions`), or, where the
+  backend must restart its engine to load them (vLLM, backend_vllm.py), fail with
+  `RequestInterrupted`: their tokens streamed so far stand, and the caller resubmits
+  the rest (sao_jax/sampling/backend_engine.py does).
 * `stats()`: counters, among them the slots decoding together (`max_active_slots`,
   `mean_active_slots` over decode calls).
 
@@ -34,6 +37,11 @@ FINISH_REASONS = ("stop", "length", "cancelled")
 
 class GenerationError(RuntimeError):
     """A request the backend could not serve (the message says why)."""
+
+
+class RequestInterrupted(GenerationError):
+    """A weight publication ended the request early (the engine restarted on the new
+    weights); the tokens it streamed stand, the rest may be asked for again."""
 
 
 class BackendBusy(GenerationError):

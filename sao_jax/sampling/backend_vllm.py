@@ -15,8 +15,9 @@ its stdin, events on a pipe of their own (vLLM's logs go to `<workdir>/vllm.log`
 * `publish(params, version)`: the params are written in Hugging Face layout by
   models/hf.py's `save_hf_checkpoint` (the one export mapping) to
   `<workdir>/weights/v<version>/`, and the server is restarted on them (vLLM 0.32's
-  in-place reload corrupts this CPU model: `publish`'s docstring). A file, not shared
-  memory: one code path with the checkpoint export.
+  in-place reload corrupts this CPU model: `publish`'s docstring); requests in flight
+  fail with RequestInterrupted (their streamed tokens stand). A file, not shared
+  memory: one code path with the checkpoint export. `close()` deletes the exports.
 * `cancel()` aborts the request in vLLM (its KV blocks are freed) and resolves the future
   with 'cancelled' and the tokens sampled so far.
 Stop strings need a detokenizer and are refused (GenerationError) in this slice.
@@ -46,6 +47,7 @@ from sao_jax.sampling.backend import (
     GenHandle,
     GenRequest,
     GenResult,
+    RequestInterrupted,
 )
 from sao_jax.sampling.vllm_config import SETUP_HINT, VllmConfig, check_python
 
@@ -175,8 +177,9 @@ class VllmBackend:
 
         vLLM 0.32's in-place reload (`reload_weights`) corrupts this CPU model (reloading
         the very same weights moved log-probs by up to 2.4 nats, docs/vllm.md), so this
-        slice restarts the server: requests in flight fail with GenerationError (the
-        caller drops or resubmits them) and no token is ever sampled by mixed weights."""
+        slice restarts the server: requests in flight fail with RequestInterrupted (the
+        caller resubmits them from the tokens streamed so far: backend_engine.py) and no
+        token is ever sampled by mixed weights."""
         start = time.perf_counter()
         with self._lock:
             self._check_alive()
@@ -184,7 +187,9 @@ class VllmBackend:
         self._restarting = True
         try:
             self._stop()
-            self._fail_all(f"weights v{version} published: the engine restarted")
+            self._fail_all(
+                f"weights v{version} published: the engine restarted", RequestInterrupted
+            )
             self._start(path, version)
         finally:
             self._restarting = False
@@ -198,6 +203,10 @@ class VllmBackend:
     @property
     def sampling(self) -> dict[str, Any]:
         return dict(self._law)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_cfg.vocab_size
 
     def sampling_of(self, request: GenRequest) -> dict[str, Any]:
         """The law `request` is sampled with."""
@@ -217,6 +226,7 @@ class VllmBackend:
         self._stop()
         self._fail_all("the backend is closed")
         self._log.close()
+        shutil.rmtree(os.path.join(self._workdir, "weights"), ignore_errors=True)
 
     def _start(self, path: str, version: int) -> None:
         """Starts the server on the checkpoint at `path` and waits until it is ready."""
@@ -366,9 +376,9 @@ class VllmBackend:
                 )
             )
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, error=GenerationError) -> None:
         with self._lock:
             lives, self._live = list(self._live.values()), {}
         for live in lives:
             if not live.handle.future.done():
-                live.handle.future.set_exception(GenerationError(message))
+                live.handle.future.set_exception(error(message))

@@ -21,6 +21,13 @@ buffering, sampling/params_store.py); the synchronous engine's next take waits f
 `device_context` (placement.Placement.pool_context) is entered wherever an engine runs, so
 its KV cache is created on the pool's devices.
 
+`backend` (a builder `(params, version) -> GenerationBackend`; sampling.backend='vllm',
+sao_jax/sampling/backend_factory.py) makes both sources generate with that backend
+through BackendEngines (sao_jax/sampling/backend_engine.py): the same episodes and
+records, built on the first published weights, published to as versions move, closed
+by `stop()`. The synchronous source then promises the order of prompts and versions,
+not bits (the backend draws with its own seeds).
+
 Every `take` is bounded, whoever calls it (the RL loop, value pretraining):
 * in time: no trajectory for `timeout` s (`take(n, timeout)`, else the constructor's
   `take_timeout_s`: `train.take_timeout_s`) raises NoProgress (a TimeoutError) naming
@@ -47,6 +54,12 @@ import jax
 from sao_jax import stop
 from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel.partition import ModelDef, Params
+from sao_jax.sampling.backend_engine import (
+    BackendBuilder,
+    BackendEngine,
+    SharedBackend,
+    model_vocab,
+)
 from sao_jax.sampling.engine import Engine, EngineConfig, StepOutput
 from sao_jax.sampling.sampler import (
     AsyncSampler,
@@ -127,6 +140,7 @@ class AsyncRollouts:
         group_size: int = 1,
         take_timeout_s: float = TAKE_TIMEOUT_S,
         device_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        backend: BackendBuilder | None = None,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
         self.group_size = group_size
@@ -141,6 +155,7 @@ class AsyncRollouts:
             engine=engine_cfg,
             config=sampler_cfg,
             device_context=device_context,
+            backend=backend,
         )
 
     def start(self) -> None:
@@ -201,16 +216,22 @@ class SyncRollouts:
         max_dropped_in_a_row: int = 64,
         sharder=None,
         device_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        backend: BackendBuilder | None = None,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
         self.device_context = device_context or contextlib.nullcontext
         self.take_timeout_s = take_timeout_s
         self.max_env_errors = max_env_errors
         self.max_dropped_in_a_row = max_dropped_in_a_row
-        self.engine = Engine.create(  # `sharder`: the pool's mesh (default: the model's)
-            policy_def, tokenizer, env_factory, engine_cfg, seed=seed, sharder=sharder
-        )
         self._engine_args = (tokenizer, env_factory, engine_cfg)
+        self.backend = None if backend is None else SharedBackend(backend)
+        if self.backend is None:
+            self.engine = Engine.create(  # `sharder`: the pool's mesh (default: the model's)
+                policy_def, tokenizer, env_factory, engine_cfg, seed=seed, sharder=sharder
+            )
+        else:
+            self.engine = None
+            self._vocab = model_vocab(policy_def)
         self._key = jax.random.key(seed)
         self.group_size = group_size
         self._params: Params | None = None
@@ -226,6 +247,8 @@ class SyncRollouts:
 
     def stop(self, timeout: float = 30.0) -> bool:
         del timeout
+        if self.backend is not None:
+            self.backend.close()
         return True
 
     def publish(self, params: Params, version: int, *, synced: bool = False) -> None:
@@ -240,6 +263,8 @@ class SyncRollouts:
         only on (params, prompts, version, draw) and a resumed run draws it again."""
         key = jax.random.fold_in(jax.random.fold_in(self._key, self._version), self._draws)
         self._draws += 1
+        if self.backend is not None:
+            return BackendEngine(self.backend, *self._engine_args, vocab_size=self._vocab)
         return Engine(self.engine.fns, *self._engine_args, seed=key)
 
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:
@@ -317,7 +342,7 @@ class SyncRollouts:
             queued=self.counts["generated"] - self.counts["taken"],
             version=self._version,
         )
-        if self.engine.pool is not None:  # paged KV pool: admission control's counters
+        if self.engine is not None and self.engine.pool is not None:  # paged KV pool
             out.update({"admission_waits": 0, "preemptions": 0, "pages_peak": 0, **self.pool})
         return out
 

@@ -34,6 +34,12 @@ return (a worker waiting for env calls abandons them). Env calls run concurrentl
 (engine.py): a worker's slots whose env call is still running sit out the decode calls
 while the others keep decoding (not in lockstep mode, which waits for them).
 
+A `backend` (a builder `(params, version) -> GenerationBackend`, sampling.backend='vllm':
+sao_jax/sampling/backend_factory.py) replaces the workers' engines by BackendEngines
+(sao_jax/sampling/backend_engine.py: the same episodes, tokens from that one backend,
+built on the first version a worker reads and published to as versions move); the
+queue, the staleness cap, the failures and the waits above are this module's either way.
+
 Deterministic mode (`lockstep = n`, one worker): after emitting k * n trajectories the
 worker waits for version base + k before its next step, where base is the first version
 it used. A learner that takes n and publishes version + 1 per update then sees the same
@@ -60,6 +66,12 @@ from sao_jax.parallel import placement
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef, Params
 from sao_jax.sampling import vllm_config
+from sao_jax.sampling.backend_engine import (
+    BackendBuilder,
+    BackendEngine,
+    SharedBackend,
+    model_vocab,
+)
 from sao_jax.sampling.engine import Engine, EngineConfig, generate_fns
 from sao_jax.sampling.generate import GenerateFns
 from sao_jax.sampling.params_store import ParamsStore
@@ -143,7 +155,7 @@ def configs_from_section(section: ConfigDict, seed: int = 0) -> tuple[EngineConf
 def _validate_section(config: ConfigDict) -> None:
     configs_from_section(config.sampling, config.get("seed", 0))
     placement.check_fields(config.sampling)
-    vllm_config.check_fields(config.sampling)
+    vllm_config.check_fields(config.sampling, config)
 
 
 class AsyncSampler:
@@ -161,6 +173,7 @@ class AsyncSampler:
         fns: GenerateFns | None = None,
         sharder: Sharder | None = None,
         device_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        backend: BackendBuilder | None = None,
     ):
         self.cfg = config or SamplerConfig()
         # entered by every worker thread: where its engine's arrays live (the pool's
@@ -173,7 +186,11 @@ class AsyncSampler:
                 f"SamplerConfig.queue_size: lockstep needs >= lockstep + num_slots = "
                 f"{lockstep + engine.num_slots}, got {size}"
             )
-        self._fns = fns or generate_fns(mdef, engine, sharder)  # `sharder`: the pool's mesh
+        # None: the workers' own engines; else one backend they all generate with
+        self._backend = None if backend is None else SharedBackend(backend)
+        self._vocab = None if backend is None else model_vocab(mdef)
+        if backend is None:
+            self._fns = fns or generate_fns(mdef, engine, sharder)  # sharder: the pool's mesh
         self._tok, self._env_factory = tokenizer, env_factory
         self._prompts = iter(prompts)
         self._prompt_lock = threading.Lock()
@@ -211,6 +228,8 @@ class AsyncSampler:
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if self._backend is not None:
+            self._backend.close()
         return not any(t.is_alive() for t in self._threads)
 
     def __enter__(self) -> AsyncSampler:
@@ -315,6 +334,8 @@ class AsyncSampler:
                 for e in list(self._engines):
                     for k, v in e.stats().items():
                         out[k] = out.get(k, 0) + v
+            if self._backend is not None:  # turns asked again after a weight publication
+                out["resubmitted"] = sum(e.counters["resubmitted"] for e in self._engines)
         store = self._store
         if store.landed or store.superseded:  # double-buffered weight sync
             out["weight_sync_landed"] = store.landed
@@ -398,7 +419,12 @@ class AsyncSampler:
     def _work_on(self, idx: int) -> None:
         try:
             key = jax.random.fold_in(jax.random.key(self.cfg.seed), idx)
-            engine = Engine(self._fns, self._tok, self._env_factory, self.engine_cfg, seed=key)
+            if self._backend is None:
+                engine = Engine(self._fns, self._tok, self._env_factory, self.engine_cfg, seed=key)
+            else:
+                engine = BackendEngine(self._backend, self._tok, self._env_factory,
+                                       self.engine_cfg, vocab_size=self._vocab,
+                                       poll_s=self.cfg.poll_s)  # fmt: skip
             with self._lock:
                 self._engines.append(engine)
             engine.overlap_env = self.cfg.lockstep is None  # lockstep: deterministic steps

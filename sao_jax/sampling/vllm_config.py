@@ -5,12 +5,17 @@
 virtualenv (`make vllm-env`, docs/vllm.md: its pins cannot share .venv/), through
 sao_jax/sampling/backend_vllm.py. These fields are checked here, once, up front;
 `FIELDS` are the `sampling` names this module owns (the sampler's own check skips them).
+A run with `'vllm'` is also refused, naming the field, when the env's python is missing
+or has no vllm package, when vLLM's CPU kernels refuse the policy's shapes (`check_model`)
+and when it sets a sampling field vLLM cannot honour (`check_sampling`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
 
 from ml_collections import ConfigDict
 
@@ -89,12 +94,100 @@ def check_python(cfg: VllmConfig) -> str:
     return path
 
 
-def check_fields(section: ConfigDict | dict) -> None:
-    """The checks of `sampling.backend` and `sampling.vllm` (the env's python is checked
-    only when the run uses vLLM, so a native run never needs the vLLM env)."""
+_FIND_VLLM = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+
+
+def check_vllm_package(python: str) -> None:
+    """ConfigError naming sampling.vllm.python unless `python` can import vllm (found,
+    not imported: a few tens of milliseconds)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        found = subprocess.run([python, "-c", _FIND_VLLM], env=env, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConfigError(f"config field sampling.vllm.python: {python} failed: {e}") from None
+    if not found:
+        raise ConfigError(
+            f"config field sampling.vllm.python: {python} has no vllm package; {SETUP_HINT}"
+        )
+
+
+# What vLLM 0.32's CPU kernels refuse (docs/vllm.md): "Unsupported CPU attention
+# configuration" for head_dim 12 or 16, "No Unquantized MoE backend supports the
+# deployment configuration" for hidden 48 and for float32 MoE weights.
+CPU_MULTIPLE = 32  # hidden_size and moe_intermediate_size
+CPU_HEAD_DIM = 64
+
+
+def _model_dims(config: ConfigDict) -> tuple[dict, str]:
+    """The policy's dims and how to name them: an `init.kind='hf'` run's checkpoint
+    config.json ('init.hf_path's config.json field'), else `config.model`."""
+    init = config.get("init")
+    if init is not None and init.get("kind") == "hf" and init.get("hf_path"):
+        path = os.path.join(init.hf_path, "config.json")
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except (OSError, ValueError):
+            return {}, ""  # init's own checks and the loader name the checkpoint
+        heads = hf.get("num_attention_heads") or 1
+        hf.setdefault("head_dim", hf.get("hidden_size", 0) // heads)
+        return hf, f"init.hf_path ({path}) field "
+    return config.model.to_dict(), "model."
+
+
+def check_model(config: ConfigDict, cfg: VllmConfig) -> None:
+    """ConfigError naming the field when vLLM's CPU kernels refuse the policy's shapes."""
+    dims, where = _model_dims(config)
+    if not dims:
+        return
+    why = "vLLM's CPU kernels refuse it (sampling.backend='vllm', docs/vllm.md)"
+    moe = dims.get("num_experts", 0) > 0
+    fields = ("hidden_size", "moe_intermediate_size") if moe else ("hidden_size",)
+    for name in fields:
+        value = dims.get(name, 0)
+        if value % CPU_MULTIPLE:
+            raise ConfigError(
+                f"config field {where}{name}: {value} is not a multiple of {CPU_MULTIPLE}; {why}"
+            )
+    if dims.get("head_dim") != CPU_HEAD_DIM:
+        raise ConfigError(
+            f"config field {where}head_dim: {dims.get('head_dim')} is not {CPU_HEAD_DIM}; {why}"
+        )
+    if moe and cfg.dtype == "float32":
+        raise ConfigError(f"config field sampling.vllm.dtype: float32 MoE weights; {why}")
+
+
+def check_sampling(section: ConfigDict | dict, cfg: VllmConfig) -> None:
+    """The `sampling` fields the vLLM backend cannot honour, named."""
+    if section.get("top_k", 0):
+        raise ConfigError(
+            "config field sampling.top_k: the vllm backend samples with temperature and "
+            "top_p only; set top_k=0"
+        )
+    if section.get("record_routing", False):
+        raise ConfigError(
+            "config field sampling.record_routing: vLLM does not report the experts each "
+            "token chose (routing replay needs sampling.backend='native')"
+        )
+    max_len = section.get("max_len", 0)
+    if cfg.max_model_len and cfg.max_model_len < max_len:
+        raise ConfigError(
+            f"config field sampling.vllm.max_model_len: {cfg.max_model_len} < "
+            f"sampling.max_len={max_len} (0 = sampling.max_len)"
+        )
+
+
+def check_fields(section: ConfigDict | dict, config: ConfigDict | None = None) -> None:
+    """The checks of `sampling.backend` and `sampling.vllm` (the vLLM env is checked only
+    when the run uses vLLM, so a native run never needs it); with the run's `config`,
+    the policy's shapes too."""
     backend = section.get("backend", "native")
     if backend not in BACKENDS:
         raise ConfigError(f"config field sampling.backend: {backend!r} is not one of {BACKENDS}")
     cfg = vllm_config(section.get("vllm"))
     if backend == "vllm":
-        check_python(cfg)
+        python = check_python(cfg)
+        check_sampling(section, cfg)
+        if config is not None:
+            check_model(config, cfg)
+        check_vllm_package(python)

@@ -3,9 +3,11 @@
 `build_gateway(config, workdir, cfg)` reads the config's model, tokenizer and chat
 template (`init`), builds the policy without any training (`init.kind` 'hf': the
 checkpoint; 'random' and 'sft': the random initialisation from the run's seed, SFT is NOT
-run; 'params' is not served yet), and puts the native engine with the run's sampling
-section behind a `Gateway` writing `workdir/episodes.jsonl`. `init.tokenizer='harness'`
-builds the project's local BPE tokenizer with the Qwen3-style template
+run; 'params' is not served yet), and puts the run's generation backend
+(`sampling.backend`: the native engine or vLLM, sao_jax/sampling/backend_factory.py)
+with the run's sampling section behind a `Gateway` writing `workdir/episodes.jsonl`.
+`init.tokenizer='harness'` builds the project's local BPE tokenizer with the Qwen3-style
+template
 (sao_jax/text/harness_tokenizer.py) into `workdir/tokenizer`.
 
 `serve(...)` starts it with the config's `gateway` section (sao_jax/serve/settings.py),
@@ -33,8 +35,7 @@ from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
 from sao_jax.run.streams import stream_seed
-from sao_jax.sampling.backend_native import NativeBackend
-from sao_jax.sampling.sampler import configs_from_section
+from sao_jax.sampling.backend_factory import backend_builder
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.serve.app import Server, start_server
 from sao_jax.serve.episodes import EpisodeLog
@@ -86,13 +87,10 @@ def build_gateway(config: ConfigDict, workdir: str | pathlib.Path, cfg: GatewayC
             f"config field init.chat_template: the gateway needs a chat template and "
             f"{config.init.tokenizer!r} has none"
         )
-    engine_cfg, _ = configs_from_section(config.sampling, config.seed)
     sharder = Sharder()
     mdef, params = _policy(config, sharder)
-    try:
-        backend = NativeBackend(mdef, params, tok, engine_cfg, seed=config.seed)
-    except ValueError as e:  # the tokenizer's vocabulary does not fit the model's
-        raise ConfigError(f"config field model.vocab_size: {e}") from None
+    build = backend_builder(config, mdef=mdef, tokenizer=tok, workdir=workdir, seed=config.seed)
+    backend = build(params, 0)
     renderer = ChatRenderer(chat.template, tok)
     return Gateway(backend, renderer, cfg, EpisodeLog(workdir / "episodes.jsonl"))
 

@@ -6,8 +6,9 @@
 `stats`, `stop`), so the RL loop, the batches and the learner are the same code whatever
 made the trajectories.
 
-* `start()` serves the gateway (sao_jax/serve/: the native engine's backend with the run's
-  `sampling` section, the run's sampling law for every request) on `gateway.host`:
+* `start()` serves the gateway (sao_jax/serve/: the run's generation backend, `backend`
+  from sao_jax/sampling/backend_factory.py, `sampling.backend` native or vLLM; the
+  native engine when none is given; the run's sampling law for every request) on `gateway.host`:
   `gateway.port` (and a Unix socket for sandboxed harnesses), writes
   `<workdir>/gateway.json`, and in 'harness' mode starts the harness driver
   (sao_jax/serve/harness.py) on the run's prompt stream. In 'live' mode any client's
@@ -25,7 +26,9 @@ made the trajectories.
   `POLL_S`.
 * `publish(params, version)` goes to the backend: requests in flight continue on the
   new weights from the engine's next step, and each token records the version that
-  sampled it (docs/harness.md, "Training on harness episodes").
+  sampled it (docs/harness.md, "Training on harness episodes"); the vLLM backend
+  restarts its engine on them instead (the learner waits; requests in flight fail and
+  the harness's call is retried or its episode dropped, docs/vllm.md).
 * `stop()` kills the harness processes, drops the live sessions (`shutdown`: written
   to episodes.jsonl, counted) and closes the server and the backend.
 """
@@ -46,7 +49,8 @@ from typing import Any
 import jax
 
 from sao_jax import stop
-from sao_jax.sampling.backend_native import NativeBackend
+from sao_jax.sampling.backend_engine import BackendBuilder
+from sao_jax.sampling.backend_factory import build_backend
 from sao_jax.sampling.engine import EngineConfig
 from sao_jax.sampling.sampler import EnvErrorLimit, NoProgress, SamplerError
 from sao_jax.sampling.trajectory import Trajectory
@@ -93,6 +97,7 @@ class GatewayRollouts:
         queue_size: int,
         max_env_errors: int,
         take_timeout_s: float,
+        backend: BackendBuilder | None = None,
     ):
         if jax.process_count() > 1:
             raise ConfigError(
@@ -109,6 +114,7 @@ class GatewayRollouts:
         self.queue_size = queue_size
         self.max_env_errors = max_env_errors
         self.take_timeout_s = take_timeout_s
+        self.build_backend = backend  # (params, version) -> backend; None: the native one
         self.backend = self.gateway = self.server = self.pool = None
         self._initial: tuple[Any, int] | None = None
         self._version = 0
@@ -142,9 +148,13 @@ class GatewayRollouts:
             )
         params, version = self._initial
         self._initial = None
-        self.backend = NativeBackend(
-            self.mdef, params, self.tok, self.engine_cfg, version=version, seed=self.seed
-        )
+        if self.build_backend is not None:
+            self.backend = self.build_backend(params, version)
+        else:
+            self.backend = build_backend(
+                "native", mdef=self.mdef, params=params, tokenizer=self.tok,
+                engine_cfg=self.engine_cfg, version=version, seed=self.seed,
+            )  # fmt: skip
         cfg = gateway_config(self.section, training=True)
         episodes = EpisodeLog(self.workdir / "episodes.jsonl", on_episode=self._on_episode)
         renderer = ChatRenderer(self.chat.template, self.tok)

@@ -1,0 +1,111 @@
+"""`sampling.backend` -> the run's backend (sao_jax/sampling/backend_factory.py), and the
+start-up refusals of a vLLM run (sao_jax/sampling/vllm_config.py): one line naming the
+field, before anything starts (no vLLM env needed: the checks that need none come first).
+"""
+
+import json
+import sys
+
+import pytest
+from flax import nnx
+
+from sao_jax import config as config_lib
+from sao_jax import defaults
+from sao_jax.models.transformer import Policy
+from sao_jax.parallel.mesh import Sharder
+from sao_jax.parallel.partition import init_params
+from sao_jax.sampling import backend_factory, backend_vllm
+from sao_jax.sampling.backend_native import NativeBackend
+from sao_jax.schema import ConfigError
+from tests.sampling_support import MODEL, FakeTokenizer
+
+VLLM_SHAPES = dict(hidden_size=64, head_dim=64, moe_intermediate_size=32)
+
+
+def _config(**overrides):
+    c = defaults.default_config()
+    for key, value in overrides.items():
+        section, *rest = key.split("__")
+        target = c[section]
+        for name in rest[:-1]:
+            target = target[name]
+        target[rest[-1]] = value
+    return c
+
+
+def _vllm(**overrides):
+    """A vLLM run's config with shapes vLLM takes and this interpreter (no vllm in it)."""
+    model = {f"model__{k}": v for k, v in VLLM_SHAPES.items()}
+    return _config(sampling__backend="vllm", sampling__vllm__python=sys.executable,
+                   **{**model, **overrides})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return init_params(lambda: Policy(MODEL, rngs=nnx.Rngs(0)), Sharder())
+
+
+def test_native_runs_keep_the_samplers_engine_and_serve_the_native_backend(policy, tmp_path):
+    mdef, params = policy
+    c = _config()
+    kw = dict(mdef=mdef, tokenizer=FakeTokenizer(), workdir=tmp_path, seed=0)
+    assert backend_factory.sampler_backend(c, **kw) is None
+    backend = backend_factory.backend_builder(c, **kw)(params, 3)
+    try:
+        assert isinstance(backend, NativeBackend) and backend.version == 3
+        assert backend.max_len == c.sampling.max_len
+    finally:
+        backend.close()
+
+
+def test_vllm_runs_build_the_vllm_backend_with_the_runs_settings(policy, tmp_path, monkeypatch):
+    mdef, params = policy
+    built = []
+
+    class Recorder:
+        def __init__(self, cfg, model_cfg, params, **kw):
+            built.append((cfg, model_cfg, kw))
+
+    monkeypatch.setattr(backend_vllm, "VllmBackend", Recorder)
+    hf_dir = tmp_path / "ckpt"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    c = _vllm(sampling__temperature=0.7, sampling__top_p=0.9, sampling__vllm__max_num_seqs=3,
+              init__kind="hf", init__hf_path=str(hf_dir))  # fmt: skip
+    kw = dict(mdef=mdef, tokenizer=FakeTokenizer(), workdir=tmp_path, seed=5)
+    build = backend_factory.sampler_backend(c, **kw)
+    build(params, 4)
+    build(params, 7)
+    (cfg, model_cfg, a), (_, _, b) = built
+    assert cfg.max_num_seqs == 3 and cfg.python == sys.executable
+    assert model_cfg.vocab_size == MODEL.vocab_size
+    assert (a["max_len"], a["eos_id"], a["version"], a["seed"]) == (c.sampling.max_len, 2, 4, 5)
+    assert (a["temperature"], a["top_p"]) == (0.7, 0.9)
+    assert a["base_config"] == {"eos_token_id": 2, "bos_token_id": 1}
+    assert a["workdir"] != b["workdir"] and a["workdir"].startswith(str(tmp_path / "vllm"))
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"model__hidden_size": 48}, r"model\.hidden_size: 48 is not a multiple of 32"),
+        ({"model__moe_intermediate_size": 48}, r"model\.moe_intermediate_size: 48 is not"),
+        ({"model__head_dim": 16}, r"model\.head_dim: 16 is not 64"),
+        ({"sampling__vllm__dtype": "float32"}, r"sampling\.vllm\.dtype: float32 MoE"),
+        ({"sampling__top_k": 20}, r"sampling\.top_k: .*set top_k=0"),
+        ({"sampling__record_routing": True}, r"sampling\.record_routing: vLLM does not"),
+        ({"sampling__vllm__max_model_len": 64}, r"sampling\.vllm\.max_model_len: 64 < "),
+        ({}, r"sampling\.vllm\.python: .* has no vllm package; run `make vllm-env`"),
+    ],
+)
+def test_a_vllm_run_is_refused_at_start_up_naming_the_field(overrides, words):
+    with pytest.raises(ConfigError, match=rf"config field {words}"):
+        config_lib.validate(_vllm(**overrides))
+
+
+def test_an_hf_checkpoints_shapes_are_named_by_its_config_json(tmp_path):
+    dims = dict(hidden_size=64, num_attention_heads=4, moe_intermediate_size=32, num_experts=4)
+    (tmp_path / "config.json").write_text(json.dumps(dims))  # head_dim: 64 / 4 = 16
+    c = _vllm(init__kind="hf", init__hf_path=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"init\.hf_path \(.*config\.json\) field head_dim: 16"):
+        config_lib.validate(c)
