@@ -14,10 +14,10 @@ with --out, to a markdown file.
 import pathlib
 
 from absl import app, flags
+from sao_jax.experiments.ablations import collapse
 
 from sao_jax import sweep
 from sao_jax.config import ConfigError
-from sao_jax.report import tables
 
 _CONFIG = flags.DEFINE_string("config", None, "Config file with get_sweep(arg), as file[:arg].")
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", None, "Directory of the points' workdirs.")
@@ -44,7 +44,7 @@ def main(argv):
     )
     if _DRY_RUN.value:
         return
-    table = tables.points_table(results)
+    table = collapse.points_table(results)
     print(table)
     if _OUT.value:
         out = pathlib.Path(_OUT.value)

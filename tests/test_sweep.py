@@ -11,6 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
+from sao_jax.experiments.ablations import collapse, plots
 from sao_jax.experiments.ablations import report as table
 
 from sao_jax import sweep
@@ -208,7 +209,7 @@ def test_run_sweep_seed_by_seed_warm_start_then_points_resumably(tmp_path, fake)
     assert all(r.reused == (r.point.variant == "sao") for r in rerun)
     assert not any(r.reused for r in results)
 
-    table = tables.points_table(results)
+    table = collapse.points_table(results)
     assert table.count("\n") == len(results) + 2 and "deliberate failure" in table
 
 
@@ -365,7 +366,7 @@ def test_series_value_at_and_mean_curve_match_literal():
     steps, v = tables.series(h1, "x")
     assert steps.tolist() == [0, 2] and v.tolist() == [1.0, 3.0]
     assert tables.value_at(h1, "x", 2) == 3.0 and tables.value_at(h1, "x", 4) is None
-    s, mean, std = tables.mean_curve([h1, h2], "x")
+    s, mean, std = plots.mean_curve([h1, h2], "x")
     assert s.tolist() == [0, 2, 4]
     assert mean.tolist() == [1.0, 4.0, 7.0]
     assert std.tolist() == [0.0, np.std([3.0, 5.0], ddof=1), 0.0]
@@ -376,29 +377,29 @@ def _hist(values, name="train/success", every=5):
 
 
 def test_collapse_detection():
-    rule = tables.CollapseRule(drop_fraction=0.5, min_peak=0.2, patience=3)
-    assert tables.detect_collapse(_hist([0.1, 0.3, 0.5, 0.6, 0.55]), rule) is None
+    rule = collapse.CollapseRule(drop_fraction=0.5, min_peak=0.2, patience=3)
+    assert collapse.detect_collapse(_hist([0.1, 0.3, 0.5, 0.6, 0.55]), rule) is None
     # Never learned: low values are not a collapse.
-    assert tables.detect_collapse(_hist([0.15, 0.0, 0.0, 0.0, 0.0]), rule) is None
+    assert collapse.detect_collapse(_hist([0.15, 0.0, 0.0, 0.0, 0.0]), rule) is None
     # Peak 0.6 at step 20, then below 0.3 for steps 25, 30, 35.
-    c = tables.detect_collapse(_hist([0.2, 0.4, 0.5, 0.6, 0.2, 0.1, 0.0, 0.0]), rule)
-    assert c == tables.Collapse(25, "success")
+    c = collapse.detect_collapse(_hist([0.2, 0.4, 0.5, 0.6, 0.2, 0.1, 0.0, 0.0]), rule)
+    assert c == collapse.Collapse(25, "success")
     # A dip shorter than `patience` is not a collapse.
-    assert tables.detect_collapse(_hist([0.6, 0.1, 0.1, 0.5, 0.1, 0.5]), rule) is None
+    assert collapse.detect_collapse(_hist([0.6, 0.1, 0.1, 0.5, 0.1, 0.5]), rule) is None
     ent = _hist([1.0, 0.5, 0.01, 0.02, 0.01, 0.3], "policy/entropy")
-    assert tables.detect_collapse(ent, rule) == tables.Collapse(15, "entropy")
+    assert collapse.detect_collapse(ent, rule) == collapse.Collapse(15, "entropy")
     skipped = _hist([0, 2, 5, 9], "train/skipped_steps")
-    assert tables.detect_collapse(skipped, rule) == tables.Collapse(15, "nonfinite")
+    assert collapse.detect_collapse(skipped, rule) == collapse.Collapse(15, "nonfinite")
     err = "sao_jax.rl.update.NonFiniteError: 10 consecutive updates"
-    assert tables.detect_collapse(_hist([0.1, 0.1]), rule, error=err) == tables.Collapse(
+    assert collapse.detect_collapse(_hist([0.1, 0.1]), rule, error=err) == collapse.Collapse(
         10, "nonfinite"
     )
     ev = [{"step": s, "eval/greedy_success": v} for s, v in [(0, 0.6), (10, 0.2), (20, 0.7)]]
-    assert tables.detect_collapse(ev, rule) is None  # recovered by the last eval
+    assert collapse.detect_collapse(ev, rule) is None  # recovered by the last eval
     ev += [{"step": 30, "eval/greedy_success": 0.2}, {"step": 40, "eval/greedy_success": 0.0}]
-    assert tables.detect_collapse(ev, rule) == tables.Collapse(30, "heldout")
-    assert tables.fmt_collapses([None, tables.Collapse(25, "success")]) == "1/2 at 25 (success)"
-    assert tables.fmt_collapses([None]) == "none (0/1)"
+    assert collapse.detect_collapse(ev, rule) == collapse.Collapse(30, "heldout")
+    assert collapse.fmt_collapses([None, collapse.Collapse(25, "success")]) == "1/2 at 25 (success)"
+    assert collapse.fmt_collapses([None]) == "none (0/1)"
 
 
 def test_ordering_agreement():
@@ -415,12 +416,12 @@ def test_markdown_table_and_plots(tmp_path):
     with pytest.raises(ValueError, match="row 0"):
         tables.markdown_table(["a"], [[1, 2]])
     curve = (np.array([0, 1, 2]), np.array([0.1, 0.2, 0.3]), np.array([0.0, 0.1, 0.0]))
-    tables.plot_curves(tmp_path / "c.png", "t", "y", {"x": curve}, vlines=[1], vline_label="s")
-    table.plot_bars(tmp_path / "b.png", "t", "y", {"x": (0.5, 0.1)}, reference={"x": 0.6})
+    plots.plot_curves(tmp_path / "c.png", "t", "y", {"x": curve}, vlines=[1], vline_label="s")
+    plots.plot_bars(tmp_path / "b.png", "t", "y", {"x": (0.5, 0.1)}, reference={"x": 0.6})
     empty = (np.array([]), np.array([]), np.array([]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no empty-legend warning: the figure says "no points"
-        tables.plot_curves(tmp_path / "e.png", "t", "y", {"x": empty})
+        plots.plot_curves(tmp_path / "e.png", "t", "y", {"x": empty})
     for name in ("c.png", "b.png", "e.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

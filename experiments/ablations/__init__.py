@@ -3,8 +3,9 @@
 `python -m experiments.ablations` runs __main__.py (its command lines and flags are in
 its docstring; the flags every table script shares are sao_jax/report/experiment.py's).
 Its reading: report.py: the ablation table (paper columns, Holm over the rows,
-collapses, mechanisms), also read by the other table scripts' reports. Its committed
-results: RESULTS.
+collapses, mechanisms), also read by the other table scripts' reports, as are
+collapse.py (the collapse rule and the table of every run) and plots.py (the tables'
+plots). Its committed results: RESULTS.
 """
 
 RESULTS = (

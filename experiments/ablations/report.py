@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import pathlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from sao_jax.experiments.ablations import collapse, plots
 
 from sao_jax import sweep
 from sao_jax.report import compare, tables
@@ -144,8 +144,8 @@ def ablation_report(
         line.append(fmt_gain(compare.paired_difference(finals[variant], sft).diff, gain))
         share = paper_share(paper0, variant, "sao", "sft")
         line.append("-" if share != share else f"{100 * share:.0f}%")
-        collapses = [tables.detect_collapse(r.history, error=r.error) for r in rs]
-        line.append(tables.fmt_collapses(collapses))
+        collapses = [collapse.detect_collapse(r.history, error=r.error) for r in rs]
+        line.append(collapse.fmt_collapses(collapses))
         line += [f"{x}" for x in paper.get(variant, ("-",) * len(paper_columns))]
         if paper_collapse is not None:
             line.append(paper_collapse.get(variant, "-"))
@@ -159,7 +159,7 @@ def ablation_report(
     text += "\n" + definitions_text(f"budgets: evaluations at steps {', '.join(map(str, cols))}.")
     text += _plots(exp, name, rows, steps, paper)
     text += failures(results)
-    text += "\n## Every run\n\n" + tables.points_table(results, METRIC)
+    text += "\n## Every run\n\n" + collapse.points_table(results, METRIC)
     return text
 
 
@@ -357,7 +357,7 @@ def ordering_text(ours: Mapping[str, float], paper: Mapping[str, float], column:
 
 
 def definitions_text(budget: str) -> str:
-    rule = tables.CollapseRule()
+    rule = collapse.CollapseRule()
     return (
         "## Definitions\n\n"
         f"- success % @N: held-out success ({METRIC}: pass@1 sampled at temperature 1) after "
@@ -376,19 +376,19 @@ def definitions_text(budget: str) -> str:
 
 def _plots(exp: Experiment, name, rows, steps, paper) -> str:
     curves = {
-        LABELS.get(rs[0].point.variant, row): tables.mean_curve([r.history for r in rs], METRIC)
+        LABELS.get(rs[0].point.variant, row): plots.mean_curve([r.history for r in rs], METRIC)
         for row, rs in rows.items()
     }
     p1 = exp.plot_path(f"{name}_eval_success")
-    tables.plot_curves(p1, "Held-out success (sampled, T = 1)", "success", curves)
+    plots.plot_curves(p1, "Held-out success (sampled, T = 1)", "success", curves)
     train = {
-        LABELS.get(rs[0].point.variant, row): tables.mean_curve(
+        LABELS.get(rs[0].point.variant, row): plots.mean_curve(
             [r.history for r in rs], "train/success"
         )
         for row, rs in rows.items()
     }
     p2 = exp.plot_path(f"{name}_train_success")
-    tables.plot_curves(p2, "Training success (mean ± std over seeds)", "success", train)
+    plots.plot_curves(p2, "Training success (mean ± std over seeds)", "success", train)
     bars = {}
     for row, rs in rows.items():
         m, se, _ = compare.mean_se([tables.value_at(r.history, METRIC, steps[-1]) for r in rs])
@@ -396,33 +396,5 @@ def _plots(exp: Experiment, name, rows, steps, paper) -> str:
     ref = {LABELS.get(k, k): v[0] / 100 for k, v in paper.items()}
     p3 = exp.plot_path(f"{name}_final")
     title = f"Held-out success at step {steps[-1]} (mean ± SE)"
-    plot_bars(p3, title, "success", bars, reference=ref)
-    return "\n## Plots\n\n" + "".join(f"![{p.stem}](plots/{p.name})\n" for p in (p1, p2, p3))
-
-
-def plot_bars(
-    path: str | pathlib.Path,
-    title: str,
-    ylabel: str,
-    bars: Mapping[str, tuple[float, float]],
-    *,
-    reference: Mapping[str, float] | None = None,
-    reference_label: str = "paper",
-) -> None:
-    """One bar (mean, std error bar) per row; optional reference markers (paper numbers)."""
-    labels = list(bars)
-    fig, ax = tables.figure(max(6.4, 0.9 * len(labels)), 3.8)
-    x = np.arange(len(labels))
-    means = [bars[k][0] for k in labels]
-    stds = [bars[k][1] for k in labels]
-    ax.bar(x, means, yerr=stds, capsize=3, color="tab:blue", alpha=0.8, label="ours")
-    if reference:
-        ref = [(i, reference[k]) for i, k in enumerate(labels) if k in reference]
-        if ref:
-            ax.scatter(*zip(*ref), marker="_", s=300, color="tab:red", label=reference_label)
-    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize="small")
-    ax.set(title=title, ylabel=ylabel)
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize="x-small")
-    fig.tight_layout()
-    fig.savefig(path, format="png", metadata={"Software": None})
+    plots.plot_bars(p3, title, "success", bars, reference=ref)
+    return plots.plots_text((p1, p2, p3))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from sao_jax.experiments.ablations import collapse
 from sao_jax.experiments.ablations import report as table
 from sao_jax.experiments.baseline_ceiling import levels
 
@@ -125,7 +126,7 @@ def ceiling_report(
     text += "\n" + table.mechanisms_text(rows, LABELS)
     text += "\n" + table.definitions_text(f"budgets: step 0 (the warm start) and step {last}.")
     text += failures(results)
-    text += "\n## Every run\n\n" + tables.points_table(results, table.METRIC)
+    text += "\n## Every run\n\n" + collapse.points_table(results, table.METRIC)
     return text
 
 

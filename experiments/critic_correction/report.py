@@ -40,12 +40,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from sao_jax.experiments.ablations import collapse, plots
 from sao_jax.experiments.ablations import report as table
 from sao_jax.experiments.online_shift import report as user_shift
 
 from sao_jax import sweep
 from sao_jax.report import compare, stats, tables
-from sao_jax.report.experiment import Experiment, failures, plots_text
+from sao_jax.report.experiment import Experiment, failures
 
 REFERENCE, ROW = ROWS = ("sao", "sao_brace")  # lambda = 1 targets, BRACE-style targets
 LABELS = {"sao": "lambda = 1 targets (SAO)", "sao_brace": "BRACE-style targets"}
@@ -242,9 +243,9 @@ def report(exp: Experiment, specs: Sequence[sweep.SweepSpec], results, wall_s: f
     graded = [r for r in results if cell_of(r.point) != ONLINE]
     online = [r for r in results if cell_of(r.point) == ONLINE]
     if graded:
-        text += "\n## Every run, graded task\n\n" + tables.points_table(graded, METRIC)
+        text += "\n## Every run, graded task\n\n" + collapse.points_table(graded, METRIC)
     if online:
-        text += "\n## Every run, online task\n\n" + tables.points_table(online, METRIC, rule=None)
+        text += "\n## Every run, online task\n\n" + collapse.points_table(online, METRIC, rule=None)
     return text
 
 
@@ -435,8 +436,9 @@ def design_text(specs: Sequence[sweep.SweepSpec]) -> str:
 
 
 def _plots(exp: Experiment, grouped) -> str:
-    return plots_text(
-        exp.plot_mean_curves(
+    return plots.plots_text(
+        plots.mean_curves(
+            exp,
             f"critic_correction_ev_{'online' if c == ONLINE else f'S{c[0]}_lr{c[1]:.0e}'}",
             f"Critic EV before its update, {cell_label(c)}",
             "EV",

@@ -16,7 +16,8 @@ Per run of the budget sweep (all logged every step, metrics.jsonl):
 - mean entropy of the masked and of the kept tokens over the run, token-weighted: each
   record's `policy/masked_entropy` weighted by its masked tokens, (1 - keep rate) x
   `train/action_tokens` (and the kept alike);
-- collapse (`sao_jax.report.tables.detect_collapse`) and held-out success at the end.
+- collapse (experiments/ablations/collapse.py `detect_collapse`) and held-out success at
+  the end.
 Each rule's differences from DIS at the same budget are paired by seed; the held-out
 differences are one Holm family (every rule x budget), the masked-token entropy
 differences another.
@@ -30,11 +31,12 @@ import pathlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from sao_jax.experiments.ablations import collapse, plots
 from sao_jax.experiments.ablations import report as table
 
 from sao_jax import sweep
 from sao_jax.report import compare, tables
-from sao_jax.report.experiment import Experiment, failures, plots_text
+from sao_jax.report.experiment import Experiment, failures
 from sao_jax.rl import losses
 from sao_jax.rl import mask_budget as mb
 from sao_jax.run import token_dump
@@ -246,7 +248,9 @@ def report(
             table.fmt_run_means(rs, KEEP, digits=2),
             compare.fmt_mean_se([_masked_h(r) for r in rs], scale=1.0, digits=3),
             compare.fmt_mean_se([_kept_h(r) for r in rs], scale=1.0, digits=3),
-            tables.fmt_collapses([tables.detect_collapse(r.history, error=r.error) for r in rs]),
+            collapse.fmt_collapses(
+                [collapse.detect_collapse(r.history, error=r.error) for r in rs]
+            ),
             compare.fmt_mean_se(list(finals[key].values())),
         ]
         if key in held:
@@ -287,7 +291,7 @@ def report(
     text += "\n" + table.definitions_text(f"budget: {total} RL steps.")
     text += _plots(exp, groups)
     text += failures(results)
-    text += "\n## Every run\n\n" + tables.points_table(results, table.METRIC)
+    text += "\n## Every run\n\n" + collapse.points_table(results, table.METRIC)
     return text
 
 
@@ -302,8 +306,10 @@ def _plots(exp: Experiment, groups) -> str:
         for (f, row), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1]))
         if f is not None and row in ROWS
     }
-    return plots_text(
-        exp.plot_mean_curves(f"mask_budget_{what}", f"{title} (mean ± std over seeds)", m, m, rows)
+    return plots.plots_text(
+        plots.mean_curves(
+            exp, f"mask_budget_{what}", f"{title} (mean ± std over seeds)", m, m, rows
+        )
         for m, what, title in (
             ("train/success", "success", "Training success"),
             (MASKED_H, "masked_entropy", "Mean entropy of masked tokens"),

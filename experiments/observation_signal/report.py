@@ -13,11 +13,12 @@ import collections
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from sao_jax.experiments.ablations import collapse, plots
 from sao_jax.experiments.ablations import report as table
 
 from sao_jax import sweep
 from sao_jax.report import compare, tables
-from sao_jax.report.experiment import Experiment, failures, plots_text
+from sao_jax.report.experiment import Experiment, failures
 
 METRIC = table.METRIC  # held-out sampled success (pass@1, T = 1)
 # The rows of configs/observation_signal.py; the difference is ROW - REFERENCE.
@@ -102,7 +103,7 @@ def report(exp: Experiment, specs: Sequence[sweep.SweepSpec], results, wall_s: f
     )
     text += _plots(exp, grouped)
     text += failures(results)
-    text += "\n## Every run\n\n" + tables.points_table(results, METRIC)
+    text += "\n## Every run\n\n" + collapse.points_table(results, METRIC)
     return text
 
 
@@ -205,7 +206,8 @@ def design_text(diffs: Mapping[str, compare.Difference], spec: sweep.SweepSpec) 
 
 def _plots(exp: Experiment, grouped) -> str:
     paths = [
-        exp.plot_mean_curves(
+        plots.mean_curves(
+            exp,
             f"observation_signal_{task}_success",
             f"Held-out success (sampled), {task}",
             "success",
@@ -221,5 +223,5 @@ def _plots(exp: Experiment, grouped) -> str:
             m, se, _ = compare.mean_se(list(shares.values()))
             bars[f"{task}: {ROW_LABELS[row]}"] = (m, 0.0 if se != se else se)
     path = exp.plot_path("observation_signal_variance_share")
-    table.plot_bars(path, "Share of Var(G) at observations (mean ± SE)", "share", bars)
-    return plots_text([*paths, path])
+    plots.plot_bars(path, "Share of Var(G) at observations (mean ± SE)", "share", bars)
+    return plots.plots_text([*paths, path])

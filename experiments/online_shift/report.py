@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 from sao_jax.configs.online_shift import MAIN_ROWS
+from sao_jax.experiments.ablations import collapse, plots
 from sao_jax.experiments.ablations.report import fmt_run_means, mechanisms_text
 
 from sao_jax import sweep
@@ -278,7 +279,7 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
     text += _curve_text(exp, variants, spec.fixed["train.total_steps"], bin_steps)
     text += "\n" + mechanisms_text(rows, labels={v: label(v) for v in variants})
     text += failures(results)
-    text += "\n## Every run\n\n" + tables.points_table(results, "eval/sampled_success", rule=None)
+    text += "\n## Every run\n\n" + collapse.points_table(results, "eval/sampled_success", rule=None)
     return text
 
 
@@ -441,7 +442,7 @@ def _curve_text(exp: Experiment, variants, total_steps: int, bin_steps: int) -> 
     if not curves:
         return ""
     path = exp.plot_path("online_shift_recovery")
-    tables.plot_curves(
+    plots.plot_curves(
         path,
         "Success after a user's switch",
         "success (the user's current target)",
@@ -511,7 +512,7 @@ def tracking_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: flo
         f"{len(effects)} factors.\n" + compare.MDD_NOTE
     )
     text += failures(results)
-    text += "\n## Every run\n\n" + tables.points_table(results, "eval/sampled_success", rule=None)
+    text += "\n## Every run\n\n" + collapse.points_table(results, "eval/sampled_success", rule=None)
     return text
 
 
@@ -559,7 +560,7 @@ def plot_window(
     """A quantity against a window (log2 x axis): {window: (mean, SE)} as points with
     error bars; each reference (mean, SE) a horizontal line with its band; a dashed
     vertical line at `marker`."""
-    fig, ax = tables.figure()
+    fig, ax = plots.figure()
     xs = sorted(points)
     ax.errorbar(
         xs, [points[x][0] for x in xs], yerr=[points[x][1] for x in xs], marker="o",

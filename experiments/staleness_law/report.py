@@ -5,8 +5,8 @@ The source cites, for uncorrected asynchronous GRPO, a collapse horizon proporti
 1 / eta with t_collapse x eta ~ 3.2e-5 (docs/method.md section 7: a stale step is biased
 by O(S eta)). Per run:
 
-- collapse: the first step of `sao_jax.report.tables.detect_collapse` (docs/experiments.md,
-  "Metrics and definitions").
+- collapse: the first step of experiments/ablations/collapse.py `detect_collapse`
+  (docs/experiments.md, "Metrics and definitions").
 - t_collapse, in policy versions: a collapse seen in training success (reason 'success')
   is seen on trajectories the sampler drew up to S versions earlier, so its step is moved
   back by the mean staleness of the batch at that record (`train/staleness`); the other
@@ -35,6 +35,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from sao_jax.experiments.ablations import collapse, plots
 from sao_jax.experiments.ablations import report as table
 from sao_jax.experiments.staleness_law import survival
 
@@ -44,7 +45,7 @@ from sao_jax.report.experiment import Experiment, failures
 
 ROWS = {"sao": "DIS", "vanilla_vapo": "no DIS"}
 SEED_PRODUCT = 3.2e-5  # t_collapse x eta the source cites for uncorrected async GRPO
-RULE = tables.CollapseRule()
+RULE = collapse.CollapseRule()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +59,10 @@ class CollapseTime:
 
 
 def collapse_time(
-    history: tables.History, *, error: str = "", rule: tables.CollapseRule = RULE
+    history: tables.History, *, error: str = "", rule: collapse.CollapseRule = RULE
 ) -> CollapseTime | None:
     """The run's collapse time (module docstring); None when it logged too little to say."""
-    c = tables.detect_collapse(history, rule, error=error)
+    c = collapse.detect_collapse(history, rule, error=error)
     steps, lag = tables.series(history, "train/staleness")
     lag_at = dict(zip(steps.tolist(), lag.tolist(), strict=True))
     if c is not None:
@@ -265,7 +266,7 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
     text += "\n" + _definitions(total)
     text += _plots(exp, results)
     text += failures(results)
-    text += "\n## Every run\n\n" + tables.points_table(results, table.METRIC)
+    text += "\n## Every run\n\n" + collapse.points_table(results, table.METRIC)
     return text
 
 
@@ -291,11 +292,11 @@ def _plots(exp: Experiment, results) -> str:
         by_cell[cell_key(r)].append(r.history)
     for row, name in ROWS.items():
         curves = {
-            f"S={s}, lr={lr:g}": tables.mean_curve(hs, "train/success")
+            f"S={s}, lr={lr:g}": plots.mean_curve(hs, "train/success")
             for (v, s, lr), hs in sorted(by_cell.items())
             if v == row
         }
         path = exp.plot_path(f"staleness_law_{row}")
-        tables.plot_curves(path, f"Training success, {name}", "success", curves)
+        plots.plot_curves(path, f"Training success, {name}", "success", curves)
         text += f"![{path.stem}](plots/{path.name})\n"
     return text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+from sao_jax.experiments.ablations import collapse, plots
 from sao_jax.experiments.ablations import report as table
 
 from sao_jax import sweep
@@ -44,11 +45,11 @@ def cell(rs: Sequence[sweep.PointResult]) -> list[str]:
     rs = [r for r in rs if r.status in ("done", "failed")]
     if not rs:
         return ["-"] * 5
-    collapses = [tables.detect_collapse(r.history, error=r.error) for r in rs]
+    collapses = [collapse.detect_collapse(r.history, error=r.error) for r in rs]
     train = [tables.series(r.history, "train/success")[1] for r in rs]
     after = [tables.finite((r.summary or {}).get("after", {}).get(table.METRIC)) for r in rs]
     return [
-        tables.fmt_collapses(collapses),
+        collapse.fmt_collapses(collapses),
         compare.fmt_mean_se([t[-1] if t.size else None for t in train]),
         compare.fmt_mean_se(after),
         keep_rate(rs),
@@ -125,15 +126,15 @@ def report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) -> st
     text += "\n## Plots\n\n"
     for variant, name in ROWS.items():
         curves = {
-            f"S={s}, lr={lr:g}": tables.mean_curve(
+            f"S={s}, lr={lr:g}": plots.mean_curve(
                 [r.history for r in index[(variant, s, lr)]], "train/success"
             )
             for s, lr in grid
             if (variant, s, lr) in index
         }
         path = exp.plot_path(f"staleness_lr_{variant}")
-        tables.plot_curves(path, f"Training success, {name}", "success", curves)
+        plots.plot_curves(path, f"Training success, {name}", "success", curves)
         text += f"![{path.stem}](plots/{path.name})\n"
     text += failures(results)
-    text += "\n## Every run\n\n" + tables.points_table(results, table.METRIC)
+    text += "\n## Every run\n\n" + collapse.points_table(results, table.METRIC)
     return text

@@ -247,20 +247,6 @@ class Experiment:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
-    def plot_mean_curves(
-        self, name: str, title: str, ylabel: str, metric: str, rows: dict[str, Sequence]
-    ) -> pathlib.Path:
-        """plots/<name>.png: `metric`'s mean ± std curve over each row's runs."""
-        curves = {k: tables.mean_curve([r.history for r in rs], metric) for k, rs in rows.items()}
-        path = self.plot_path(name)
-        tables.plot_curves(path, title, ylabel, curves)
-        return path
-
-
-def plots_text(paths) -> str:
-    """The report's '## Plots' section: a link to each PNG under plots/."""
-    return "\n## Plots\n\n" + "".join(f"![{p.stem}](plots/{p.name})\n" for p in paths)
-
 
 def by_row(results: Sequence[sweep.PointResult]) -> dict[str, list[sweep.PointResult]]:
     out: dict[str, list[sweep.PointResult]] = collections.defaultdict(list)
