@@ -16,6 +16,7 @@ from sao_jax.experiments.baseline_ceiling import report as baseline_ceiling
 from sao_jax.experiments.critic_correction import report as critic_correction
 from sao_jax.experiments.mask_budget import report as mask_budget
 from sao_jax.experiments.observation_signal import report as observation_signal
+from sao_jax.experiments.online_shift import report as online_shift
 from sao_jax.experiments.staleness_law import report as staleness_law
 
 from sao_jax.configs import ablations as ablations_cfg
@@ -62,7 +63,12 @@ TABLES = {  # name: (sweep of a mode, report), as experiments/<name>/__main__.py
         lambda mode: ablations_cfg.get_sweep(f"table=baseline_ceiling,mode={mode}"),
         baseline_ceiling.ceiling_report,
     ),
+    "online_shift_main": (  # the offsets design's main table (results/online_shift_offsets)
+        lambda mode: shift_cfg.get_sweep(f"table=main,offsets=spread,mode={mode}"),
+        online_shift.main_report,
+    ),
 }
+FOLDERS = {"online_shift_main": "online_shift_offsets"}  # where not results/<name>/
 # what a read test prints: a t test, a Holm p, a verdict, a reading of one
 TEST_TEXT = re.compile(
     r"\bt [+-]\d+\.\d, p |Holm p (\d|< 0\.001)|no difference shown \(|than the reference \(|"
@@ -73,7 +79,7 @@ TEST_TEXT = re.compile(
 def _copy(name: str, tmp: pathlib.Path, drop_one: bool) -> pathlib.Path:
     """The table's runs file (and calibration) in `tmp`; its pre-registration too, with
     one pre-registered run dropped from the runs, when `drop_one`."""
-    src = ROOT / "results" / name
+    src = ROOT / "results" / FOLDERS.get(name, name)
     for extra in (CALIBRATION,) + ((audit.PREREGISTRATION,) if drop_one else ()):
         if (src / extra).exists():
             shutil.copy(src / extra, tmp / extra)
