@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 from sao_jax.experiments.ablations import report as table
-from sao_jax.experiments.baseline_ceiling import levels
+from sao_jax.experiments.baseline_ceiling import levels, share
 from sao_jax.experiments.baseline_ceiling import report as bc
 from scipy import stats as scipy_stats
 
@@ -91,7 +91,7 @@ def test_report_against_a_literal_computation(tmp_path):
         d = a - end * b
         t = d.mean() / (d.std(ddof=1) / math.sqrt(n))
         assert abs(t) == pytest.approx(scipy_stats.t.ppf(0.975, n - 1), rel=1e-6)
-    assert compare.fmt_ratio(r) in text
+    assert share.fmt_ratio(r) in text
     assert "## How much of the oracle's gain SAO recovers" in text
     assert "Fieller" in text
     assert "its 4 comparisons (MA 128 - SAO, MA 160 - SAO, oracle - SAO, oracle - MA 128)" in text
@@ -110,3 +110,36 @@ def test_the_script_runs_the_table_sweep(tmp_path):
     out = run_experiment("baseline_ceiling", tmp_path, None, "--dry_run")
     assert "configs/ablations.py:moving_average_per_level" in out
     assert "ablations__sao__seed=0" in out
+
+
+def _not_rejected(a, b, grid, alpha=0.05):
+    """Literal, per r of `grid`: the paired t test of a_s - r b_s does not reject 0."""
+    d = np.asarray(a)[None, :] - grid[:, None] * np.asarray(b)[None, :]  # [R, n]
+    n = d.shape[1]
+    t = d.mean(axis=1) / (d.std(axis=1, ddof=1) / math.sqrt(n))
+    return np.abs(t) <= scipy_stats.t.ppf(1 - alpha / 2, n - 1)
+
+
+def test_paired_ratio_is_fieller_by_a_grid_search():
+    rng = np.random.default_rng(0)
+    b = list(0.05 + 0.02 * rng.normal(size=10))  # the oracle's gain: clearly > 0
+    a = [0.4 * y + 0.01 * rng.normal() for y in b]  # SAO's: about 40% of it
+    r = share.paired_ratio(dict(enumerate(a)), dict(enumerate(b)))
+    assert r.defined and r.lo < r.ratio < r.hi
+    assert r.ratio == pytest.approx(sum(a) / sum(b))
+    grid = np.linspace(-2, 3, 50001)
+    inside = grid[_not_rejected(a, b, grid)]
+    assert inside.min() == pytest.approx(r.lo, abs=2e-4)
+    assert inside.max() == pytest.approx(r.hi, abs=2e-4)
+    assert share.fmt_ratio(r) == f"{100 * r.ratio:.0f}% [{100 * r.lo:.0f}%, {100 * r.hi:.0f}%]"
+
+
+def test_paired_ratio_is_undefined_when_the_denominator_is_not_above_zero():
+    a = {0: 0.01, 1: 0.02, 2: 0.0, 3: 0.01}
+    noisy = {0: 0.05, 1: -0.04, 2: 0.03, 3: -0.01}  # mean > 0, p ~0.7
+    for den in (noisy, {s: -abs(v) - 0.01 for s, v in noisy.items()}):  # and mean < 0
+        r = share.paired_ratio(a, den)
+        assert not r.defined and math.isnan(r.ratio) and math.isnan(r.lo)
+        assert share.fmt_ratio(r).startswith("undefined: the denominator (")
+    r = share.paired_ratio({0: 0.1}, {0: 0.2})
+    assert share.fmt_ratio(r) == "undefined (fewer than 2 paired seeds)"

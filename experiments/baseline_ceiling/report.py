@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from sao_jax.experiments.ablations import collapse
 from sao_jax.experiments.ablations import report as table
-from sao_jax.experiments.baseline_ceiling import levels
+from sao_jax.experiments.baseline_ceiling import levels, share
 
 from sao_jax import sweep
 from sao_jax.report import compare, tables
@@ -82,13 +82,13 @@ def family(
     return diffs, compare.holm_family(diffs)
 
 
-def recovered(finals: Mapping[str, Mapping[int, float]], ma: str) -> compare.Ratio | None:
+def recovered(finals: Mapping[str, Mapping[int, float]], ma: str) -> share.Ratio | None:
     """(SAO - ma) / (oracle - ma) over the seeds, with Fieller's interval (None when a
     row is missing)."""
     if not all(v in finals for v in (SAO, ma, ORACLE)):
         return None
     num = per_seed_differences(finals[SAO], finals[ma])
-    return compare.paired_ratio(num, per_seed_differences(finals[ORACLE], finals[ma]))
+    return share.paired_ratio(num, per_seed_differences(finals[ORACLE], finals[ma]))
 
 
 def _name(pair: tuple[str, str]) -> str:
@@ -183,7 +183,7 @@ def _recovered_text(finals, tests, instead: str = "") -> str:
             line += [
                 f"{compare.fmt_difference(gap)}; {test}; MDD {compare.fmt_mdd(gap, m)}",
                 compare.fmt_difference(sao),
-                compare.fmt_ratio(r),
+                share.fmt_ratio(r),
             ]
         body.append(line)
     lines.append(tables.markdown_table(headers, body))

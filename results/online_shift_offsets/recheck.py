@@ -7,11 +7,13 @@ files alone (nothing trained):
 Definitions (docs/results.md, "How to read these tables"): power of a paired difference
 over n seeds at an effect delta, two-sided alpha (0.05, or alpha / m at Holm's first step
 over a family of m tests), is the noncentral t's (scipy, installed with jax); a share of
-two paired means gets Fieller's interval (sao_jax/report/compare.py paired_ratio).
+two paired means gets Fieller's interval (experiments/baseline_ceiling/share.py
+paired_ratio).
 """
 
 import pathlib
 
+from sao_jax.experiments.baseline_ceiling.share import paired_ratio
 from scipy import stats as scipy_stats
 
 from sao_jax.report import audit, compare
@@ -73,9 +75,7 @@ def main() -> None:
     for alpha, what in ((0.05, "alpha 0.05"), (0.025, "alpha 0.05/2"), (0.05 / 3, "alpha 0.05/3")):
         print(f"power of SAO - MA at the ceiling's +{100 * ceil_ma.diff:.2f}, {what}: "
               f"{power(sao_ma, ceil_ma.diff, alpha):.2f}")  # fmt: skip
-    share = compare.paired_ratio(
-        gain(by, "sao", "moving_average"), gain(by, "ceiling", "moving_average")
-    )
+    share = paired_ratio(gain(by, "sao", "moving_average"), gain(by, "ceiling", "moving_average"))
     print(f"SAO's share of the ceiling's gain: {share.ratio:.2f} [{share.lo:.2f}, {share.hi:.2f}]")
     for metric in ("success_initial", PRIMARY, "success_settled"):
         phase, _ = by_row(MAIN, metric)
@@ -91,7 +91,7 @@ def main() -> None:
     for row in ("moving_average_w1", "moving_average_w8", "moving_average_w32"):
         print(line(f"{row} - SAO", pd(sec[row], sec["sao"]), 6))
     print(line("per-user oracle - SAO", pd(sec["moving_average_per_user"], sec["sao"]), 6))
-    share = compare.paired_ratio(
+    share = paired_ratio(
         gain(sec, "moving_average_per_user", "moving_average"), gain(sec, "sao", "moving_average")
     )
     print(

@@ -14,9 +14,6 @@ shared luck cancels. Where rows do not share seeds, the unpaired (Welch) form is
   power: Student's t on df (sao_jax/report/stats.py)
   the differences of one table are one family: Holm-adjusted p-values (`holm_family`);
   a difference counts when its Holm-adjusted p < alpha (0.05)
-  ratio of paired differences, rho = mean(a) / mean(b) with a_s, b_s per seed (e.g. the
-               share of an oracle's gain over a baseline that SAO recovers): Fieller's
-               interval (sao_jax/report/stats.py), undefined unless mean(b) > 0 at alpha
 """
 
 from __future__ import annotations
@@ -112,54 +109,6 @@ def _ok(x: Any) -> bool:
 def holm_family(diffs: Mapping[Hashable, Difference]) -> dict[Hashable, float]:
     """Holm-adjusted p of each difference of one family (NaN where no p)."""
     return stats.holm({k: d.p for k, d in diffs.items()})
-
-
-@dataclasses.dataclass(frozen=True)
-class Ratio:
-    """mean(a) / mean(b) of paired per-seed values, its 1 - ALPHA Fieller interval (NaN
-    when undefined) and the denominator's own test (is mean(b) > 0?)."""
-
-    ratio: float
-    lo: float
-    hi: float
-    denominator: Difference  # mean(b) with its SE, t and p
-
-    @property
-    def defined(self) -> bool:
-        return math.isfinite(self.lo) and self.denominator.diff > 0
-
-
-def paired_ratio(num: Mapping[int, Any], den: Mapping[int, Any]) -> Ratio:
-    """mean_s num_s / mean_s den_s over the seeds with a finite value in both, with
-    Fieller's interval. Undefined (ratio and interval NaN) unless mean(den) > 0 and its
-    two-sided t test rejects 0 at ALPHA: an oracle that does not beat the baseline leaves
-    nothing to recover."""
-    seeds = sorted(s for s in num if s in den and _ok(num[s]) and _ok(den[s]))
-    a = np.array([num[s] for s in seeds], np.float64)
-    b = np.array([den[s] for s in seeds], np.float64)
-    d = paired_difference(dict(zip(seeds, b, strict=True)), dict.fromkeys(seeds, 0.0))
-    if a.size < 2 or not d.diff > 0:
-        return Ratio(math.nan, math.nan, math.nan, d)
-    cov = np.cov(a, b, ddof=1) / a.size
-    ci = stats.fieller_interval(
-        float(a.mean()), float(b.mean()), cov[0, 0], cov[1, 1], cov[0, 1], a.size - 1
-    )
-    if ci is None:
-        return Ratio(math.nan, math.nan, math.nan, d)
-    return Ratio(float(a.mean() / b.mean()), ci[0], ci[1], d)
-
-
-def fmt_ratio(r: Ratio) -> str:
-    """'62% [21%, 140%]', or why the ratio is undefined."""
-    if r.defined:
-        return f"{100 * r.ratio:.0f}% [{100 * r.lo:.0f}%, {100 * r.hi:.0f}%]"
-    d = r.denominator
-    if d.n < 2:
-        return "undefined (fewer than 2 paired seeds)"
-    return (
-        f"undefined: the denominator ({100 * d.diff:+.1f} points, p {fmt_p(d.p)}) is not "
-        f"> 0 at p < {ALPHA:g}"
-    )
 
 
 def fmt_p(p: float) -> str:

@@ -1,4 +1,4 @@
-"""Small-sample inference for the experiment tables: t intervals, p-values, Holm, ratios.
+"""Small-sample inference for the experiment tables: t intervals, p-values, Holm.
 
 A table's differences are means over a handful of seeds (5-20), so they are read with
 Student's t distribution on their degrees of freedom, not with a normal "2 SE" rule
@@ -19,18 +19,6 @@ step-down method, which controls the family-wise error rate at alpha with no ass
 on how the tests depend on each other:
 
   p_(1) <= ... <= p_(m):  adjusted p_(i) = max_{j <= i} min(1, (m - j + 1) * p_(j))
-
-A ratio of two paired means, rho = mean(a) / mean(b) over the same n seeds (e.g. the
-share of an oracle's gain that a method recovers), gets Fieller's interval: the values r
-for which the paired t test of a_s - r b_s does not reject at alpha,
-
-  (a - r b)^2 <= t^2 (v_aa - 2 r v_ab + r^2 v_bb),  t = t_{1 - alpha/2, n - 1},
-  v_xy = cov(x, y, ddof=1) / n,
-
-exact when the per-seed pairs are normal, with no linearisation (the delta method) and no
-resampling. It is a bounded interval iff b^2 > t^2 v_bb, i.e. iff mean(b) differs from 0
-at the same level; otherwise the ratio is not estimable from these seeds (the set is
-unbounded) and `fieller_interval` returns None.
 """
 
 from __future__ import annotations
@@ -126,30 +114,6 @@ def detectable(se: float, df: float, alpha: float = ALPHA, power: float = POWER)
     (t_{1 - alpha/2, df} + t_{power, df}) * se, the usual approximation of the noncentral
     t (tests/test_stats.py checks it against scipy's)."""
     return (t_quantile(1.0 - alpha / 2.0, df) + t_quantile(power, df)) * se
-
-
-def fieller_interval(
-    a_mean: float,
-    b_mean: float,
-    v_aa: float,
-    v_bb: float,
-    v_ab: float,
-    df: float,
-    alpha: float = ALPHA,
-) -> tuple[float, float] | None:
-    """The 1 - alpha Fieller interval of a_mean / b_mean (module docstring), from the
-    variances v_aa, v_bb and covariance v_ab of the two means and the df of their
-    estimate; None when it is unbounded (b_mean not distinguishable from 0)."""
-    t2 = t_quantile(1.0 - alpha / 2.0, df) ** 2
-    if not math.isfinite(t2):
-        return None
-    qa = b_mean**2 - t2 * v_bb
-    qb = a_mean * b_mean - t2 * v_ab
-    qc = a_mean**2 - t2 * v_aa
-    if not qa > 0:
-        return None
-    half = math.sqrt(max(qb * qb - qa * qc, 0.0))  # >= 0 when qa > 0: a_mean/b_mean is inside
-    return (qb - half) / qa, (qb + half) / qa
 
 
 def welch_df(se1: float, n1: int, se2: float, n2: int) -> float:
