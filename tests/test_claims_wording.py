@@ -111,15 +111,15 @@ def table_mdds(text: str) -> set[str]:
 
 def quoted_mdds(text: str) -> list[str]:
     """The figures of two or more decimals a text quotes as MDDs: those after "MDD" in the
-    same parenthesis, bracket, table cell or sentence, but p-values, powers and the alpha
-    0.05 (also of 0.05/m)."""
+    same parenthesis, bracket, table cell or sentence, but p-values, powers, the alpha
+    0.05 (also of 0.05/m) and a formula's quantile (t_{0.975, n-1})."""
     flat = re.sub(r"\s+", " ", text)
     return [
         n.group(0)
         for m in MDD_QUOTE.finditer(flat)
         for n in NUMBER.finditer(m.group(0))
         if re.fullmatch(r"\d+\.\d\d+", n.group(0))
-        and not re.search(r"(\bp|power|alpha) $", m.group(0)[: n.start()][-7:])
+        and not re.search(r"(\bp|power|alpha) $|[{_]$", m.group(0)[: n.start()][-7:])
         and n.group(0) != "0.05"
     ]
 
@@ -151,6 +151,7 @@ def test_what_counts_as_an_mdd_quote():
         "19.76",
     ]
     assert quoted_mdds("(MDD 1.1-6.7 points by hand)") == []  # one decimal: not a cell figure
+    assert quoted_mdds("MDD column ((t_{0.975, n-1} + t_{0.8, n-1}) SE)") == []
 
 
 def test_the_files_read_are_the_readers_pages():
