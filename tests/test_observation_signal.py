@@ -150,3 +150,20 @@ def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir, shared_run
     jumps = cells[2 : 2 + len(report.JUMPS)]  # the obs/ metrics were logged; the share of
     assert "n/a" not in jumps and float(jumps[4].split()[0]) > 0, line  # Var(G) may be n/a
     # in smoke (every return 0), and spans per trajectory > 0: the tool answered
+
+
+def test_welch_difference_by_hand():
+    # Unpaired on paired numbers is far less precise: the seeds' shared luck stays in.
+    ref = [0.50, 0.60, 0.40, 0.70, 0.55]
+    row = [0.55, 0.62, 0.48, 0.71, 0.59]  # row - ref: 0.05, 0.02, 0.08, 0.01, 0.04
+    u = report.welch_difference(row, ref)
+    assert u.diff == pytest.approx(0.04) and not u.paired
+    se_row, se_ref = (np.std(x, ddof=1) / math.sqrt(5) for x in (row, ref))
+    assert u.se == pytest.approx(math.hypot(se_row, se_ref))
+    assert u.se > 4 * math.sqrt(0.00075 / 5)  # the paired SE of the same numbers
+    u = report.welch_difference([1.0, 2.0, 3.0], [1.0, 3.0, 5.0, 7.0])
+    # SEs sqrt(1/3) and sqrt(20/3)/2; df = (1/3 + 5/3)^2 / ((1/3)^2 / 2 + (5/3)^2 / 3)
+    assert u.dof == pytest.approx(4 / (1 / 18 + 25 / 27))
+    # (1 + 4)^2 / (1/4 + 16/4) = 25 / 4.25
+    assert report.welch_df(1.0, 5, 2.0, 5) == pytest.approx(25 / 4.25)
+    assert math.isnan(report.welch_df(1.0, 1, 2.0, 5))

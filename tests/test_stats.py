@@ -64,12 +64,6 @@ def test_betainc_by_hand():
         assert S.betainc(2, 7, x) + S.betainc(7, 2, 1 - x) == pytest.approx(1.0, abs=1e-14)
 
 
-def test_welch_df_by_hand():
-    # (1 + 4)^2 / (1/4 + 16/4) = 25 / 4.25
-    assert S.welch_df(1.0, 5, 2.0, 5) == pytest.approx(25 / 4.25)
-    assert math.isnan(S.welch_df(1.0, 1, 2.0, 5))
-
-
 def test_holm_by_hand():
     # sorted: d 0.005 x4 = 0.02; a 0.01 x3 = 0.03; c 0.03 x2 = 0.06; b 0.04 x1 -> max 0.06
     got = S.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005, "e": math.nan})

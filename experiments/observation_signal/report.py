@@ -10,6 +10,7 @@ the last budget."""
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -158,7 +159,7 @@ def jumps_text(grouped, instead: str = "") -> str:
             line.append(compare.fmt_mean_se(list(shares.values()), scale=1.0, digits=3))
             body.append(line)
     first, second = [*grouped, "-", "-"][:2]
-    d = compare.unpaired_difference(
+    d = welch_difference(
         list(share_of.get((first, REFERENCE), {}).values()),
         list(share_of.get((second, REFERENCE), {}).values()),
     )
@@ -181,6 +182,25 @@ def jumps_text(grouped, instead: str = "") -> str:
         f"{instead or compare.fmt_test(d)} (secondary, outside the Holm family).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def welch_df(se1: float, n1: int, se2: float, n2: int) -> float:
+    """Welch-Satterthwaite degrees of freedom of a difference of two independent means
+    with standard errors se1, se2 over n1, n2 values."""
+    if n1 < 2 or n2 < 2:
+        return math.nan
+    num = (se1**2 + se2**2) ** 2
+    den = se1**4 / (n1 - 1) + se2**4 / (n2 - 1)
+    return num / den if den > 0 else math.nan
+
+
+def welch_difference(row: Sequence[float], ref: Sequence[float]) -> compare.Difference:
+    """Unpaired (the tasks' warm starts differ): mean(row) - mean(ref), SE =
+    sqrt(SE_row^2 + SE_ref^2) on Welch's degrees of freedom."""
+    m1, s1, n1 = compare.mean_se(row)
+    m0, s0, n0 = compare.mean_se(ref)
+    df = welch_df(s1, n1, s0, n0)
+    return compare.Difference(m1 - m0, math.sqrt(s1**2 + s0**2), min(n1, n0), False, df)
 
 
 def design_text(diffs: Mapping[str, compare.Difference], spec: sweep.SweepSpec) -> str:

@@ -4,12 +4,11 @@ Every experiment table reports each row as mean ± standard error over seeds and
 difference from the reference row (SAO) with the standard error of that difference.
 Rows of one seed share the SFT warm start, the prompt stream and the held-out prompts
 (sao_jax/sweep), so differences are PAIRED by seed: d_s = row_s - ref_s, and the seed's
-shared luck cancels. Where rows do not share seeds, the unpaired (Welch) form is used.
+shared luck cancels (rows that share no seeds, two tasks' warm starts, get Welch's
+unpaired form: experiments/observation_signal/report.py `welch_difference`).
 
   SE(x)             = std(x, ddof=1) / sqrt(n)
   paired:   diff    = mean_s (row_s - ref_s),   SE = std(d, ddof=1) / sqrt(n),  df = n - 1
-  unpaired: diff    = mean(row) - mean(ref),    SE = sqrt(SE(row)^2 + SE(ref)^2),
-                      df = Welch-Satterthwaite
   t = diff / SE; two-sided p, the 95% interval and the difference detectable with 80%
   power: Student's t on df (sao_jax/report/stats.py)
   the differences of one table are one family: Holm-adjusted p-values (`holm_family`);
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from sao_jax.report import stats
-from sao_jax.report.tables import finite, fmt_spread
+from sao_jax.report.tables import finite
 
 ALPHA = stats.ALPHA  # a difference counts when its (Holm-adjusted) p < ALPHA
 
@@ -45,8 +44,15 @@ def mean_se(values: Sequence[Any]) -> tuple[float, float, int]:
 
 
 def fmt_mean_se(values: Sequence[Any], *, scale: float = 100.0, digits: int = 1) -> str:
-    """'mean ± SE' of scale * values; see `sao_jax.report.tables.fmt_spread`."""
-    return fmt_spread(mean_se(values), len(values), scale=scale, digits=digits)
+    """'mean ± SE' of scale * values: the bare mean for one finite value; 'n/a' if none;
+    '(n=k)' appended when some are missing (not finite)."""
+    mean, se, n = mean_se(values)
+    if n == 0:
+        return "n/a"
+    text = f"{scale * mean:.{digits}f}"
+    if n > 1:
+        text += f" ± {scale * se:.{digits}f}"
+    return text if n == len(values) else f"{text} (n={n})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,24 +92,12 @@ class Difference:
 def paired_difference(row: Mapping[int, Any], ref: Mapping[int, Any]) -> Difference:
     """Over the seeds with a finite value in both: d_s = row_s - ref_s."""
     seeds = sorted(s for s in row if s in ref)
-    d = _finite([row[s] - ref[s] if _ok(row[s]) and _ok(ref[s]) else None for s in seeds])
+    both = [s for s in seeds if finite(row[s]) is not None and finite(ref[s]) is not None]
+    d = _finite([row[s] - ref[s] for s in both])
     if d.size == 0:
         return Difference(math.nan, math.nan, 0, True)
     se = float(np.std(d, ddof=1) / math.sqrt(d.size)) if d.size > 1 else math.nan
     return Difference(float(np.mean(d)), se, int(d.size), True, float(d.size - 1))
-
-
-def unpaired_difference(row: Sequence[Any], ref: Sequence[Any]) -> Difference:
-    """Welch: mean(row) - mean(ref), SE = sqrt(SE_row^2 + SE_ref^2), Welch df."""
-    m1, s1, n1 = mean_se(row)
-    m0, s0, n0 = mean_se(ref)
-    return Difference(
-        m1 - m0, math.sqrt(s1**2 + s0**2), min(n1, n0), False, stats.welch_df(s1, n1, s0, n0)
-    )
-
-
-def _ok(x: Any) -> bool:
-    return not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x)
 
 
 def holm_family(diffs: Mapping[Hashable, Difference]) -> dict[Hashable, float]:

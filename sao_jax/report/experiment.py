@@ -157,21 +157,24 @@ class Experiment:
             return results, wall_s, stop
 
     def header(self, title: str, spec: sweep.SweepSpec, results, wall_s: float) -> str:
-        text = tables.report_header(
-            title,
-            command=self.command,
-            mode=self.mode,
-            seeds=spec.seeds,
-            wall_s=wall_s,
-            points_wall_s=sum(
-                tables.finite((r.summary or {}).get("wall_time_s")) or 0.0 for r in results
-            ),
-            runs=len(results),
-            reused=sum(r.reused for r in results),
-            machine=machine_of(results),
-        )
+        """The top of a table report: how to regenerate it, what it cost, where and from
+        which code its runs came, and whether its tests are read."""
+        runs_s = sum(tables.finite((r.summary or {}).get("wall_time_s")) or 0.0 for r in results)
+        machine = machine_of(results)
+        lines = [
+            f"# {title}",
+            "",
+            f"- command: `{self.command}`",
+            f"- mode: {self.mode}; seeds: {', '.join(map(str, spec.seeds))}",
+            f"- training runs: {len(results)}, of which {sum(r.reused for r in results)} were "
+            "finished by an earlier invocation and reused",
+            f"- wall time of this invocation: {wall_s / 60:.1f} min; the runs' own wall times "
+            f"add up to {runs_s / 60:.1f} min (shared warm starts not included)",
+            *([f"- machine: {machine}"] if machine else []),
+        ]
         return (
-            text
+            "\n".join(lines)
+            + "\n"
             + commit_text(self.commit)
             + self._shared_text(results)
             + self._prereg_text(results)

@@ -116,16 +116,6 @@ def detectable(se: float, df: float, alpha: float = ALPHA, power: float = POWER)
     return (t_quantile(1.0 - alpha / 2.0, df) + t_quantile(power, df)) * se
 
 
-def welch_df(se1: float, n1: int, se2: float, n2: int) -> float:
-    """Welch-Satterthwaite degrees of freedom of a difference of two independent means
-    with standard errors se1, se2 over n1, n2 values."""
-    if n1 < 2 or n2 < 2:
-        return math.nan
-    num = (se1**2 + se2**2) ** 2
-    den = se1**4 / (n1 - 1) + se2**4 / (n2 - 1)
-    return num / den if den > 0 else math.nan
-
-
 def holm(pvalues: Mapping[K, float]) -> dict[K, float]:
     """Holm-adjusted p-values of one family (module docstring); NaN p-values are not
     part of the family and stay NaN."""

@@ -1,5 +1,4 @@
-"""Reading sweep results: finite values, metric series, mean ± spread cells, markdown
-tables, and the top of a table report.
+"""Reading sweep results: finite values, metric series and markdown tables.
 
 Inputs are metric histories (the records of a run's metrics.jsonl: {"step", name: value})
 and summaries (summary.json). Everything here is plain host-side Python and numpy, so
@@ -25,23 +24,6 @@ def finite(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-# --------------------------------------------------------------------------- statistics
-
-
-def fmt_spread(
-    stats: tuple[float, float, int], n_values: int, *, scale: float = 100.0, digits: int = 1
-) -> str:
-    """'mean ± spread' of (mean, spread, n finite) over `n_values` values, scaled: the bare
-    mean for one finite value; 'n/a' if none; '(n=k)' appended when some are missing."""
-    mean, spread, n = stats
-    if n == 0:
-        return "n/a"
-    text = f"{scale * mean:.{digits}f}"
-    if n > 1:
-        text += f" ± {scale * spread:.{digits}f}"
-    return text if n == n_values else f"{text} (n={n})"
-
-
 def series(history: History, name: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps [S], values [S]) of the records holding a finite `name`, by step; the last
     record wins when a step repeats."""
@@ -61,9 +43,6 @@ def value_at(history: History, name: str, step: int) -> float | None:
     return float(values[hit[-1]]) if hit.size else None
 
 
-# --------------------------------------------------------------------------- output
-
-
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub markdown table; cells are str()-ed with '|' escaped."""
     for i, row in enumerate(rows):
@@ -76,32 +55,4 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(map(cell, headers)) + " |"]
     lines.append("|" + "|".join("---" for _ in headers) + "|")
     lines += ["| " + " | ".join(map(cell, r)) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-def report_header(
-    title: str,
-    *,
-    command: str,
-    mode: str,
-    seeds: Sequence[int],
-    wall_s: float,
-    points_wall_s: float,
-    runs: int,
-    reused: int,
-    machine: str = "",
-) -> str:
-    """The top of an experiment's markdown: how to regenerate it and what it cost."""
-    lines = [
-        f"# {title}",
-        "",
-        f"- command: `{command}`",
-        f"- mode: {mode}; seeds: {', '.join(map(str, seeds))}",
-        f"- training runs: {runs}, of which {reused} were finished by an earlier "
-        f"invocation and reused",
-        f"- wall time of this invocation: {wall_s / 60:.1f} min; the runs' own wall times "
-        f"add up to {points_wall_s / 60:.1f} min (shared warm starts not included)",
-    ]
-    if machine:
-        lines.append(f"- machine: {machine}")
     return "\n".join(lines) + "\n"
