@@ -5,7 +5,10 @@ KV space, free ports) on a tiny Qwen3-MoE built here with transformers (no downl
 the shapes vLLM's CPU kernels take (hidden and MoE widths multiples of 32, head_dim 64).
 Checked: token ids in and out (a non-canonical id sequence comes back as given and is
 continued), the recorded log-probs against the JAX model's recomputation on the same
-tokens, a weight publication moving the engine to the new weights, cancel.
+tokens, a weight publication moving the engine to the new weights, cancel; and a run:
+configs/sao.py:smoke,vllm trains three async SAO updates with every rollout from vLLM
+(sampling.backend='vllm' through sao_jax/sampling/backend_factory.py), and the gateway
+(configs/harness.py:smoke on vLLM's shapes) answers a tool call from vLLM's tokens.
 
 Parity bound: vLLM runs bf16 (fp32 MoE is refused on CPU), the JAX reference fp32 on the
 same bf16-rounded weights; bf16 activations carry a relative error of 2^-8 per rounding,
@@ -16,22 +19,34 @@ the publication changes log-probs by far more than that, so a skipped sync fails
 Without the vLLM env the module FAILS naming `make vllm-env` (a skip would check nothing).
 """
 
+import json
 import os
+import pathlib
+import threading
 import time
 
 import jax
 import numpy as np
+import openai
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from sao_jax import train
+from sao_jax.config import load_config
 from sao_jax.models import hf
+from sao_jax.sampling import backend_factory
 from sao_jax.sampling.backend import GenRequest
 from sao_jax.sampling.vllm_config import VllmConfig
+from sao_jax.serve.gateway import GatewayConfig
+from sao_jax.serve.launch import serve
+from sao_jax.text.harness_tokenizer import CALCULATOR_TOOL
+from tests.serve_support import episodes, http
 
 pytestmark = pytest.mark.vllm  # out of the default run (pyproject.toml): pytest -m vllm
 PARITY_TOL = 0.1  # nats, bf16 engine vs fp32 recomputation (module docstring)
-VLLM_PYTHON = os.path.abspath(".vllm-venv/bin/python")
+REPO = pathlib.Path(__file__).resolve().parents[1]
+VLLM_PYTHON = str(REPO / ".vllm-venv/bin/python")
 TINY = dict(
     vocab_size=128,
     hidden_size=64,
@@ -128,3 +143,104 @@ def test_cancel_frees_the_request(served):
     assert result.finish_reason in ("cancelled", "length")
     assert result.finish_reason == "cancelled" and len(result.token_ids) < 100
     assert backend.stats()["active_requests"] == 0
+
+
+def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):
+    """configs/sao.py:smoke,vllm: SFT, value pretraining and three async SAO updates, every
+    rollout from vLLM (one server per rollouts source, restarted on each publication);
+    the staleness cap (1) makes the last update's batch come from published weights."""
+    built, published, taken, backends = [], [], [], []
+    build = backend_factory.build_backend
+
+    def recording_build(kind, **kw):
+        start = time.perf_counter()
+        backend = build(kind, **kw)
+        print(f"vLLM backend {len(built)} started in {time.perf_counter() - start:.1f} s")
+        built.append(kind)
+        backends.append(backend)
+        inner = backend.publish
+
+        def publish(params, version):
+            published.append((len(built), version))
+            inner(params, version)
+
+        backend.publish = publish
+        return backend
+
+    take = train.take_or_stop
+
+    def recording_take(*args):
+        trajs = take(*args)
+        taken.append(trajs)
+        return trajs
+
+    monkeypatch.setattr(backend_factory, "build_backend", recording_build)
+    monkeypatch.setattr(train, "take_or_stop", recording_take)
+    config = load_config(f"{REPO}/configs/sao.py:smoke,vllm")
+    config.sampling.vllm.python = VLLM_PYTHON
+    config.sampling.max_staleness = 1
+    config.train.update(total_steps=3, eval_every=0, checkpoint_every=0)
+    start = time.perf_counter()
+    summary = train.run(config, tmp_path / "w")
+    print(
+        f"run {time.perf_counter() - start:.0f} s; publications {published}, seconds "
+        f"{[round(x, 1) for b in backends for x in b.publish_s]}; stats {summary['counters']}"
+    )
+    assert summary["steps"] == 3 and not summary["interrupted"]
+    assert built == ["vllm", "vllm"]  # value pretraining's source, then the RL loop's
+    rl = [v for engine, v in published if engine == 2]
+    assert rl and rl == sorted(rl) and set(rl) <= {1, 2, 3}
+    assert len(taken) == 3 and all(len(b) == 8 for b in taken)
+    for trajs in taken:
+        for t in trajs:
+            acts = t.versions[t.action_mask]
+            assert np.all(np.diff(acts) >= 0) and acts.max() <= 3
+            assert np.all(np.isfinite(t.rollout_logp)) and np.all(
+                t.rollout_logp[t.action_mask] <= 0
+            )
+    assert min(t.min_version for t in taken[2]) >= 1  # the cap: sampled after a publication
+
+
+def test_the_gateway_serves_vllms_tokens(tmp_path):
+    """configs/harness.py:smoke with sampling.backend='vllm' (serve/launch.py builds the
+    backend through the factory): a chat call is answered and its episode records the
+    engine's token ids, log-probs and version."""
+    config = load_config(f"{REPO}/configs/harness.py:smoke")
+    with config.unlocked():
+        config.model.update(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=64, moe_intermediate_size=32, mlp_only_layers=())  # fmt: skip
+        config.sampling.update(num_slots=2, max_len=512, backend="vllm")
+        config.sampling.vllm.update(python=VLLM_PYTHON, max_num_seqs=2)
+    stop = threading.Event()
+    errors = []
+
+    def run():
+        try:
+            serve(config, tmp_path, GatewayConfig(), stop=stop)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    path = tmp_path / "gateway.json"
+    deadline = time.monotonic() + 300
+    while not path.exists() and not errors and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not errors and path.exists(), errors
+    info = json.loads(path.read_text())
+    _, _, s = http("POST", f"{info['base_url']}/sessions", {"task": 1}, info["api_key"])
+    client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+    r = client.chat.completions.create(
+        model=info["model"], messages=[{"role": "user", "content": "what is 3 + 4?"}],
+        tools=[CALCULATOR_TOOL], max_tokens=3,
+    )  # fmt: skip
+    assert r.usage.completion_tokens >= 1
+    stop.set()
+    thread.join(60)
+    assert not thread.is_alive() and not errors
+    (ep,) = episodes(tmp_path)
+    (seg,) = ep["segments"]
+    acts = [i for i, m in enumerate(seg["action_mask"]) if m]
+    assert len(acts) == r.usage.completion_tokens
+    assert all(seg["versions"][i] == 0 and seg["logprobs"][i] <= 0 for i in acts)
+    assert (tmp_path / "vllm").is_dir()

@@ -16,8 +16,9 @@ its stdin, events on a pipe of their own (vLLM's logs go to `<workdir>/vllm.log`
   models/hf.py's `save_hf_checkpoint` (the one export mapping) to
   `<workdir>/weights/v<version>/`, and the server is restarted on them (vLLM 0.32's
   in-place reload corrupts this CPU model: `publish`'s docstring); requests in flight
-  fail with RequestInterrupted (their streamed tokens stand). A file, not shared
-  memory: one code path with the checkpoint export. `close()` deletes the exports.
+  fail with RequestInterrupted (their streamed tokens stand) and submissions wait for
+  the new server. A file, not shared memory: one code path with the checkpoint export.
+  `close()` deletes the exports.
 * `cancel()` aborts the request in vLLM (its KV blocks are freed) and resolves the future
   with 'cancelled' and the tokens sampled so far.
 Stop strings need a detokenizer and are refused (GenerationError) in this slice.
@@ -128,6 +129,7 @@ class VllmBackend:
         self._live: dict[str, _Live] = {}
         self._restarting = False
         self._ready = threading.Event()
+        self._serving = threading.Event()  # set while a ready server takes requests
         self._version: int | None = None
         self._error: str | None = None
         self._closed = False
@@ -152,7 +154,7 @@ class VllmBackend:
         handle = GenHandle(request, self._request_cancel)
         stop_ids = set(request.stop_ids) | ({self.eos_id} if self.eos_id is not None else set())
         with self._lock:
-            self._check_alive()
+            self._wait_serving()
             handle.uid = f"r{next(self._uids)}"
             self._live[handle.uid] = _Live(handle, on_tokens, sampling)
             self.counters["submitted"] += 1
@@ -167,9 +169,29 @@ class VllmBackend:
             )
         return handle
 
+    def _wait_serving(self) -> None:
+        """Under the lock: returns once a server serves (a publication's restart waited
+        for, up to startup_timeout_s), else GenerationError."""
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while True:
+            self._check_alive()
+            if self._serving.is_set():
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GenerationError(
+                    f"vLLM server not serving after {self.cfg.startup_timeout_s} s (restarting "
+                    f"on new weights); its log: {self._log.name}"
+                )
+            self._lock.release()
+            try:
+                self._serving.wait(left)
+            finally:
+                self._lock.acquire()
+
     def _request_cancel(self, handle: GenHandle) -> None:
-        with self._lock:
-            if not self._closed and self._error is None:
+        with self._lock:  # a restart fails the request anyway
+            if not self._closed and self._error is None and self._serving.is_set():
                 self._send(op="cancel", id=handle.uid)
 
     def publish(self, params: Any, version: int) -> None:
@@ -184,6 +206,8 @@ class VllmBackend:
         with self._lock:
             self._check_alive()
         path = self._export(params, version)
+        with self._lock:  # submissions wait for the new server (_wait_serving)
+            self._serving.clear()
         self._restarting = True
         try:
             self._stop()
@@ -223,6 +247,7 @@ class VllmBackend:
             if self._closed:
                 return
             self._closed = True
+            self._serving.set()  # submissions waiting for a restart hear of the close
         self._stop()
         self._fail_all("the backend is closed")
         self._log.close()
@@ -272,6 +297,7 @@ class VllmBackend:
             error = self._error or f"not ready after {cfg.startup_timeout_s} s"
             self.close()
             raise GenerationError(f"vLLM server: {error}; its log: {self._log.name}")
+        self._serving.set()
 
     def _stop(self) -> None:
         """Ends the server's process group (a shutdown command first, then signals)."""
