@@ -3,10 +3,10 @@
 "not distinguishable" (any case, whole words, across line breaks) may appear in README.md,
 docs/**/*.md and results/**/*.md (the READMEs and the generated tables) only beside a TOST,
 i.e. in a unit of text that also names "TOST" (the two one-sided tests against a margin
-stated before the runs, sao_jax/report/stats.py `tost_paired`). The pre-registrations
-(results/**/PREREGISTRATION*.md) are left out: they are the readings fixed before their
-runs and are never edited after (two name a "powered null" outcome); their folder's
-README says how each result reads now.
+stated before the runs: `tost_paired` in sao_jax/report/stats.py at commit 9f70572). The
+pre-registrations (results/**/PREREGISTRATION*.md) are left out: they are the readings
+fixed before their runs and are never edited after (two name a "powered null" outcome);
+their folder's README says how each result reads now.
 
 A unit is what a reader takes in as one statement: a paragraph (lines up to a blank line),
 one list item (a line starting "- ", "* " or "N. " begins a new one), one table row, one

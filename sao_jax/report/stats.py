@@ -24,8 +24,8 @@ on how the tests depend on each other:
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping, Sequence
-from typing import NamedTuple, TypeVar
+from collections.abc import Hashable, Mapping
+from typing import TypeVar
 
 ALPHA = 0.05  # two-sided level of every test and interval in the tables
 POWER = 0.8  # the power `detectable` is quoted at
@@ -127,53 +127,3 @@ def holm(pvalues: Mapping[K, float]) -> dict[K, float]:
         running = max(running, min(1.0, (m - i) * p))
         out[k] = running
     return out
-
-
-class Tost(NamedTuple):
-    """The two one-sided tests of equivalence (`tost`): each side's p and the larger one."""
-
-    p_lower: float  # H0: true difference <= low, against > low
-    p_upper: float  # H0: true difference >= high, against < high
-    p: float  # max(p_lower, p_upper): equivalence within (low, high) is shown at p < alpha
-
-    def equivalent(self, alpha: float = ALPHA) -> bool:
-        return self.p < alpha
-
-
-def upper_tail(t: float, df: float) -> float:
-    """P(T_df > t), from the two-sided p without the cancellation of 1 - t_cdf(t) for
-    large t; NaN for a NaN t or df <= 0."""
-    half = 0.5 * two_sided_p(t, df)
-    return half if t >= 0 else 1.0 - half
-
-
-def tost(mean: float, se: float, df: float, low: float, high: float) -> Tost:
-    """Schuirmann's two one-sided t tests that the true difference lies in (low, high),
-    a margin stated before the runs (low < high; usually -margin, +margin):
-
-      p_lower = P(T_df > (mean - low) / se)     rejects 'difference <= low'
-      p_upper = P(T_df < (mean - high) / se)    rejects 'difference >= high'
-      p       = max(p_lower, p_upper)
-
-    p < alpha iff the 1 - 2 alpha t interval (90% at alpha 0.05) lies inside (low, high).
-    A "no difference shown" verdict is not this test: with few seeds a wide interval passes
-    the t test of zero and fails this one. NaN p when se is not > 0 or df is not > 0."""
-    if not low < high:
-        raise ValueError(f"tost: the equivalence margin needs low < high, got ({low}, {high})")
-    if not (se > 0 and df > 0):
-        return Tost(math.nan, math.nan, math.nan)
-    p_lower = upper_tail((mean - low) / se, df)
-    p_upper = upper_tail((high - mean) / se, df)
-    return Tost(p_lower, p_upper, max(p_lower, p_upper))
-
-
-def tost_paired(diffs: Sequence[float], low: float, high: float) -> Tost:
-    """`tost` of the per-seed paired differences d_s = row_s - ref_s: mean(d),
-    SE = std(d, ddof=1) / sqrt(n), n - 1 degrees of freedom (NaN p with fewer than 2)."""
-    d = [float(x) for x in diffs]
-    n = len(d)
-    if n < 2:
-        return tost(math.nan, math.nan, math.nan, low, high)
-    mean = sum(d) / n
-    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
-    return tost(mean, se, n - 1, low, high)
