@@ -2,10 +2,12 @@
 budget, each row's paired difference from SAO with what the design can detect, whether
 each row's mechanism fires, the paper's ordering beside ours, plots.
 experiments/ablations/ and experiments/gae_granularity/ write it; the other table
-scripts share its pieces (`fmt_run_means`, `mechanisms_text`, `definitions_text`)."""
+scripts share its pieces (`by_row`, `fmt_run_means`, `mechanisms_text`,
+`definitions_text`)."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -15,7 +17,7 @@ from sao_jax.experiments.ablations import collapse, plots
 
 from sao_jax import sweep
 from sao_jax.report import compare, tables
-from sao_jax.report.experiment import Experiment, by_row, failures
+from sao_jax.report.experiment import Experiment, failures
 
 # Held-out success, pass@1 sampled at temperature 1: the distribution RL trains. Greedy
 # decoding of a converged SFT policy is already near its ceiling here (90-93%).
@@ -46,6 +48,14 @@ LABELS = {
     "step_last": "step-level (last)",
     "cross_observation": "cross-observation GAE",
 }
+
+
+def by_row(results: Sequence[sweep.PointResult]) -> dict[str, list[sweep.PointResult]]:
+    """{row: its runs}, rows in the order of their first run."""
+    out: dict[str, list[sweep.PointResult]] = collections.defaultdict(list)
+    for r in results:
+        out[r.row].append(r)
+    return dict(out)
 
 
 def eval_steps(spec: sweep.SweepSpec) -> list[int]:

@@ -32,7 +32,7 @@ from sao_jax.experiments.baseline_ceiling import levels, share
 
 from sao_jax import sweep
 from sao_jax.report import compare, tables
-from sao_jax.report.experiment import Experiment, by_row, failures
+from sao_jax.report.experiment import Experiment, failures
 
 SAO, MA, MA160, ORACLE = "sao", "moving_average", "moving_average_160", "moving_average_per_level"
 LABELS = {
@@ -107,7 +107,7 @@ def ceiling_report(
     paired difference from SAO with t interval and Holm p; the oracle's gap over each
     global moving average and the share of it SAO recovers; what the design detects;
     whether the mechanisms fire; every run."""
-    rows, last = by_row(results), table.eval_steps(spec)[-1]
+    rows, last = table.by_row(results), table.eval_steps(spec)[-1]
     variants = {row: rs[0].point.variant for row, rs in rows.items()}
     finals = {
         name: {variants[row]: by_seed(rs, score, last) for row, rs in rows.items()}

@@ -33,12 +33,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from sao_jax.configs.online_shift import MAIN_ROWS
 from sao_jax.experiments.ablations import collapse, plots
-from sao_jax.experiments.ablations.report import fmt_run_means, mechanisms_text
+from sao_jax.experiments.ablations.report import by_row, fmt_run_means, mechanisms_text
 
 from sao_jax import sweep
 from sao_jax.envs.user_style import BIN_STEPS, RECOVERY_STEPS, success_bin
 from sao_jax.report import compare, stats, tables
-from sao_jax.report.experiment import Experiment, by_row, failures
+from sao_jax.report.experiment import Experiment, failures
 from sao_jax.run.accounting import ENV_PREFIX
 
 PRIMARY = "success_recovering"

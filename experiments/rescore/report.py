@@ -10,7 +10,7 @@ from sao_jax.experiments.baseline_ceiling.levels import LEVEL, UNIFORM, is_level
 from sao_jax.experiments.gae_granularity import report as gae
 
 from sao_jax.report import compare, tables
-from sao_jax.report.experiment import by_row, machine_of
+from sao_jax.report.experiment import machine_of
 
 TABLES = {  # --table -> (report name, title, the paper's rows)
     "table4": ("ablations", "Table 4", table.PAPER),
@@ -61,7 +61,7 @@ def report(exp, spec, results, rescored, step: int, heldout: int, wall_s: float,
     """Markdown: rows x (rescored sampled on the training mix, raw, greedy, Δ vs SAO with
     t interval and Holm-adjusted p) and the runs' own Δ, for `which` table (TABLES)."""
     _, title, paper = TABLES[which]
-    rows = by_row(results)
+    rows = table.by_row(results)
     paper0 = {k: v[0] for k, v in paper.items()}
     leveled = any(UNIFORM in v for v in rescored.values())
     primary = UNIFORM if leveled else table.METRIC  # the training stream's mix where known

@@ -251,13 +251,6 @@ class Experiment:
         return path
 
 
-def by_row(results: Sequence[sweep.PointResult]) -> dict[str, list[sweep.PointResult]]:
-    out: dict[str, list[sweep.PointResult]] = collections.defaultdict(list)
-    for r in results:
-        out[r.row].append(r)
-    return dict(out)
-
-
 def machine_of(results: Sequence[sweep.PointResult]) -> str:
     """The machine the finished runs recorded ('' if none did); when they ran on several
     (runs added with --add_to in a later session), each one with its count of runs, in
