@@ -8,8 +8,10 @@ scripted backend for what only vLLM does (a publication that interrupts requests
   same rollout log-probs;
 * the async sampler on a backend: trajectories as from its engines, tokens' versions
   follow the publications, rollout log-probs are the policy's (a teacher-forced pass);
+* the synchronous rollouts on a backend: each take on the published version;
 * an interrupted request is asked again from the context it reached: no token lost or
-  repeated, the streamed tokens keep their version; another failure ends the step.
+  repeated, the streamed tokens keep their version; another failure ends the step, and
+  in the async sampler the learner's take (SamplerError naming it).
 """
 
 import concurrent.futures
@@ -34,7 +36,8 @@ from sao_jax.sampling.backend import (
 from sao_jax.sampling.backend_engine import BackendEngine, SharedBackend
 from sao_jax.sampling.backend_native import NativeBackend
 from sao_jax.sampling.engine import Engine, EngineConfig
-from sao_jax.sampling.sampler import AsyncSampler, SamplerConfig
+from sao_jax.sampling.rollouts import SyncRollouts
+from sao_jax.sampling.sampler import AsyncSampler, SamplerConfig, SamplerError
 from tests.sampling_support import MODEL, FakeTokenizer, TurnEnv, prompts
 
 CFG = EngineConfig(num_slots=4, max_len=64, max_turn_tokens=10, temperature=0.0)
@@ -156,6 +159,36 @@ def test_async_sampler_on_a_backend_records_the_policys_logps_and_versions(model
     assert sampler.stats()["generated"] >= 12
 
 
+class _Listed:
+    """A prompt list with the get_state / set_state the synchronous rollouts read."""
+
+    def __init__(self, items):
+        self.items, self.i = items, 0
+
+    def __next__(self):
+        self.i += 1
+        return self.items[self.i - 1]
+
+    def get_state(self):
+        return self.i
+
+    def set_state(self, i):
+        self.i = i
+
+
+def test_sync_rollouts_on_a_backend_take_on_the_published_version(model, native):
+    mdef, params = model
+    source = SyncRollouts(mdef, FakeTokenizer(), TurnEnv, _Listed(prompts(8, seed=3, turns=2)),
+                          CFG, backend=builder(native))  # fmt: skip
+    v = native.version + 1
+    source.publish(params, v)
+    trajs = source.take(4)
+    assert sorted(t.prompt_uid for t in trajs) == ["p0", "p1", "p2", "p3"]  # the next four
+    assert all(set(t.versions) == {v} for t in trajs) and native.version == v
+    assert source.stats()["taken"] == 4
+    source.stop()
+
+
 class _Scripted:
     """A backend that streams `burst` tokens per request at once, then resolves the
     request if that was all it asked for, else leaves it open; `publish` fails the open
@@ -269,3 +302,15 @@ def test_shared_backend_is_built_once_and_published_to_in_order():
     assert built == [0, "closed"] and published == [2]
     with pytest.raises(GenerationError, match="closed"):
         shared.serve(None, 3)
+
+
+def test_a_backend_that_fails_surfaces_in_the_learners_take(model):
+    mdef, _ = model
+    scripted = _Scripted(burst=2, failure=GenerationError)
+    sampler = AsyncSampler(mdef, FakeTokenizer(), TurnEnv, iter(prompts(8, seed=4)),
+                           engine=CFG, backend=lambda p, v: scripted)  # fmt: skip
+    with sampler:
+        sampler.publish({}, 0)
+        sampler.publish({}, 1)  # fails the open requests: the server "died"
+        with pytest.raises(SamplerError, match="GenerationError: .*backend failed"):
+            sampler.take(1, timeout=30)
