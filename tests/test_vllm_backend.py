@@ -36,7 +36,7 @@ from sao_jax import train
 from sao_jax.config import load_config
 from sao_jax.models import hf
 from sao_jax.sampling import backend_factory
-from sao_jax.sampling.backend import GenRequest
+from sao_jax.sampling.backend import GenerationError, GenRequest
 from sao_jax.sampling.vllm_config import VllmConfig
 from sao_jax.serve.gateway import GatewayConfig
 from sao_jax.serve.launch import serve
@@ -143,6 +143,25 @@ def test_cancel_frees_the_request(served):
     assert result.finish_reason in ("cancelled", "length")
     assert result.finish_reason == "cancelled" and len(result.token_ids) < 100
     assert backend.stats()["active_requests"] == 0
+
+
+def test_a_server_that_dies_fails_its_requests_naming_it(served, tmp_path):
+    """The engine killed mid-request: the request and every later call fail with
+    GenerationError naming the exit and the server's log (nothing hangs)."""
+    from sao_jax.sampling.backend_vllm import VllmBackend
+
+    _, cfg, _, params, _ = served
+    cfg_vllm = VllmConfig(python=VLLM_PYTHON, kv_cache_gib=1, max_num_seqs=2)
+    backend = VllmBackend(cfg_vllm, cfg, params, workdir=str(tmp_path), max_len=128)
+    try:
+        handle = backend.submit(GenRequest(PROMPT, max_tokens=100))
+        os.killpg(backend._proc.pid, 9)
+        with pytest.raises(GenerationError, match="exited with code -9"):
+            handle.future.result(timeout=30)
+        with pytest.raises(GenerationError, match=r"exited with code -9; its log: .*vllm\.log"):
+            backend.submit(GenRequest(PROMPT, max_tokens=4))
+    finally:
+        backend.close()
 
 
 def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):

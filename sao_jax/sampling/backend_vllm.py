@@ -50,7 +50,7 @@ from sao_jax.sampling.backend import (
     GenResult,
     RequestInterrupted,
 )
-from sao_jax.sampling.vllm_config import SETUP_HINT, VllmConfig, check_python
+from sao_jax.sampling.vllm_config import VllmConfig, check_python
 
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_server.py")
 
@@ -338,7 +338,7 @@ class VllmBackend:
         if self._closed:
             raise GenerationError("the backend is closed")
         if self._error is not None:
-            raise GenerationError(f"vLLM server failed: {self._error}; {SETUP_HINT}")
+            raise GenerationError(f"vLLM server failed: {self._error}; its log: {self._log.name}")
 
     def _send(self, **command) -> None:
         try:
