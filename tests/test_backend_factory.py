@@ -83,6 +83,7 @@ def test_vllm_runs_build_the_vllm_backend_with_the_runs_settings(policy, tmp_pat
     assert (a["temperature"], a["top_p"]) == (0.7, 0.9)
     assert a["base_config"] == {"eos_token_id": 2, "bos_token_id": 1}
     assert a["workdir"] != b["workdir"] and a["workdir"].startswith(str(tmp_path / "vllm"))
+    assert a["decode"]([5, 6]) == FakeTokenizer().decode([5, 6])  # the run's stop strings
 
 
 @pytest.mark.parametrize(
@@ -109,3 +110,17 @@ def test_an_hf_checkpoints_shapes_are_named_by_its_config_json(tmp_path):
     c = _vllm(init__kind="hf", init__hf_path=str(tmp_path))
     with pytest.raises(ConfigError, match=r"init\.hf_path \(.*config\.json\) field head_dim: 16"):
         config_lib.validate(c)
+
+
+@pytest.mark.parametrize(
+    "before, new, stops, want",
+    [
+        ([], [5, 6, 7], ("c",), 2),  # 'b', 'bc': the token completing it is kept
+        ([5], [6, 7], ("bc",), 1),  # completed across the chunks
+        ([5], [6, 7], ("x", "d"), 2),
+        ([5], [6, 7], ("x",), None),
+    ],
+)
+def test_stop_string_end_is_the_first_token_whose_completion_holds_one(before, new, stops, want):
+    decode = FakeTokenizer().decode  # 4 + i -> chars[i]: 5 'b', 6 'c', 7 'd'
+    assert backend_vllm.stop_string_end(decode, before, new, stops) == want

@@ -81,6 +81,11 @@ def _logp_of(mdef, params, ids):
     return np.asarray([logp[t - 1, ids[t]] for t in range(1, len(ids))])
 
 
+def _letters(ids):
+    """A detokenizer for the tiny model: one letter per id (stop strings' test)."""
+    return "".join(chr(65 + i % 26) for i in ids)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     if not os.access(VLLM_PYTHON, os.X_OK):
@@ -93,7 +98,7 @@ def served(tmp_path_factory):
     cfg_vllm = VllmConfig(python=VLLM_PYTHON, kv_cache_gib=1, max_num_seqs=4)
     workdir = str(tmp_path_factory.mktemp("vllm"))
     start = time.perf_counter()
-    backend = VllmBackend(cfg_vllm, cfg, params, workdir=workdir, max_len=128)
+    backend = VllmBackend(cfg_vllm, cfg, params, workdir=workdir, max_len=128, decode=_letters)
     print(f"vLLM start {time.perf_counter() - start:.1f} s")
     # the reference reads the weights vLLM got (bf16-rounded), in fp32
     _, _, exported = hf.load_hf_policy(os.path.join(workdir, "weights", "v0"))
@@ -142,6 +147,18 @@ def test_cancel_frees_the_request(served):
     result = handle.future.result(timeout=60)
     assert result.finish_reason in ("cancelled", "length")
     assert result.finish_reason == "cancelled" and len(result.token_ids) < 100
+    assert backend.stats()["active_requests"] == 0
+
+
+def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(served):
+    backend = served[0]
+    ref = backend.submit(GenRequest(PROMPT, max_tokens=12, temperature=0.0))
+    tokens = ref.future.result(timeout=60).token_ids
+    stop = _letters([tokens[5]])
+    k = next(j for j, t in enumerate(tokens) if _letters([t]) == stop) + 1
+    req = GenRequest(PROMPT, max_tokens=12, temperature=0.0, stop_strings=(stop,))
+    result = backend.submit(req).future.result(timeout=60)
+    assert result.token_ids == tokens[:k] and result.finish_reason == "stop"
     assert backend.stats()["active_requests"] == 0
 
 

@@ -77,6 +77,7 @@ def build_backend(
             top_p=engine_cfg.top_p,
             seed=seed,
             base_config=base_config,
+            decode=getattr(tokenizer, "decode", None),
         )
     raise ConfigError(f"config field sampling.backend: {kind!r} is not one of native, vllm")
 

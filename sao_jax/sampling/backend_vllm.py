@@ -21,12 +21,16 @@ its stdin, events on a pipe of their own (vLLM's logs go to `<workdir>/vllm.log`
   `close()` deletes the exports.
 * `cancel()` aborts the request in vLLM (its KV blocks are freed) and resolves the future
   with 'cancelled' and the tokens sampled so far.
-Stop strings need a detokenizer and are refused (GenerationError) in this slice.
+* Stop strings: checked here on the streamed ids with the run's tokenizer (`decode`): the
+  request ends with 'stop' at the token whose decoded completion first holds one (kept,
+  as the native backend keeps it), and is aborted in vLLM; without `decode` they are
+  refused (GenerationError).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import math
@@ -74,6 +78,17 @@ class _Live:
         self.versions: list[int] = []
 
 
+def stop_string_end(decode, before: list[int], new: list[int], stops) -> int | None:
+    """How many of the `new` tokens a completion `before + new` keeps when it ends at a
+    stop string: the first k whose decoded `before + new[:k]` holds one of `stops` (the
+    token that completes it kept, as the native engine keeps it); None when none does."""
+    for k in range(1, len(new) + 1):
+        text = decode(before + new[:k])
+        if any(st in text for st in stops):
+            return k
+    return None
+
+
 def sampled_logp(rollout_logp: float, temperature: float, top_p: float) -> float:
     """log q(token) under the law it was sampled with, where it follows from the raw
     log-prob: the same at temperature 1 without truncation, 0 under greedy, else NaN."""
@@ -97,6 +112,8 @@ class VllmBackend:
       eos_id: the turn's end token (a stop id of every request).
       temperature, top_p: the backend's own law (a request without values samples with it).
       base_config: the source checkpoint's config.json (fields the export keeps).
+      decode: the tokenizer's ids -> text, for requests' stop strings (checked here, on
+        the streamed ids: the server has no tokenizer); None refuses them.
     """
 
     def __init__(
@@ -113,8 +130,10 @@ class VllmBackend:
         top_p: float = 1.0,
         seed: int = 0,
         base_config: dict | None = None,
+        decode: Callable[[list[int]], str] | None = None,
     ):
         self._python = check_python(cfg)
+        self._decode = decode  # ids -> text: requests' stop strings (None: refused)
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.max_len = cfg.max_model_len or max_len
@@ -144,8 +163,8 @@ class VllmBackend:
     def submit(
         self, request: GenRequest, on_tokens: Callable[[GenChunk], None] | None = None
     ) -> GenHandle:
-        if request.stop_strings:
-            raise GenerationError("stop_strings: the vLLM backend takes stop ids only")
+        if request.stop_strings and self._decode is None:
+            raise GenerationError("stop_strings: this vLLM backend has no detokenizer")
         if len(request.prompt_ids) >= self.max_len:
             raise GenerationError(
                 f"{len(request.prompt_ids)} prompt tokens leave no room in max_len={self.max_len}"
@@ -376,28 +395,36 @@ class VllmBackend:
         self._fail_all(self._error)
 
     def _on_tokens(self, event: dict) -> None:
+        ids, logp, version = event["token_ids"], event["logp"], event["version"]
+        finish = event["finish"]
         with self._lock:
             live = self._live.get(event["id"])
             if live is None:
                 return
-            if event["finish"] is not None:
+            stops = live.handle.request.stop_strings
+            end = stop_string_end(self._decode, live.ids, ids, stops) if stops else None
+            if end is not None:  # the completion holds a stop string: it ends here
+                ids, logp, finish = ids[:end], logp[:end], "stop"
+                if event["finish"] is None and not self._closed and self._error is None:
+                    with contextlib.suppress(GenerationError):  # a dead server: no matter
+                        self._send(op="cancel", id=event["id"])  # its 'cancelled' ignored
+            if finish is not None:
                 del self._live[event["id"]]
-        ids, logp, version = event["token_ids"], event["logp"], event["version"]
         sampled = [sampled_logp(lp, **live.sampling) for lp in logp]
         live.ids += ids
         live.logp += logp
         live.versions += [version] * len(ids)
         if ids and live.on_tokens is not None:
             live.on_tokens(GenChunk(list(ids), list(logp), sampled, [version] * len(ids)))
-        if event["finish"] is not None:
-            self.counters[event["finish"]] += 1
+        if finish is not None:
+            self.counters[finish] += 1
             live.handle.future.set_result(
                 GenResult(
                     token_ids=live.ids,
                     rollout_logp=live.logp,
                     sampled_logp=[sampled_logp(lp, **live.sampling) for lp in live.logp],
                     versions=live.versions,
-                    finish_reason=event["finish"],
+                    finish_reason=finish,
                     sampling=live.sampling,
                 )
             )
