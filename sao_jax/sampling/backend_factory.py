@@ -25,6 +25,7 @@ import json
 import os
 from typing import Any
 
+import jax
 from flax import nnx
 
 from sao_jax.parallel.partition import ModelDef, Params
@@ -100,10 +101,16 @@ def backend_builder(
 ) -> BackendBuilder:
     """`(params, version) -> backend` of the run config's `sampling.backend`."""
     sampling = config.sampling
+    kind = sampling.get("backend", "native")
+    if kind == "vllm" and jax.process_count() > 1:  # the export writes on process 0 only
+        raise ConfigError(
+            f"config field sampling.backend: 'vllm' runs in one process for now; this run "
+            f"has {jax.process_count()}"
+        )
     engine_cfg, _ = configs_from_section(sampling, seed)
     return functools.partial(
         _build_at,
-        sampling.get("backend", "native"),
+        kind,
         mdef=mdef,
         tokenizer=tokenizer,
         engine_cfg=engine_cfg,
