@@ -241,7 +241,8 @@ class BackendEngine(Engine):
 
     def _walk(self, s: int) -> tuple[Any, int]:
         """Slot s through the tokens that arrived; returns (TURN_ENDED, a finished
-        trajectory or None, tokens kept). The engine's `_advance`, for streamed tokens."""
+        trajectory, or None while the turn goes on; tokens kept). The engine's
+        `_advance`, for streamed tokens."""
         sl, turn = self._slots[s], self._turns[s]
         records, error, ended = turn.take()
         kept = 0
