@@ -143,7 +143,7 @@ MODES = ("smoke", "quick", "full")
 # are cheap next to RL steps, so the full mode evaluates 512 (binomial SE of one run's
 # score ~2 points instead of ~4 at 128), and the differences are paired by seed.
 BUDGETS = {
-    "smoke": dict(seeds=(0,), steps=2, eval_every=2, eval_size=8),
+    "smoke": dict(seeds=(0,), steps=2, eval_every=2, eval_size=8, report=False),
     "quick": dict(seeds=(0,), steps=40, eval_every=20, eval_size=256),
     "full": dict(seeds=(0, 1, 2, 3, 4), steps=60, eval_every=30, eval_size=512),
 }
@@ -216,14 +216,19 @@ def staleness_level(s: int, batch: int) -> dict[str, Any]:
 
 def budget_overrides(budget: dict[str, Any]) -> dict[str, Any]:
     """The overrides every point of a sweep shares for a `BUDGETS` entry: RL steps, the
-    eval cadence (checkpoints at each eval), held-out prompts, no progress bar."""
-    return {
+    eval cadence (checkpoints at each eval), held-out prompts, no progress bar; in smoke
+    mode (`report=False`) no per-run report either (its plots are ~3 s of a ~15 s run; the
+    table reads metrics and summaries)."""
+    out = {
         "train.total_steps": budget["steps"],
         "train.eval_every": budget["eval_every"],
         "train.checkpoint_every": budget["eval_every"],
         "env.eval_size": budget["eval_size"],
         "train.progress": False,
     }
+    if not budget.get("report", True):
+        out["train.report"] = False
+    return out
 
 
 def _batch(mode: str) -> int:

@@ -40,7 +40,7 @@ MODES = ("smoke", "quick", "full")
 # Full: 5 seeds x 2 tasks x (a warm start + 2 runs of 60 steps); quick: one seed, 30
 # steps, one evaluation (docs/experiments.md, "Budgets", has the measured costs).
 BUDGETS = {
-    "smoke": dict(seeds=(0,), steps=2, eval_every=2, eval_size=8),
+    "smoke": dict(seeds=(0,), steps=2, eval_every=2, eval_size=8, report=False),
     "quick": dict(seeds=(0,), steps=30, eval_every=30, eval_size=256),
     "full": dict(seeds=(0, 1, 2, 3, 4), steps=60, eval_every=30, eval_size=512),
 }

@@ -148,7 +148,7 @@ USER_BUDGETS = {
     "smoke": dict(
         seeds=(0,), tracking_seeds=(0,), brace_seeds=(0,), steps=4, first=1, stagger=1,
         period=2, users=2, rows=("sao", "moving_average", "ceiling"),
-        tracking_rows=("sao", "track_lr_k"),
+        tracking_rows=("sao", "track_lr_k"), report=False,
     ),
     "quick": dict(  # one seed: a look, not a test; the ceiling (its own value pretraining,
         # the longest run) starts beside SAO, so the whole fits 20 minutes
@@ -244,6 +244,7 @@ def get_sweep(arg=None) -> SweepSpec:
             "env.params.switch_steps": schedule(arg.mode),
             "train.progress": False,
             OFFSETS_FIELD: OFFSET_SETS[arg.offsets][: b["users"]],
+            **({} if b.get("report", True) else {"train.report": False}),  # smoke: no plots
         },
         common_arg="smoke" if arg.mode == "smoke" else "",
     )

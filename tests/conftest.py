@@ -12,14 +12,16 @@ tolerances (tests/closeness.py) do not assume one emitter's summation order.
 Subprocesses the tests start inherit these flags through the environment.
 
 Tests that start `python -m experiments.train` (or a sweep of them) on the same small
-configs repeat compiles that are about 60% of a smoke run's CPU time. `jax_cache_dir` is
-one cache directory under this session's pytest temporary root (shared by the xdist
-workers, new with every session, so every run starts cold; JAX writes an entry only if
-it is absent and treats an unreadable one as a miss) for the tests that repeat programs
-across processes to opt into (tests/train_support.py: `persistent_compilation_cache`,
-`cache_env_vars`). A hit loads the executable XLA compiled before, so no result changes;
-a process whose programs are its own would only pay for the writes, so it is not opted
-in.
+configs repeat compiles that are about 60% of a smoke run's CPU time, and in-process tests
+of different modules build the same tiny programs again (a fresh `jax.jit` of the same
+function on the same shapes misses JAX's in-memory cache). `jax_cache_dir` is one cache
+directory under this session's pytest temporary root (shared by the xdist workers, new
+with every session, so every run starts cold; JAX writes an entry only if it is absent
+and treats an unreadable one as a miss): every in-process test compiles through it
+(`_in_process_compilation_cache`), and the tests that start processes pass it on
+(tests/train_support.py: `persistent_compilation_cache`, `cache_env_vars`). A hit loads
+the executable XLA compiled before, so no result changes (its HLO text, memory and cost
+analyses are the compiled program's).
 """
 
 import os
@@ -52,6 +54,17 @@ def jax_cache_dir(tmp_path_factory) -> pathlib.Path:
     cache = _session_root(tmp_path_factory) / "jax_cache"
     cache.mkdir(parents=True, exist_ok=True)
     return cache
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _in_process_compilation_cache(jax_cache_dir):
+    """Every test's in-process programs go through the session's cache too: many modules
+    compile the same tiny programs (a fresh jit of the same function on the same shapes
+    misses JAX's in-memory cache but hits this one)."""
+    from tests import train_support as ts
+
+    with ts.persistent_compilation_cache(jax_cache_dir):
+        yield
 
 
 @pytest.fixture(scope="session")
