@@ -8,7 +8,7 @@ from configs import base
 from sao_jax import config as config_lib
 from sao_jax.metrics import pair_means as reduce_metrics
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.factory import init_models
+from sao_jax.models.factory import critic_def, init_models, policy_def
 from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.parallel.partition import path_str, tree_bytes
 from sao_jax.rl import passes as P
@@ -108,8 +108,11 @@ def test_update_trains_policy_and_critic_but_not_frozen_attention(default):
 
 
 def _learner(config):
-    models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
-    return Learner(config.rl, config.optim, models.policy_def, models.critic_def, Sharder()), models
+    """A Learner from the models' shapes alone: nothing initialised, nothing compiled (its
+    optimizers, frozen labels, abstract state and batch checks are all built here)."""
+    cfg = ModelConfig.from_config(config.model)
+    pdef, cdef = policy_def(cfg, Sharder()), critic_def(cfg, Sharder())
+    return Learner(config.rl, config.optim, pdef, cdef, Sharder())
 
 
 def _critic_config(**critic):
@@ -122,10 +125,10 @@ def _critic_config(**critic):
 @pytest.mark.parametrize("trainable", ["moe", "all_but_attention"])
 def test_frozen_leaves_get_no_moments(trainable):
     config = _critic_config(trainable=trainable)
-    frozen, models = _learner(config)
-    full, _ = _learner(_critic_config(freeze_attention=False))
+    frozen = _learner(config)
+    full = _learner(_critic_config(freeze_attention=False))
     assert full.critic_frozen is None  # no frozen attention: everything trains
-    critic = models.critic_def.shapes()
+    critic = frozen.critic_def.shapes()
     pairs = zip(jax.tree.leaves(critic), jax.tree.leaves(frozen.critic_frozen), strict=True)
     frozen_size = sum(x.size * x.dtype.itemsize for x, lab in pairs if lab == "frozen")
     # Abstract states (jax.eval_shape): the bytes an allocation would take, nothing compiled.
@@ -138,8 +141,7 @@ def test_frozen_leaves_get_no_moments(trainable):
 def test_default_trainable_set_is_moe_router_and_value_head():
     """The seed's frozen-attention critic: MoE (and dense-MLP) projections, router and value
     head train; attention, the embedding and every RMSNorm scale do not."""
-    _, models = _learner(_config())
-    critic = models.critic_def.shapes()
+    critic = _learner(_config()).critic_def.shapes()
     labels = critic_frozen_labels(critic, _config().optim.critic)
     paths = {path_str(p): lab for p, lab in jax.tree_util.tree_leaves_with_path(labels)}
     train = {p for p, lab in paths.items() if lab == "train"}
@@ -162,8 +164,8 @@ def test_empty_frozen_set_is_an_error():
     c.optim.critic.frozen_patterns = (r"no_such_module",)
     c.rl.batch_size = B
     config = config_lib.validate(c)
-    with pytest.raises(ConfigError, match="frozen_patterns"):
-        _setup(config)
+    with pytest.raises(ConfigError, match="frozen_patterns"):  # at construction: no compile
+        _learner(config)
     c2 = base.get_config()
     c2.optim.critic.frozen_patterns = ()
     with pytest.raises(ConfigError, match="frozen_patterns"):
@@ -223,7 +225,6 @@ def test_nonfinite_guard_skips_and_aborts(default):
             moving_average_keys=3,
             baseline_key="level",
         ),  # keyed: one window per key; the global one is a K = 1
-        dict(lam_mode="fixed", whiten_advantages=True, value_clip=0.2),
     ],
     ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()),
 )
@@ -247,7 +248,7 @@ def test_variants_run(rl):
 
 
 def test_bad_inputs_named():
-    learner, _ = _learner(_config(advantage="grpo"))  # nothing compiled
+    learner = _learner(_config(advantage="grpo"))  # nothing compiled
     with pytest.raises(ConfigError, match="group_ids"):
         learner.check_batch(_batch())
     bad = _batch()
@@ -287,14 +288,12 @@ def reference(default):
     return jax.tree.map(np.asarray, state)
 
 
-def test_microbatched_equals_full_batch(reference, start):
-    micro, _ = _three_steps(_config(aux=0.0, microbatches=4))
-    assert_steps_close(micro, reference, start)
-
-
-@pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 1, 8, 1)], ids=str)
-def test_sharded_equals_unsharded(reference, start, shape):
-    got, _ = _three_steps(_config(aux=0.0), Sharder(build_mesh(shape)))
+def test_sharded_equals_unsharded(reference, start):
+    """Batch and experts over 8 devices (one expert each). Data x fsdp x expert (2, 2, 2)
+    with 4 microbatches of 2 rows: test_brace_sharded_and_microbatched_equal_unsharded,
+    the default learner with BRACE's critic targets (the lambda = 1 returns plus a
+    correction), so this program's paths and more."""
+    got, _ = _three_steps(_config(aux=0.0), Sharder(build_mesh((1, 1, 8, 1))))
     assert_steps_close(got, reference, start)
 
 
@@ -346,14 +345,13 @@ def _logp(learner, policy, batch):
     return np.where(batch["action_mask"], np.asarray(out), 0.0).astype(np.float32)
 
 
-def test_ppo_clip_binds_with_minibatch_steps_on_stale_data():
+def test_ppo_clip_binds_with_minibatch_steps_on_stale_data(ppo_reference):
     """pi_old = the behaviour log-probs: on data sampled 3 versions ago the ratio is off 1
     and the clip binds; several minibatch steps make it bind even on fresh data. (Before
-    this, pi_old was the policy at the step's start and one step was taken: exactly 0.)"""
-    config = _config(aux=0.0, policy_loss="ppo_clip", ppo_epochs=2, minibatches=4)
-    config.unlock()
-    config.optim.policy.lr = 1e-2
-    learner, state = _setup(config)
+    this, pi_old was the policy at the step's start and one step was taken: exactly 0.)
+    The PPO loop's reference learner (compiled once): 2 epochs x 2 minibatches, lr 1e-2."""
+    learner, new_state, _ = ppo_reference
+    state = new_state()
     start = jax.tree.map(np.asarray, state.policy)
     state, _ = _steps(learner, state, 3)  # the learner moves on: version 3
     clip = {}
@@ -368,7 +366,7 @@ def test_ppo_clip_binds_with_minibatch_steps_on_stale_data():
         assert (
             0 <= m["policy/ppo_clip_low"] + m["policy/ppo_clip_high"] == pytest.approx(clip[name])
         )
-    print(f"2 epochs x 4 minibatches: clip fraction {clip}")
+    print(f"2 epochs x 2 minibatches: clip fraction {clip}")
     assert clip["stale"] > 0.05 and clip["fresh"] > 0.0
 
 
@@ -382,24 +380,39 @@ def test_minibatch_indices_are_per_epoch_permutations():
 
 @pytest.fixture(scope="module")
 def ppo_reference():
-    """Three updates of the PPO loop (icepop, 2 epochs x 2 minibatches), unsharded, whole
-    minibatches."""
-    return _three_steps(_ppo_config())
+    """The PPO loop's learner (ppo_clip, 2 epochs x 2 minibatches, policy lr 1e-2: large
+    enough that the clip binds on fresh data), unsharded, whole minibatches, compiled once:
+    (learner, new state, three updates' (final state, last metrics)). The icepop loss:
+    test_variants_run."""
+    config = _ppo_config()
+    models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
+    learner = Learner(config.rl, config.optim, models.policy_def, models.critic_def, Sharder())
+    new_state = lambda: learner.new_state(models.policy, models.critic, seed=0)
+    state, metrics = _steps(learner, new_state(), 3, max_lag=1)
+    return learner, new_state, (jax.tree.map(np.asarray, state), reduce_metrics(metrics))
 
 
 def _ppo_config(**rl):
-    return _config(aux=0.0, policy_loss="icepop", ppo_epochs=2, minibatches=2, **rl)
+    config = _config(
+        aux=0.0, policy_loss="ppo_clip", ppo_epochs=2, minibatches=2,
+        lam_mode="fixed", whiten_advantages=True, value_clip=0.2, **rl,
+    )  # fmt: skip
+    config.unlock()
+    config.optim.policy.lr = 1e-2
+    return config
 
 
 def test_ppo_loop_microbatched_equals_full_batch(ppo_reference, start):
-    ref, ref_metrics = ppo_reference
+    _, _, (ref, ref_metrics) = ppo_reference
+    assert int(ref.step) == 3 and int(ref.skipped_steps) == 0  # fixed lambda, whitened,
+    assert np.isfinite(ref_metrics["critic/value_loss"])  # clipped values: finite, no skip
     micro, metrics = _three_steps(_ppo_config(microbatches=2))
     assert_steps_close(micro, ref, start)
     assert metrics["policy/keep_rate"] == pytest.approx(ref_metrics["policy/keep_rate"])
 
 
 def test_ppo_loop_sharded_equals_unsharded(ppo_reference, start):
-    ref, _ = ppo_reference
+    _, _, (ref, _) = ppo_reference
     # batch over data x expert (4 shards: one row of each minibatch per shard), tensor 2
     got, _ = _three_steps(_ppo_config(), Sharder(build_mesh((2, 1, 2, 2))))
     assert_steps_close(got, ref, start)
@@ -445,11 +458,13 @@ def test_brace_update_runs_finite_without_retrace(brace, brace_reference):
 
 @pytest.mark.parametrize("variant", ["sharded", "microbatched"])
 def test_brace_sharded_and_microbatched_equal_unsharded(brace_reference, start, variant):
+    """Also the default learner's sharded (data x fsdp x expert) and microbatched (4 of 2
+    rows) checks: BRACE's targets are the lambda = 1 returns plus a correction."""
     ref, ref_m = brace_reference
     if variant == "sharded":
         learner, state = _setup(_brace_config(), Sharder(build_mesh((2, 2, 2, 1))))
     else:
-        learner, state = _setup(_brace_config(microbatches=2))
+        learner, state = _setup(_brace_config(microbatches=4))
     state, metrics = _steps(learner, state, 3, max_lag=4)
     assert_steps_close(jax.tree.map(np.asarray, state), ref, start)
     m = reduce_metrics(metrics)
