@@ -75,7 +75,11 @@ def test_online_shift_tables_and_their_runs_files(tmp_path, jax_cache_dir, share
     text = _check_report(
         out, "online_shift_main", ["SAO", ma, "ceiling: critic sees the current target"]
     )
-    for section in ("## The pre-registered family", "## The moving average's window"):
+    # no preregistration.json in `out`: a pilot, whose family is not tested
+    for section in (
+        "## The main table's family (pilot: not a test)",
+        "## The moving average's window",
+    ):
         assert section in text
     assert "## Recovery curves" in text and "## Do the mechanisms fire?" in text
     assert "- adds to the runs of `python -m experiments.online_shift --mode=smoke" in text

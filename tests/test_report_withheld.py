@@ -107,3 +107,49 @@ def test_unread_tables_print_their_status_in_every_test_cell(name, state, tmp_pa
     assert f"**{state}**" in text  # the header says it
     assert text.count(f"| {state} |") >= 2  # and the test cells do
     assert not TEST_TEXT.search(text), TEST_TEXT.search(text)
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under `heading` up to the next heading of its level."""
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start : end if end >= 0 else len(text)]
+
+
+def _replay_shift(folder: str, offsets: str) -> str:
+    """The online shift's main table written again in-process from the committed runs file
+    in results/<folder>/ (its own pre-registration, or none: a pilot)."""
+    sweep_of = lambda mode: shift_cfg.get_sweep(f"table=main,offsets={offsets},mode={mode}")
+    runs = ROOT / "results" / folder / f"online_shift_main{audit.RUNS_SUFFIX}"
+    base = Experiment(out_dir=None)
+    return replay("online_shift_main", sweep_of, online_shift.main_report, str(runs), base)[1]
+
+
+@pytest.fixture
+def _no_writes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the replays' plots go to tmp_path/results/quick/plots
+
+
+def test_online_shift_tables_head_each_family_as_what_it_is(_no_writes):
+    """A pilot's family is not 'the pre-registered family'; the offsets design's main table
+    reads its secondary family from its pre-registration (one test, none missing: no
+    'Incomplete' note); a table made under the secondary family's pre-registration prints
+    the main table's family as descriptive, with no test, verdict or Holm rule."""
+    pilot = _replay_shift("online_shift/pilot", shift_cfg.DEFAULT_OFFSETS)
+    assert f"## The main table's family ({PILOT})\n" in pilot
+    assert "pre-registered family" not in pilot and "Incomplete:" not in pilot
+    assert "counts at Holm" not in pilot and not TEST_TEXT.search(pilot)
+
+    main = _replay_shift("online_shift_offsets", "spread")
+    assert "## The pre-registered family\n" in main and "Incomplete:" not in main
+    assert TEST_TEXT.search(_section(main, "## Every other row against SAO"))  # read
+
+    second = _replay_shift("online_shift_offsets/secondary", "spread")
+    desc = _section(second, "## SAO - the moving average (the main table's family")
+    d = online_shift.DESCRIPTIVE
+    assert f"| {d} | {d} |" in desc  # its test and verdict cells
+    assert not TEST_TEXT.search(desc) and "counts at Holm" not in desc
+    ma = next(ln for ln in second.splitlines() if ln.startswith("| moving average, 128"))
+    assert f"| {d} |" in ma  # the table of every row says so too
+    family = _section(second, "## The pre-registered family (")
+    assert TEST_TEXT.search(family) and "counts at Holm p < 0.05" in family

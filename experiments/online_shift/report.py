@@ -38,12 +38,14 @@ from sao_jax.experiments.ablations.report import by_row, fmt_run_means, mechanis
 from sao_jax import sweep
 from sao_jax.envs.user_style import BIN_STEPS, RECOVERY_STEPS, success_bin
 from sao_jax.report import compare, stats, tables
-from sao_jax.report.experiment import Experiment, failures
+from sao_jax.report.experiment import INCOMPLETE, PILOT, Experiment, failures
 from sao_jax.run.accounting import ENV_PREFIX
 
 PRIMARY = "success_recovering"
 PAPER_ROW = "moving_average"  # R - mean of the last 128 rewards: the paper's baseline
 PRIMARY_FAMILY = (("sao", PAPER_ROW), ("ceiling", PAPER_ROW), ("ceiling", "sao"))
+# the primary family's cells in a table made under the secondary family's pre-registration
+DESCRIPTIVE = "descriptive: not a test of this pre-registration"
 LABELS = {
     "sao": "SAO",
     "moving_average": "moving average, 128 rewards (the paper's)",
@@ -213,6 +215,8 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
     sdiffs = family(primary, [(v, "sao") for v in secondary_rows(variants)])
     sholm = compare.holm_family(sdiffs)
     instead = exp.withheld(results)  # a pilot's or an incomplete table's: no test read
+    secondary_prereg = (exp.prereg or {}).get("tests") == "secondary"
+    unread = DESCRIPTIVE if secondary_prereg else instead  # the primary family's cells
     headers = [
         "row",
         "runs",
@@ -242,7 +246,7 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
             # a primary-family pair, shown as row - SAO with the primary family's Holm p
             d = compare.paired_difference(primary[v], primary["sao"])
             p = holm[key] if key in diffs else holm[key[::-1]]
-            line += [compare.fmt_difference(d), instead or compare.fmt_test(d, p)]
+            line += [compare.fmt_difference(d), unread or compare.fmt_test(d, p)]
         else:
             line += ["n/a", "-"]
         after = [((r.summary or {}).get("after") or {}).get("eval/sampled_success") for r in rs]
@@ -252,18 +256,11 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
     text += "\n" + tables.markdown_table(headers, body) + "\n"
     params = _env_params(results)
     text += _definitions(spec, params.get("recovery_steps", RECOVERY_STEPS)) + compare.MDD_NOTE
-    secondary_prereg = (exp.prereg or {}).get("tests") == "secondary"
-    if secondary_prereg:  # made under the pre-registration of the secondary family
-        text += (
-            "\n## SAO - the moving average (the main table's family: descriptive here, not "
-            "a test of this table's pre-registration)\n\n"
-        )
-    else:
-        text += "\n## The pre-registered family\n\n"
-    text += _family_table(diffs, holm, "primary", instead)
-    if instead:
-        text += f"\n- {instead}: the verdict is not given.\n"
-    elif not secondary_prereg:
+    text += _primary_heading(secondary_prereg, instead)
+    text += _family_table(diffs, holm, "primary", unread)
+    if unread == INCOMPLETE:  # a pilot's or a descriptive family's note says it already
+        text += f"\n- {unread}: the verdict is not given.\n"
+    elif not unread:
         text += "\n- " + _read_when_complete(variants) + verdict_text(diffs, holm) + "\n"
     if sdiffs:
         text += (
@@ -273,7 +270,7 @@ def main_report(exp: Experiment, spec: sweep.SweepSpec, results, wall_s: float) 
             else "\n## Every other row against SAO (secondary family)\n\n"
         )
         text += _family_table(sdiffs, sholm, "secondary", instead)
-        text += ("" if secondary_prereg else _incomplete_text(sdiffs)) + "\n"
+        text += _incomplete_text(sdiffs, exp, instead) + "\n"
     text += _window_text(exp, variants, primary)
     bin_steps = params.get("bin_steps", BIN_STEPS)
     text += _curve_text(exp, variants, spec.fixed["train.total_steps"], bin_steps)
@@ -305,10 +302,29 @@ def secondary_rows(variants: Sequence[str]) -> list[str]:
     return [v for v in variants if v != "sao" and {v, "sao"} not in primary]
 
 
-def _incomplete_text(sdiffs) -> str:
-    """A note when fewer rows ran than the pre-registered secondary family has
-    (configs/online_shift.py MAIN_ROWS): its Holm adjustment is then provisional."""
-    family = secondary_rows(MAIN_ROWS)
+def _primary_heading(secondary_prereg: bool, instead: str) -> str:
+    """The primary family's section heading: the pre-registered family of a table read
+    under the main table's pre-registration; the main table's family, not tested, in a
+    pilot's table or one made under the secondary family's pre-registration."""
+    if secondary_prereg:
+        return (
+            "\n## SAO - the moving average (the main table's family: descriptive here, not "
+            "a test of this table's pre-registration)\n\n"
+        )
+    if instead == PILOT:
+        return f"\n## The main table's family ({PILOT})\n\n"
+    return "\n## The pre-registered family\n\n"
+
+
+def _incomplete_text(sdiffs, exp: Experiment, instead: str) -> str:
+    """A note when fewer rows ran than the pre-registered secondary family has: the
+    secondary rows of the table's pre-registration (`exp.prereg['rows']`), or, where no
+    pre-registration was looked for, the first design's (configs/online_shift.py
+    MAIN_ROWS); its Holm adjustment is then provisional. None in a pilot's table (no
+    family is pre-registered for it, no test read)."""
+    if instead == PILOT:
+        return ""
+    family = secondary_rows(exp.prereg["rows"] if exp.prereg else MAIN_ROWS)
     ran = [a for a, _ in sdiffs]
     missing = [v for v in family if v not in ran]
     if not missing or not set(ran) <= set(family):
@@ -322,7 +338,9 @@ def _incomplete_text(sdiffs) -> str:
 
 def _family_table(diffs, holm, name: str, instead: str = "") -> str:
     """The family's differences with their tests and verdicts; `instead` (a pilot's or an
-    incomplete table's reading, Experiment.reading) in place of each test and verdict."""
+    incomplete table's reading, Experiment.reading, or DESCRIPTIVE) in place of each test
+    and verdict. The note under it says how the family is tested: Holm's rule for a
+    pre-registered family (read or not yet), none for a pilot's or a descriptive one."""
     headers = ["difference (paired by seed)", "points ± SE [95% t interval]", "test", "verdict"]
     body = [
         [
@@ -334,8 +352,12 @@ def _family_table(diffs, holm, name: str, instead: str = "") -> str:
         ]
         for (a, b), d in diffs.items()
     ]
+    table = tables.markdown_table([*headers, compare.MDD_HEADER], body)
+    if instead in (PILOT, DESCRIPTIVE):
+        what = "difference" if len(diffs) == 1 else f"{len(diffs)} differences"
+        return table + f"\n- The {name} family's {what}, not tested here ({instead}): no verdict.\n"
     return (
-        tables.markdown_table([*headers, compare.MDD_HEADER], body)
+        table
         + f"\n- The {name} family: "
         + (
             f"these {len(diffs)} differences of recovering success, Holm-adjusted together"
