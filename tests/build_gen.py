@@ -37,6 +37,13 @@ DATA_GLOBS = {
         "results/**/preregistration.json",
     ],
     "tests/test_build.py": [*SOURCE_GLOBS, "BUILD", "requirements*.txt"],
+    # the pages it reads (the front page it names by path), the runs files whose tables
+    # must be among them
+    "tests/test_claims_wording.py": [
+        "docs/**/*.md",
+        "results/**/*.md",
+        "results/**/*_runs.jsonl",
+    ],
     "tests/test_config.py": SOURCE_GLOBS,
     "tests/test_import_graph.py": SOURCE_GLOBS,
 }
