@@ -79,6 +79,16 @@ def pytest_collection_modifyitems(config, items):
     """Modules holding a `slow` test run first, the others after, each group in its usual
     order. Under the Makefile's `--dist loadscope` each module goes whole to one xdist
     worker (its module fixtures built once), and the long modules starting first leaves
-    short ones, not a long one, for the end of the run."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+    short ones, not a long one, for the end of the run.
+
+    Among the slow modules, the first that uses the shared smoke runs (`shared_runs_dir`)
+    leads and the others that use them come after every other slow module: the first
+    builds the pool while the other worker runs modules that never wait for its lock."""
+    by_path: dict = {}  # module path -> its items, in collection order
+    for item in items:
+        by_path.setdefault(item.path, []).append(item)
+    slow = [p for p, its in by_path.items() if any(i.get_closest_marker("slow") for i in its)]
+    pool = [p for p in slow if any("shared_runs_dir" in i.fixturenames for i in by_path[p])]
+    order = pool[:1] + [p for p in slow if p not in pool] + pool[1:]
+    rank = {p: i for i, p in enumerate(order)}
+    items.sort(key=lambda item: rank.get(item.path, len(order)))
