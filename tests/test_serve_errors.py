@@ -2,6 +2,7 @@
 stops the client's retries (all 4xx but 429), the `openai` client's exception class, and
 that retries add nothing to the episode. Over a scripted backend (tests/serve_support.py)."""
 
+import dataclasses
 import json
 import time
 
@@ -145,6 +146,30 @@ def test_raw_statuses_and_bodies(gw):
         backend.busy = False
     _check(status, headers, out, 429)
     assert headers["Retry-After"] == "1"
+
+
+def test_ended_sessions_are_retired_and_the_oldest_forgotten(gw):
+    """An ended session leaves the live ones (the gateway keeps its id and key only): its
+    key still gets 409, another key 401; past `ended_kept` the oldest gets 404."""
+    server, gateway, _, _ = gw
+    saved = gateway.cfg
+    gateway.cfg = dataclasses.replace(saved, ended_kept=2)
+    try:
+        ended = [_session(server, gateway) for _ in range(3)]
+        for s in ended:
+            http("POST", f"{server.url}/v1/sessions/{s['id']}/end", None, gateway.admin_key)
+            assert s["id"] not in gateway.sessions
+        url = f"{ended[-1]['base_url']}/chat/completions"
+        body = {"model": MODEL, "messages": USER}
+        _check(*http("POST", url, body, key=ended[-1]["api_key"]), 409, param="session")
+        _check(*http("POST", url, body, key=ended[0]["api_key"]), 401, code="invalid_api_key")
+        end = f"{server.url}/v1/sessions/{ended[-1]['id']}/end"
+        _check(*http("POST", end, None, gateway.admin_key), 409, param="session")
+        first = f"{ended[0]['base_url']}/chat/completions"  # the oldest: forgotten
+        _check(*http("POST", first, body, key=ended[0]["api_key"]), 404, param="session")
+        assert list(gateway.ended) == [ended[1]["id"], ended[2]["id"]]
+    finally:
+        gateway.cfg = saved
 
 
 def test_retries_add_nothing(gw):

@@ -211,7 +211,7 @@ class Routes:
                 self.g.count("retries")
                 s.count("retries")
                 return await self._replay(request, prev)
-        async with self.g.locks[s.id]:
+        async with s.lock:
             if s.ended:
                 raise ApiError(409, f"session {s.id!r} has ended", param="session", code="ended")
             record = CallRecord(raw)

@@ -23,6 +23,7 @@ refused with a 400 under `strict_sampling`; each episode records the law of ever
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -38,7 +39,7 @@ from sao_jax.serve.protocol import ChatRequest, CompletionRequest
 from sao_jax.serve.render import ChatRenderer
 from sao_jax.serve.reply import THINK_CLOSE, parse_reply, split_reasoning
 from sao_jax.serve.scoring import score, task_reward
-from sao_jax.serve.session import Plan, Session
+from sao_jax.serve.session import EndedSession, Plan, Session
 
 OPEN_CALL = "<tool_call>"
 
@@ -53,6 +54,7 @@ class GatewayConfig:
     # False (training): the run's law applies and differing values are ignored and counted
     strict_sampling: bool = False  # True: sampling knobs not applied are a 400, not ignored
     admin_key: str = ""  # "" = a random one
+    ended_kept: int = 100_000  # ended sessions whose id and key are kept (409, not 404)
 
 
 class Disconnected(Exception):
@@ -98,8 +100,8 @@ class Gateway:
     def __init__(self, backend, renderer: ChatRenderer, cfg: GatewayConfig, log: EpisodeLog):
         self.backend, self.renderer, self.cfg, self.log = backend, renderer, cfg, log
         self.admin_key = cfg.admin_key or "sk-admin-" + secrets.token_hex(16)
-        self.sessions: dict[str, Session] = {}
-        self.locks: dict[str, asyncio.Lock] = {}
+        self.sessions: dict[str, Session] = {}  # the live ones
+        self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> key
         self.counters: dict[str, int] = {}
         self.base_url = ""  # http://HOST:PORT, set by the server once it listens
 
@@ -119,15 +121,26 @@ class Gateway:
         key = "sk-sess-" + secrets.token_hex(16)
         self.sessions[sid] = Session(sid, key, task, metadata)
         self.sessions[sid].reward_fn = reward_fn
-        self.locks[sid] = asyncio.Lock()
         self.count("sessions")
         return {"id": sid, "base_url": f"{base_url}/sessions/{sid}/v1", "api_key": key}
 
-    def session(self, sid: str) -> Session:
+    def session(self, sid: str) -> Session | EndedSession:
+        """The live session `sid`, or what is kept of it once ended (404 for neither)."""
         s = self.sessions.get(sid)
-        if s is None:
-            raise ApiError(404, f"no session {sid!r}", param="session", code="session_not_found")
-        return s
+        if s is not None:
+            return s
+        if sid in self.ended:
+            return EndedSession(sid, self.ended[sid])
+        raise ApiError(404, f"no session {sid!r}", param="session", code="session_not_found")
+
+    def retire(self, s: Session) -> None:
+        """An ended session leaves the live ones: its id and key are kept for the last
+        `cfg.ended_kept` ended sessions (a later request gets 409; an older one's, 404), so
+        a server that runs for days holds no episode it has written."""
+        self.sessions.pop(s.id, None)
+        self.ended[s.id] = s.key
+        while len(self.ended) > self.cfg.ended_kept:
+            self.ended.popitem(last=False)
 
     async def end(
         self,
@@ -142,7 +155,9 @@ class Gateway:
         None) scored by its task's registered reward (sao_jax/serve/scoring.py), else
         dropped for `unrewarded`."""
         s = self.session(sid)
-        async with self.locks[sid]:
+        if s.ended:
+            raise ApiError(409, f"session {sid!r} has ended", param="session", code="ended")
+        async with s.lock:
             if s.ended:
                 raise ApiError(409, f"session {sid!r} has ended", param="session", code="ended")
             if turn_rewards is not None and len(turn_rewards) != s.calls:
@@ -170,6 +185,7 @@ class Gateway:
             s.segments, s.segment = [], type(s.segment)()  # written: keep no copy
             s.held, s.last_response, s.last_messages, s.last_reply = [], None, [], None
             await asyncio.get_running_loop().run_in_executor(None, self.log.write, record)
+            self.retire(s)
             self.count("episodes_dropped" if dropped else "episodes")
             return {"id": sid, "reward": reward, "dropped": dropped, "calls": s.calls}
 
@@ -189,7 +205,7 @@ class Gateway:
         now = time.monotonic()
         for sid, s in list(self.sessions.items()):
             idle = now - s.last_call
-            if not s.ended and idle > self.cfg.reward_timeout_s and not self.locks[sid].locked():
+            if not s.ended and idle > self.cfg.reward_timeout_s and not s.lock.locked():
                 with contextlib.suppress(ApiError):  # ended meanwhile
                     await self.end(sid, None, None, unrewarded="reward_timeout")
 

@@ -21,6 +21,7 @@ Each segment is its own trajectory row ending in the episode's reward.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -103,9 +104,20 @@ class Plan:
     new_ids: list[int]  # observation ids to append (the whole prompt on a new segment)
 
 
+@dataclasses.dataclass(frozen=True)
+class EndedSession:
+    """What the gateway keeps of an ended session: its id and key, so a later request
+    gets 401 for a wrong key and 409 for the right one (serve/gateway.py `retire`)."""
+
+    id: str
+    key: str
+    ended: bool = True
+
+
 class Session:
     def __init__(self, sid: str, key: str, task: Any = None, metadata: Any = None):
         self.id, self.key, self.task, self.metadata = sid, key, task, metadata
+        self.lock = asyncio.Lock()  # one call (or the end) at a time
         self.reward_fn = None  # the task's registered reward (sao_jax/serve/scoring.py)
         self.segments: list[Segment] = []
         self.segment = Segment()
