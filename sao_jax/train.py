@@ -55,7 +55,7 @@ from sao_jax.rl.update import Learner
 from sao_jax.run import accounting as acct
 from sao_jax.run import preflight, token_dump, value_pretrain
 from sao_jax.run.evaluation import Evaluator
-from sao_jax.run.inputs import Inputs, build_models, read_inputs, resolved_config
+from sao_jax.run.inputs import Inputs, build_models, load_policy, read_inputs, resolved_config
 from sao_jax.run.settings import check_run
 from sao_jax.run.sft import SFTTrainer, demo_batches
 from sao_jax.run.streams import stream_seed
@@ -226,15 +226,7 @@ class Run:
             c.save(0, policy, {"model": self.config.model.to_dict()})
 
     def load_policy(self, path: str):
-        pdef = self.models.policy_def
-        if not pathlib.Path(path).is_dir():
-            raise ConfigError(f"config field init.params_path: {path!r} is not a directory")
-        with checkpointing.Checkpointer(path, keep=1, async_save=False) as c:
-            policy, _ = c.restore(
-                checkpointing.abstract_like(pdef.shapes(), pdef.shardings(self.sharder))
-            )
-        log.info("warm start: policy params from %s", path)
-        return policy
+        return load_policy(path, self.models.policy_def, self.sharder)
 
     def value_pretrain(self, state, stopper) -> tuple[Any, dict]:
         """Stage (b): value pretraining (sao_jax/run/value_pretrain.py); (state, summary).

@@ -10,6 +10,7 @@ import logging
 import pathlib
 from typing import Any
 
+from sao_jax import checkpointing
 from sao_jax import config as config_lib
 from sao_jax.data.pipeline import run_prompts
 from sao_jax.envs.registry import env_factory
@@ -34,6 +35,17 @@ def build_models(config: ConfigDict, sharder, tokenizer) -> Models:
         seed = stream_seed(config.seed, "model_init")
         models = init_models(ModelConfig.from_config(config.model), sharder, seed)
     return models
+
+
+def load_policy(path: str, pdef, sharder):
+    """The policy params a warm start saved at `path` (init.kind='params': sao_jax/train.py
+    writes them, the gateway serves them), placed as `pdef` is sharded."""
+    if not pathlib.Path(path).is_dir():
+        raise ConfigError(f"config field init.params_path: {path!r} is not a directory")
+    with checkpointing.Checkpointer(path, keep=1, async_save=False) as c:
+        policy, _ = c.restore(checkpointing.abstract_like(pdef.shapes(), pdef.shardings(sharder)))
+    log.info("warm start: policy params from %s", path)
+    return policy
 
 
 def resolved_config(config: ConfigDict) -> ConfigDict:

@@ -3,7 +3,7 @@
 `build_gateway(config, workdir, cfg)` reads the config's model, tokenizer and chat
 template (`init`), builds the policy without any training (`init.kind` 'hf': the
 checkpoint; 'random' and 'sft': the random initialisation from the run's seed, SFT is NOT
-run; 'params' is not served yet), and puts the run's generation backend
+run; 'params': the warm-start policy at `init.params_path`), and puts the run's generation backend
 (`sampling.backend`: the native engine or vLLM, sao_jax/sampling/backend_factory.py)
 with the run's sampling section behind a `Gateway` writing `workdir/episodes.jsonl`.
 `init.tokenizer='harness'` builds the project's local BPE tokenizer with the Qwen3-style
@@ -31,9 +31,11 @@ from flax import nnx
 
 from sao_jax.models import hf
 from sao_jax.models.config import ModelConfig, run_overrides
+from sao_jax.models.factory import policy_def
 from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
+from sao_jax.run.inputs import load_policy
 from sao_jax.run.streams import stream_seed
 from sao_jax.sampling.backend_factory import backend_builder
 from sao_jax.schema import ConfigDict, ConfigError
@@ -70,9 +72,10 @@ def _policy(config: ConfigDict, sharder: Sharder):
             config.init.hf_path, sharder=sharder, **run_overrides(config.model)
         )
         return mdef, params
-    if kind == "params":
-        raise ConfigError("config field init.kind: 'params' is not served yet (use hf or random)")
     cfg = ModelConfig.from_config(config.model)
+    if kind == "params":  # a warm start's policy (init.params_path), as a run starts from
+        pdef = policy_def(cfg, sharder)
+        return pdef, load_policy(config.init.params_path, pdef, sharder)
     seed = stream_seed(config.seed, "model_init")
     return init_params(lambda: Policy(cfg, sharder=sharder, rngs=nnx.Rngs(seed)), sharder)
 
