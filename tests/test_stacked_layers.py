@@ -3,7 +3,9 @@
 The same seed gives the same weights in both layouts (`stack_params` maps one to the
 other); forward values, gradients, one full update step, decoded tokens, the critic's
 trainable set, the memory plan, Hugging Face files and orbax checkpoints all agree
-after that mapping, sharded (8 fake devices) and not.
+after that mapping, sharded (8 fake devices) and not. Decoding in the stacked layout
+(prefill, decode steps, engine rollouts) against the per-layer one:
+tests/test_stacked_decode.py.
 """
 
 import dataclasses
@@ -31,13 +33,13 @@ from sao_jax.plan.step_memory import abstract_batch
 from sao_jax.rl.optim import TRAINABLE_SETS, trainable_labels
 from sao_jax.rl.synthetic import synthetic_batch
 from sao_jax.rl.update import Learner
-from sao_jax.sampling.generate import GenerateFns, SamplingParams
 from sao_jax.schema import ConfigError
 from tests.closeness import assert_steps_close
 
-# Dense layer 0, then a run of three MoE layers: two stacks, [1, ...] and [3, ...].
+# Dense layer 0, then a run of two MoE layers: two stacks, [1, ...] and [2, ...] (three
+# layers: the per-layer update step, unrolled, compiles in proportion to the depth).
 MODEL = dict(
-    vocab_size=32, hidden_size=32, num_hidden_layers=4, head_dim=8, num_attention_heads=4,
+    vocab_size=32, hidden_size=32, num_hidden_layers=3, head_dim=8, num_attention_heads=4,
     num_key_value_heads=2, intermediate_size=32, moe_intermediate_size=16, num_experts=8,
     num_experts_per_tok=2, mlp_only_layers=(0,), attention_block=8,
 )  # fmt: skip
@@ -66,7 +68,7 @@ def test_layout_axes_and_same_weights_from_one_seed():
     per, st = _models(CFG), _models(STACKED)
     assert sorted(st.policy["trunk"]) == ["embed", "final_norm", "stacks"]
     q = st.policy["trunk"]["stacks"][1]["attn"]["q_proj"]
-    assert q.shape == (3, 32, 4, 8)  # [L_run, D, N, H]
+    assert q.shape == (2, 32, 4, 8)  # [L_run, D, N, H]
     axes = st.policy_def.axes()["trunk"]["stacks"]
     assert axes[1]["mlp"]["experts"]["gate_proj"] == ("layers", "expert", "embed", "expert_mlp")
     assert axes[0]["mlp"]["gate_proj"] == ("layers", "embed", "mlp")  # the dense run
@@ -96,8 +98,11 @@ def _value_and_grads(cfg, params, sharder, remat="none"):
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+@pytest.mark.parametrize("remat", ["dots"])
 def test_forward_and_gradients_equal_per_layer(remat):
+    """remat 'dots' here; 'full' and 'none' under scan against the layer loop:
+    tests/test_layer_stack.py test_scan_and_remat_equal_layer_loop (policy-scan-full,
+    critic-scan-none, the same trunk)."""
     params = _models(CFG).policy
     (want, want_e), want_g = _value_and_grads(CFG, params, Sharder())
     stacked = stack_params(CFG, params)
@@ -110,11 +115,11 @@ def test_forward_and_gradients_equal_per_layer(remat):
 def test_sharded_equals_unsharded_stacked():
     """8 fake devices: the layer axis unsharded, every other axis as in the per-layer layout."""
     sharder = Sharder(build_mesh((2, 2, 2, 1)))
-    st, per = _models(STACKED, sharder), _models(CFG, sharder)
-    spec = lambda p: {
-        path_str(k): v.sharding.spec for k, v in jax.tree_util.tree_leaves_with_path(p)
-    }
-    got, want = spec(st.policy), spec(per.policy)
+    st = _models(STACKED, sharder)
+    per = policy_def(CFG, sharder).shardings(sharder)  # the per-layer layout's: no init
+    spec = lambda p: {path_str(k): getattr(v, "sharding", v).spec
+                      for k, v in jax.tree_util.tree_leaves_with_path(p)}  # fmt: skip
+    got, want = spec(st.policy), spec(per)
     for name, s in got.items():
         if ".stacks." in name:
             r = int(name.split(".")[2])
@@ -139,17 +144,22 @@ def _config(scan: bool, **model):
     return config_lib.validate(c)
 
 
-def _learner(scan: bool, sharder=None):
-    config = _config(scan)
-    models = init_models(ModelConfig.from_config(config.model), sharder or Sharder(), seed=0)
-    learner = Learner(
-        config.rl, config.optim, models.policy_def, models.critic_def, sharder or Sharder()
-    )
-    return learner, learner.new_state(models.policy, models.critic, seed=0)
+@pytest.fixture(scope="module")
+def learners():
+    """{scan_layers: (Learner, fresh state maker)}, each compiled once for the module (the
+    models are _models's: a new state copies them, so the donated state is its own)."""
+    out = {}
+    for scan in (False, True):
+        config = _config(scan)
+        models = _models(ModelConfig.from_config(config.model))
+        learner = Learner(config.rl, config.optim, models.policy_def, models.critic_def, Sharder())
+        out[scan] = learner, functools.partial(learner.new_state, models.policy, models.critic, 0)
+    return out
 
 
-def test_update_step_equals_per_layer_and_opt_state_is_per_run():
-    (l_per, s_per), (l_st, s_st) = _learner(False), _learner(True)
+def test_update_step_equals_per_layer_and_opt_state_is_per_run(learners):
+    (l_per, new_per), (l_st, new_st) = learners[False], learners[True]
+    s_per, s_st = new_per(), new_st()
     start = jax.tree.map(np.asarray, s_per)
     count = lambda s: len(jax.tree.leaves(s.policy_opt)) + len(jax.tree.leaves(s.critic_opt))
     assert count(s_st) < count(s_per)  # one moment per parameter kind per run
@@ -211,26 +221,6 @@ def _label_table(labels) -> dict:
     return {path_str(p): v for p, v in jax.tree_util.tree_leaves_with_path(labels)}
 
 
-def test_decoded_tokens_equal_per_layer():
-    per, st = _models(CFG), _models(STACKED)
-    tokens = jax.random.randint(jax.random.key(3), (4, 5), 0, CFG.vocab_size)
-    out = []
-    for m in (per, st):
-        fns = GenerateFns(m.policy_def, num_slots=4, max_len=16, steps=6, record_routing=True)
-        cache = fns.init_cache(m.policy)
-        positions = jnp.broadcast_to(jnp.arange(5), (4, 5))
-        cache, experts = fns.prefill(m.policy, cache, tokens[:, :4], positions[:, :4])
-        _, dec = fns.decode(
-            m.policy, cache, tokens[:, 4], positions[:, 4], jax.random.key(0), SamplingParams(0.0)
-        )
-        out.append((experts, dec))
-    (want_e, want), (got_e, got) = out
-    np.testing.assert_array_equal(got_e, want_e)  # prefill routing, every MoE layer
-    np.testing.assert_array_equal(got.tokens_ns, want.tokens_ns)
-    np.testing.assert_array_equal(got.experts_nslk, want.experts_nslk)
-    np.testing.assert_allclose(got.rollout_logp_ns, want.rollout_logp_ns, atol=1e-5)
-
-
 def test_memory_plan_counts_the_same_bytes():
     sizes = dict(data=1, fsdp=2, expert=2, tensor=2)
     optim = base.get_config().optim
@@ -257,14 +247,14 @@ def test_hf_round_trip_stacked(tmp_path):
     _assert_close(sharded, stacked)
 
 
-def test_checkpoint_round_trip_and_layout_error(tmp_path):
-    l_st, s_st = _learner(True)
+def test_checkpoint_round_trip_and_layout_error(tmp_path, learners):
+    (l_per, _), (l_st, new_st) = learners[False], learners[True]
+    s_st = new_st()
     masked = lambda x: isinstance(x, optax.MaskedNode)  # the frozen-attention critic's state
     assert any(map(masked, jax.tree.leaves(s_st.critic_opt, is_leaf=masked)))
     with ckpt.Checkpointer(tmp_path / "c", async_save=False) as ck:
         ck.save(1, s_st, {})
         restored, _ = ck.restore(ckpt.abstract_like(l_st.abstract_state, l_st.state_shardings))
         _assert_close(restored, s_st)
-        l_per, _ = _learner(False)
         with pytest.raises(ConfigError, match=r"model\.scan_layers: .* stacked \(trunk\.stacks\)"):
             ck.restore(ckpt.abstract_like(l_per.abstract_state, l_per.state_shardings))
