@@ -55,7 +55,7 @@ from sao_jax.sampling.backend import (
     RequestInterrupted,
 )
 from sao_jax.sampling.engine import Engine
-from sao_jax.sampling.slots import TURN_ENDED, Drop, DropError, EngineConfig, StepOutput
+from sao_jax.sampling.slots import TURN_ENDED, Drop, EngineConfig, StepOutput
 
 BackendBuilder = Callable[[Params, int], GenerationBackend]  # (params, version) -> backend
 
@@ -293,24 +293,10 @@ class BackendEngine(Engine):
                 self._split(done, finished, dropped)
             return StepOutput(finished, dropped, self.active, 0)
         self._wait_for_tokens()
-        generated = 0
-        ended: list[tuple[int, Any, Drop | None]] = []
-        for s in range(self.cfg.num_slots):
-            sl = self._slots[s]
-            if sl is None or self._turns[s] is None:
-                continue
-            try:
-                traj, kept = self._walk(s)
-                generated += kept
-                if traj is TURN_ENDED:
-                    self._end_turn(s)
-                elif traj is not None:
-                    ended.append((s, traj, None))
-                    self._slots[s] = None
-            except DropError as d:
-                self._close_turn(s)
-                ended.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
-                self._slots[s] = None
-        ended += self._collect_env_steps(version, block=not self.overlap_env, every=True)
-        self._split(sorted(ended, key=lambda e: e[0]), finished, dropped)
+        running = [
+            s for s, sl in enumerate(self._slots) if sl is not None and self._turns[s] is not None
+        ]
+        generated = self._advance_slots(
+            running, self._walk, version, finished, dropped, on_drop=self._close_turn
+        )
         return StepOutput(finished, dropped, self.active, generated)

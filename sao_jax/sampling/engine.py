@@ -507,14 +507,26 @@ class Engine:
         self._admit()
         self._prefill_pending(params)
         out = self._decode(params)
+        running = [s for s in range(self.cfg.num_slots) if self._running(s) is not None]
+        generated = self._advance_slots(
+            running, lambda s: self._advance(s, out, version), version, finished, dropped
+        )
+        return StepOutput(finished, dropped, self.active, generated)
+
+    def _advance_slots(
+        self, running, advance, version: int, finished: list, dropped: list, on_drop=None
+    ) -> int:
+        """Moves each slot in `running` on by `advance(s)` -> (its trajectory, TURN_ENDED or
+        None; the tokens kept): a turn's end starts its env step, a finished or dropped
+        episode (`on_drop(s)` first) leaves its slot. Then the env steps of this round,
+        which run concurrently: by default all are waited for, so the step's result does
+        not depend on thread timing. Returns the tokens generated."""
         generated = 0
         ended: list[tuple[int, Trajectory | None, Drop | None]] = []  # (slot, traj, drop)
-        for s in range(self.cfg.num_slots):
-            sl = self._running(s)
-            if sl is None:
-                continue
+        for s in running:
+            sl = self._slots[s]
             try:
-                traj, kept = self._advance(s, out, version)
+                traj, kept = advance(s)
                 generated += kept
                 if traj is TURN_ENDED:
                     self._end_turn(s)
@@ -522,13 +534,13 @@ class Engine:
                     ended.append((s, traj, None))
                     self._slots[s] = None
             except DropError as d:
+                if on_drop is not None:
+                    on_drop(s)
                 ended.append((s, None, Drop(d.reason, sl.prompt.uid, d.error)))
                 self._slots[s] = None
-        # The env steps of this decode call run concurrently; by default all are waited
-        # for, so the step's result does not depend on thread timing.
         ended += self._collect_env_steps(version, block=not self.overlap_env, every=True)
         self._split(sorted(ended, key=lambda e: e[0]), finished, dropped)
-        return StepOutput(finished, dropped, self.active, generated)
+        return generated
 
     def _split(self, entries, finished: list, dropped: list) -> None:
         """Sorts ended slots into finished / dropped and frees their pages."""
