@@ -7,9 +7,12 @@ helpers for the admin routes."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
+import pathlib
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -21,6 +24,7 @@ from sao_jax.parallel.partition import init_params
 from sao_jax.sampling.backend import BackendBusy, GenChunk, GenHandle, GenResult
 from sao_jax.sampling.backend_native import NativeBackend
 from sao_jax.sampling.engine import EngineConfig
+from sao_jax.serve import launch
 from sao_jax.serve.app import start_server
 from sao_jax.serve.episodes import EpisodeLog
 from sao_jax.serve.gateway import Gateway, GatewayConfig
@@ -107,6 +111,34 @@ def serve(backend, tok, workdir, **cfg):
         backend, renderer, GatewayConfig(**cfg), EpisodeLog(workdir / "episodes.jsonl")
     )
     return start_server(gateway, "127.0.0.1", 0), gateway
+
+
+@contextlib.contextmanager
+def served(config, workdir: pathlib.Path, timeout: float):
+    """A run config served as `python -m experiments.serve` serves it (sao_jax/serve/launch.py
+    `serve`, in a thread): yields its gateway.json once it accepts connections (within
+    `timeout` s); on exit, stops it and checks it ended cleanly within 60 s."""
+    stop, errors = threading.Event(), []
+
+    def run():
+        try:
+            launch.serve(config, workdir, GatewayConfig(), stop=stop)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    path = workdir / "gateway.json"
+    deadline = time.monotonic() + timeout
+    while not path.exists() and not errors and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not errors and path.exists(), errors
+        yield json.loads(path.read_text())
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive() and not errors, errors
 
 
 def http(method: str, url: str, body=None, key: str | None = None, raw: bytes | None = None,
