@@ -17,20 +17,14 @@ from sao_jax.parallel.partition import init_params
 from sao_jax.sampling import backend_factory, backend_vllm
 from sao_jax.sampling.backend_native import NativeBackend
 from sao_jax.schema import ConfigError
+from tests import train_support as ts
 from tests.sampling_support import MODEL, FakeTokenizer
 
 VLLM_SHAPES = dict(hidden_size=64, head_dim=64, moe_intermediate_size=32)
 
 
 def _config(**overrides):
-    c = defaults.default_config()
-    for key, value in overrides.items():
-        section, *rest = key.split("__")
-        target = c[section]
-        for name in rest[:-1]:
-            target = target[name]
-        target[rest[-1]] = value
-    return c
+    return ts.with_fields(defaults.default_config(), overrides)
 
 
 def _vllm(**overrides):

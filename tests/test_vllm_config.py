@@ -6,17 +6,11 @@ import pytest
 from sao_jax import config as config_lib
 from sao_jax import defaults
 from sao_jax.schema import ConfigError
+from tests import train_support as ts
 
 
 def _validated(**overrides):
-    c = defaults.default_config()
-    for key, value in overrides.items():
-        section, *rest = key.split("__")
-        target = c[section]
-        for name in rest[:-1]:
-            target = target[name]
-        target[rest[-1]] = value
-    return config_lib.validate(c)
+    return config_lib.validate(ts.with_fields(defaults.default_config(), overrides))
 
 
 def test_default_backend_is_native_and_needs_no_vllm_env():

@@ -25,6 +25,7 @@ from sao_jax.models.factory import critic_def, policy_def
 from sao_jax.parallel.mesh import sharder_from_config
 from sao_jax.rl.update import Learner
 from sao_jax.schema import ConfigDict
+from sao_jax.sweep.spec import set_field
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILE = "configs/sao.py"
@@ -45,13 +46,14 @@ TIME_KEYS = frozenset({"time", "perf/action_tokens_per_s", "eval/seconds"})
 def small_config(variant: str = "smoke", **overrides: Any) -> ConfigDict:
     """configs/sao.py:<variant> with SHRINK and `overrides` (dotted names, '.' as '__')."""
     config = load_config(f"{REPO / CONFIG_FILE}:{variant}")
-    values = {**SHRINK, **{k.replace("__", "."): v for k, v in overrides.items()}}
+    return with_fields(config, {**SHRINK, **overrides})
+
+
+def with_fields(config: ConfigDict, values: dict[str, Any]) -> ConfigDict:
+    """`config` with each field set (dotted names, '.' as '__'; sao_jax/sweep/spec.py
+    `set_field`: an unknown field is a ConfigError)."""
     for name, value in values.items():
-        *path, leaf = name.split(".")
-        node = config
-        for part in path:
-            node = node[part]
-        node[leaf] = value
+        set_field(config, name.replace("__", "."), value)
     return config
 
 
