@@ -3,6 +3,7 @@ plain layer loop, routing replay kept, and the compiled program does not grow wi
 number of layers."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +18,12 @@ from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.parallel.partition import ModelDef, init_params
 from sao_jax.schema import ConfigError
 
-# Dense layer 0, then three MoE layers, then a dense one: three runs.
+# Dense layer 0, then two MoE layers, then a dense one: three runs (four layers: the
+# per-layer programs unroll them, so their compile time grows with the depth).
 CFG = ModelConfig(
     vocab_size=48,
     hidden_size=32,
-    num_hidden_layers=5,
+    num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=8,
@@ -29,7 +31,7 @@ CFG = ModelConfig(
     moe_intermediate_size=16,
     num_experts=8,
     num_experts_per_tok=2,
-    mlp_only_layers=(0, 4),
+    mlp_only_layers=(0, 3),
     attention_block=8,
 )
 
@@ -54,9 +56,25 @@ def _loss_and_grads(cfg, params, model_cls=Policy):
     def loss(p):
         out = mdef.bind(p)(tokens, pos, seg)
         real = (seg != 0)[..., None] if out.out.ndim == 3 else seg != 0
-        return jnp.sum(jnp.where(real, out.out, 0.0) ** 2) + out.aux_loss, out.experts_btlk
+        loss = jnp.sum(jnp.where(real, out.out, 0.0) ** 2) + out.aux_loss
+        return loss, (out.experts_btlk, out.out)
 
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    (value, (experts, _)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return (value, experts), grads
+
+
+@functools.cache
+def _reference(model_cls):
+    """The layer loop without remat (computed once per model class): (params, ((loss,
+    experts), grads), forward output)."""
+    _, params = init_params(lambda: model_cls(REF_CFG, rngs=nnx.Rngs(0)), Sharder())
+    mdef = ModelDef.of(lambda: model_cls(REF_CFG, rngs=nnx.Rngs(0)))
+    tokens, pos, seg = _batch()
+    out = jax.jit(lambda p: mdef.bind(p)(tokens, pos, seg))(params)
+    return params, _loss_and_grads(REF_CFG, params, model_cls), out
+
+
+REF_CFG = dataclasses.replace(CFG, scan_layers=False, remat="none")
 
 
 @pytest.mark.parametrize(
@@ -65,9 +83,7 @@ def _loss_and_grads(cfg, params, model_cls=Policy):
     ids=["policy-scan-full", "policy-loop-dots", "critic-scan-none"],
 )
 def test_scan_and_remat_equal_layer_loop(model_cls, scan, remat):
-    ref_cfg = dataclasses.replace(CFG, scan_layers=False, remat="none")
-    _, params = init_params(lambda: model_cls(ref_cfg, rngs=nnx.Rngs(0)), Sharder())
-    (want, want_e), want_g = _loss_and_grads(ref_cfg, params, model_cls)
+    params, ((want, want_e), want_g), _ = _reference(model_cls)
     cfg = dataclasses.replace(CFG, scan_layers=scan, remat=remat)
     (got, got_e), got_g = _loss_and_grads(
         cfg, stack_params(CFG, params) if scan else params, model_cls
@@ -91,9 +107,10 @@ def test_replay_under_scan_and_sharded(scan):
 
     def fwd(sharder):
         mdef = ModelDef.of(lambda: Policy(cfg, sharder=sharder, rngs=nnx.Rngs(0)))
-        return jax.jit(lambda p, f=None: mdef.bind(p)(tokens, pos, seg, forced_experts_btlk=f))
+        return jax.jit(lambda p, f: mdef.bind(p)(tokens, pos, seg, forced_experts_btlk=f))
 
-    free = fwd(Sharder())(params)
+    # The free routing: the layer loop's (either layout's, test_scan_and_remat_equal_layer_loop).
+    free = _reference(Policy)[2]
     # Force every token to other experts (each id + 1, mod E: the set changes, not only its
     # order, which the gate weights ignore), so a layer mix-up would show.
     forced = (free.experts_btlk + 1) % CFG.num_experts
