@@ -7,8 +7,6 @@ Qwen3-like chat template in the same folder, and 64 problems with \boxed{} answe
 JSONL file. Through `sao-train`'s module (`sao_jax.experiments.train`, in a subprocess)
 with only the README's "Train on your own data" fields:
 
-* the start-up checks refuse an HF init whose folder has no tokenizer in one line with
-  exit 2 and no workdir (the other refusals: tests/test_preflight.py, in process);
 * a few SAO steps run (init.tokenizer left at its default: the checkpoint's), logging the
   start-up summary, writing samples.jsonl and W&B rows (a fake `wandb` package, offline),
   a workdir whose config.json holds the checkpoint's shapes and which keeps copies of the
@@ -17,6 +15,10 @@ with only the README's "Train on your own data" fields:
 * the export works with the source folder moved away, keeps the source config.json's
   fields, and transformers loads it (model and tokenizer) with logits matching the JAX
   policy of the exported step.
+
+Its start-up refusals (an HF init whose folder holds no tokenizer, a prompt longer than
+max_len, ...) are tests/test_preflight.py's, in process; the one line and exit 2 of a
+refusal, tests/test_cli_errors.py's.
 
 The same again through the installed console scripts (sao-train, sao-export) of a wheel
 built from this checkout, run outside it with only the installed copy on the path.
@@ -162,54 +164,12 @@ def _check_export(out_dir: pathlib.Path, workdir: pathlib.Path, step: int) -> No
     assert np.abs(want).max() > 1e-3  # not trivially zero
 
 
-def _start_up_failures(root, ckpt, data) -> dict[str, tuple[list[str], str]]:
-    """name -> (flags, the start of the one line on stderr) of runs refused at start-up, as
-    a process: an HF init whose folder holds no tokenizer. The other refusals (a prompt
-    longer than max_len or leaving less than a turn, a tokenizer larger than the model, a
-    template that ignores tools) are tests/test_preflight.py's, in process, and the exit-2
-    mechanism is tests/test_cli_errors.py's."""
-    bare = root / "no_tokenizer"  # the checkpoint's config.json without tokenizer files
-    source = json.loads((ckpt / "config.json").read_text())
-    bare.mkdir(exist_ok=True)
-    (bare / "config.json").write_text(json.dumps(source))
-    return {
-        "hf init without a tokenizer": (
-            _flags(bare, data),
-            "error: config field init.tokenizer: 'char' (the built-in character tokenizer) "
-            f"cannot drive the checkpoint '{bare}', which holds no tokenizer.json",
-        ),
-    }
-
-
-def _check_refused(cases, tmp_path, env) -> None:
-    """Each case exits 2 with one line on stderr and leaves no workdir (2 at a time)."""
-    items = list(cases.items())
-    for start in range(0, len(items), 2):
-        procs = {
-            name: subprocess.Popen(
-                [sys.executable, "-m", TRAIN, *flags, f"--workdir={tmp_path / name}"],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for name, (flags, _) in items[start : start + 2]
-        }
-        for name, proc in procs.items():
-            _, err = proc.communicate(timeout=300)
-            assert proc.returncode == 2, (name, err[-3000:])
-            assert err.strip().count("\n") == 0, (name, err[-3000:])
-            assert err.startswith(cases[name][1]), (name, err)
-            assert not (tmp_path / name).exists(), name
-
-
 def _tree(root: pathlib.Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def test_train_and_export_from_the_checkout(inputs, tmp_path, jax_cache_dir):
-    root, ckpt, data = inputs
+    _, ckpt, data = inputs
     workdir, out_dir = tmp_path / "run", tmp_path / "export"
     fake = tmp_path / "fake_site"
     (fake / "wandb").mkdir(parents=True)
@@ -217,7 +177,6 @@ def test_train_and_export_from_the_checkout(inputs, tmp_path, jax_cache_dir):
     wandb_log = tmp_path / "wandb_calls.jsonl"
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{fake}"}
     env["FAKE_WANDB_LOG"] = str(wandb_log)
-    _check_refused(_start_up_failures(root, ckpt, data), tmp_path / "refused", env)
 
     wandb = ["--config.train.wandb_project=sao-e2e", "--config.train.wandb_mode=offline"]
     cmd = [sys.executable, "-m", TRAIN, *_flags(ckpt, data, *wandb), f"--workdir={workdir}"]

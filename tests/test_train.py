@@ -106,28 +106,6 @@ def test_bad_config_fails_before_anything_starts(tmp_path, monkeypatch, field, m
     assert not (tmp_path / "w").exists()
 
 
-BAD_FLAGS = {  # flag -> the field its error names
-    "--config.rl.k_critic=0": "rl.k_critic",  # out of range
-    "--config.rl.nonsense=1": "rl.nonsense",  # unknown
-    "--config.train.total_steps=abc": "train.total_steps",  # wrong type
-}
-
-
-@pytest.mark.slow
-def test_bad_flags_fail_in_entry_point(tmp_path):
-    procs = {}
-    for i, flag in enumerate(BAD_FLAGS):  # the three processes run side by side
-        log = (tmp_path / f"log{i}.txt").open("w")
-        procs[flag] = (ts.entry_point([*ts.flags_of(), flag], tmp_path / f"w{i}", {}, log), log)
-    for i, (flag, (proc, log)) in enumerate(procs.items()):
-        rc = proc.wait(timeout=300)
-        log.close()
-        out = (tmp_path / f"log{i}.txt").read_text()
-        assert rc != 0, out
-        assert BAD_FLAGS[flag] in out, out
-        assert not (tmp_path / f"w{i}").exists()
-
-
 def test_workdir_that_is_a_file_is_named(tmp_path, monkeypatch):
     path = tmp_path / "a_file"
     path.write_text("not a directory")
