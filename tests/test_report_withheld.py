@@ -107,6 +107,7 @@ def test_unread_tables_print_their_status_in_every_test_cell(name, state, tmp_pa
     assert f"**{state}**" in text  # the header says it
     assert text.count(f"| {state} |") >= 2  # and the test cells do
     assert not TEST_TEXT.search(text), TEST_TEXT.search(text)
+    assert "## Reading (pre-registered)" not in text  # no section headed as a reading
 
 
 def _section(text: str, heading: str) -> str:

@@ -233,7 +233,7 @@ def report(exp: Experiment, specs: Sequence[sweep.SweepSpec], results, wall_s: f
     text += "\n" + success_text(success, success_holm, instead)
     text += "\n" + cost_text(values)
     text += "\n" + (
-        f"## Reading (pre-registered)\n\n- {instead}: no reading.\n"
+        f"## Reading\n\n- {instead}: no reading of the pre-registered tests.\n"
         if instead
         else reading_text(ev, ev_holm, success, success_holm)
     )
