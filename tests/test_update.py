@@ -60,8 +60,8 @@ def default():
     return learner, lambda: learner.new_state(models.policy, models.critic, seed=0)
 
 
-def _batch(seed=0, baseline_keys=None, **kw):
-    batch = synthetic_batch(B, T, 32, seed=seed, **kw)
+def _batch(seed=0, baseline_keys=None, rows=B, **kw):
+    batch = synthetic_batch(rows, T, 32, seed=seed, **kw)
     if baseline_keys is not None:  # the keyed moving average's [B] keys
         batch["baseline_keys"] = baseline_keys
     return batch
@@ -267,9 +267,9 @@ def test_bad_inputs_named():
         config_lib.validate(c)
 
 
-def _three_steps(config, sharder=None):
+def _three_steps(config, sharder=None, **kw):
     learner, state = _setup(config, sharder)
-    state, metrics = _steps(learner, state, 3, max_lag=1)
+    state, metrics = _steps(learner, state, 3, rows=config.rl.batch_size, **kw)
     return jax.tree.map(np.asarray, state), reduce_metrics(metrics)
 
 
@@ -290,10 +290,10 @@ def reference(default):
 
 def test_sharded_equals_unsharded(reference, start):
     """Batch and experts over 8 devices (one expert each). Data x fsdp x expert (2, 2, 2)
-    with 4 microbatches of 2 rows: test_brace_sharded_and_microbatched_equal_unsharded,
-    the default learner with BRACE's critic targets (the lambda = 1 returns plus a
-    correction), so this program's paths and more."""
-    got, _ = _three_steps(_config(aux=0.0), Sharder(build_mesh((1, 1, 8, 1))))
+    with 2 microbatches: test_brace_sharded_and_microbatched_equal_unsharded, the default
+    learner with BRACE's critic targets (the lambda = 1 returns plus a correction), so
+    this program's paths and more."""
+    got, _ = _three_steps(_config(aux=0.0), Sharder(build_mesh((1, 1, 8, 1))), max_lag=1)
     assert_steps_close(got, reference, start)
 
 
@@ -353,10 +353,10 @@ def test_ppo_clip_binds_with_minibatch_steps_on_stale_data(ppo_reference):
     learner, new_state, _ = ppo_reference
     state = new_state()
     start = jax.tree.map(np.asarray, state.policy)
-    state, _ = _steps(learner, state, 3)  # the learner moves on: version 3
+    state, _ = _steps(learner, state, 3, rows=PPO_ROWS)  # the learner moves on: version 3
     clip = {}
     for name, policy, version in (("stale", start, 0), ("fresh", state.policy, 3)):
-        batch = _batch(seed=7, version=version)
+        batch = _batch(seed=7, version=version, rows=PPO_ROWS)
         batch["rollout_logp"] = _logp(learner, policy, batch)
         _, metrics = learner.update_step(
             jax.tree.map(jax.numpy.array, state), batch, jax.random.key(1)
@@ -388,13 +388,16 @@ def ppo_reference():
     models = init_models(ModelConfig.from_config(config.model), Sharder(), seed=0)
     learner = Learner(config.rl, config.optim, models.policy_def, models.critic_def, Sharder())
     new_state = lambda: learner.new_state(models.policy, models.critic, seed=0)
-    state, metrics = _steps(learner, new_state(), 3, max_lag=1)
+    state, metrics = _steps(learner, new_state(), 3, max_lag=1, rows=PPO_ROWS)
     return learner, new_state, (jax.tree.map(np.asarray, state), reduce_metrics(metrics))
+
+
+PPO_ROWS = 16  # minibatches of 8: 2 microbatches x 4 shards of 1 row
 
 
 def _ppo_config(**rl):
     config = _config(
-        aux=0.0, policy_loss="ppo_clip", ppo_epochs=2, minibatches=2,
+        aux=0.0, policy_loss="ppo_clip", ppo_epochs=2, minibatches=2, batch_size=PPO_ROWS,
         lam_mode="fixed", whiten_advantages=True, value_clip=0.2, **rl,
     )  # fmt: skip
     config.unlock()
@@ -402,27 +405,27 @@ def _ppo_config(**rl):
     return config
 
 
-def test_ppo_loop_microbatched_equals_full_batch(ppo_reference, start):
+def test_ppo_loop_sharded_and_microbatched_equals_unsharded(ppo_reference, start):
+    """Sharded and microbatched in one run (one program to compile, not two): batch over
+    data x expert (4 shards), tensor 2, each minibatch of 8 rows in 2 microbatches of 4
+    (one row per shard), against whole minibatches on one device."""
     _, _, (ref, ref_metrics) = ppo_reference
     assert int(ref.step) == 3 and int(ref.skipped_steps) == 0  # fixed lambda, whitened,
     assert np.isfinite(ref_metrics["critic/value_loss"])  # clipped values: finite, no skip
-    micro, metrics = _three_steps(_ppo_config(microbatches=2))
-    assert_steps_close(micro, ref, start)
-    assert metrics["policy/keep_rate"] == pytest.approx(ref_metrics["policy/keep_rate"])
-
-
-def test_ppo_loop_sharded_equals_unsharded(ppo_reference, start):
-    _, _, (ref, _) = ppo_reference
-    # batch over data x expert (4 shards: one row of each minibatch per shard), tensor 2
-    got, _ = _three_steps(_ppo_config(), Sharder(build_mesh((2, 1, 2, 2))))
+    config = _ppo_config(microbatches=2)
+    got, metrics = _three_steps(config, Sharder(build_mesh((2, 1, 2, 2))), max_lag=1)
     assert_steps_close(got, ref, start)
+    assert metrics["policy/keep_rate"] == pytest.approx(ref_metrics["policy/keep_rate"])
 
 
 # -------------------------------------------- rl.critic_target = 'brace' (stale critics)
 
 
+BRACE_ROWS = 16  # 2 microbatches x 8 shards of 1 row
+
+
 def _brace_config(**rl):
-    return _config(aux=0.0, critic_target="brace", **rl)
+    return _config(aux=0.0, critic_target="brace", batch_size=BRACE_ROWS, **rl)
 
 
 @pytest.fixture(scope="module")
@@ -441,7 +444,7 @@ def brace_reference(brace):
     """Three BRACE updates on stale batches (versions lag up to 4), unsharded, without
     microbatching: the final state and the last step's metrics."""
     learner, new_state = brace
-    state, metrics = _steps(learner, new_state(), 3, max_lag=4)
+    state, metrics = _steps(learner, new_state(), 3, max_lag=4, rows=BRACE_ROWS)
     return jax.tree.map(np.asarray, state), reduce_metrics(metrics)
 
 
@@ -456,16 +459,15 @@ def test_brace_update_runs_finite_without_retrace(brace, brace_reference):
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.critic))
 
 
-@pytest.mark.parametrize("variant", ["sharded", "microbatched"])
-def test_brace_sharded_and_microbatched_equal_unsharded(brace_reference, start, variant):
-    """Also the default learner's sharded (data x fsdp x expert) and microbatched (4 of 2
-    rows) checks: BRACE's targets are the lambda = 1 returns plus a correction."""
+def test_brace_sharded_and_microbatched_equal_unsharded(brace_reference, start):
+    """Sharded over 8 devices (data x fsdp x expert) and 2 microbatches of 8 rows (one per
+    device) in one run (one program to compile, not two), against the whole batch on one
+    device. Also the default learner's sharded and microbatched checks: BRACE's targets
+    are the lambda = 1 returns plus a correction."""
     ref, ref_m = brace_reference
-    if variant == "sharded":
-        learner, state = _setup(_brace_config(), Sharder(build_mesh((2, 2, 2, 1))))
-    else:
-        learner, state = _setup(_brace_config(microbatches=4))
-    state, metrics = _steps(learner, state, 3, max_lag=4)
+    config = _brace_config(microbatches=2)
+    learner, state = _setup(config, Sharder(build_mesh((2, 2, 2, 1))))
+    state, metrics = _steps(learner, state, 3, max_lag=4, rows=BRACE_ROWS)
     assert_steps_close(jax.tree.map(np.asarray, state), ref, start)
     m = reduce_metrics(metrics)
     for name in ("critic/target_shift", "critic/target_trace"):
