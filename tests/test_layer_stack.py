@@ -98,9 +98,12 @@ def test_scan_and_remat_equal_layer_loop(model_cls, scan, remat):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=str(path))
 
 
-@pytest.mark.parametrize("scan", [True, False], ids=["stacked", "per-layer"])
+@pytest.mark.parametrize("scan", [True], ids=["stacked"])
 def test_replay_under_scan_and_sharded(scan):
-    """Forced experts reach the right layer of the scanned run; 8 devices == 1."""
+    """Forced experts reach the right layer of the scanned run; 8 devices == 1. The layer
+    loop's forced experts: tests/test_stacked_decode.py test_forced_experts_through_the_
+    cache_path (shifted experts used, recorded, output changed), tests/test_model.py and
+    test_packing's grpo-replay-ppo; its sharded MoE dispatch is the scanned one's."""
     cfg = dataclasses.replace(CFG, scan_layers=scan)
     _, params = init_params(lambda: Policy(cfg, rngs=nnx.Rngs(0)), Sharder())
     tokens, pos, seg = _batch()
