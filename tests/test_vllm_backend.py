@@ -3,18 +3,25 @@
 One module-scoped vLLM server (the vLLM env of `make vllm-env`, 1 OpenMP thread, a small
 KV space, free ports) on a tiny Qwen3-MoE built here with transformers (no downloads), in
 the shapes vLLM's CPU kernels take (hidden and MoE widths multiples of 32, head_dim 64).
-Checked: token ids in and out (a non-canonical id sequence comes back as given and is
-continued), the recorded log-probs against the JAX model's recomputation on the same
-tokens, a weight publication moving the engine to the new weights, cancel; and a run:
+Checked: token ids in and out (a non-canonical tokenization of the harness tokenizer's
+text reaches vLLM unchanged, its prompt_token_ids, and is continued), the recorded
+log-probs against the JAX model's recomputation on the same tokens (one request, and the
+distribution over 32 x 64 sampled tokens with DIS's keep rate), the in-place weight sync
+(the same weights: bit-identical greedy tokens and log-probs, a request in flight
+interrupted; new weights: the engine follows them), cancel; and a run:
 configs/sao.py:smoke,vllm trains three async SAO updates with every rollout from vLLM
 (sampling.backend='vllm' through sao_jax/sampling/backend_factory.py), and the gateway
 (configs/harness.py:smoke on vLLM's shapes) answers a tool call from vLLM's tokens.
 
-Parity bound: vLLM runs bf16 (fp32 MoE is refused on CPU), the JAX reference fp32 on the
+Parity bounds: vLLM runs bf16 (fp32 MoE is refused on CPU), the JAX reference fp32 on the
 same bf16-rounded weights; bf16 activations carry a relative error of 2^-8 per rounding,
-which over two layers and logits of a few nats gives |delta logp| of a few 1e-2. The test
-asserts max |delta| < PARITY_TOL = 0.1 nats (and prints the median / max it measured);
-the publication changes log-probs by far more than that, so a skipped sync fails.
+which over two layers and logits of a few nats gives |delta logp| of a few 1e-2 (the
+median, PARITY_MEDIAN). A tail of ~0.5-0.7% of tokens is off by 0.25-1.5 nats: most
+likely a MoE top-2 choice that bf16 rounding flips (JAX's own bf16 pass routes 1.1% of
+these positions to other experts than its fp32 pass, a like rate), so the max is bounded
+loosely (PARITY_MAX) and the tail through p99 and DIS's keep rate. The update of the
+publication test moves the median log-prob by more than 4 x PARITY_P99, so a skipped
+sync fails.
 
 Without the vLLM env the module FAILS naming `make vllm-env` (a skip would check nothing).
 """
@@ -36,19 +43,26 @@ from sao_jax import train
 from sao_jax.config import load_config
 from sao_jax.models import hf
 from sao_jax.sampling import backend_factory
-from sao_jax.sampling.backend import GenerationError, GenRequest
+from sao_jax.sampling.backend import GenerationError, GenRequest, RequestInterrupted
 from sao_jax.sampling.vllm_config import VllmConfig
 from sao_jax.serve.gateway import GatewayConfig
 from sao_jax.serve.launch import serve
 from sao_jax.text.harness_tokenizer import CALCULATOR_TOOL
+from sao_jax.text.tokenizer import load_tokenizer
 from tests.serve_support import episodes, http
 
 pytestmark = pytest.mark.vllm  # out of the default run (pyproject.toml): pytest -m vllm
-PARITY_TOL = 0.1  # nats, bf16 engine vs fp32 recomputation (module docstring)
+# |delta logp| bounds (nats), bf16 engine vs fp32 recomputation (module docstring); measured
+# over 32 x 64 sampled tokens: median 0.013, p99 0.154, max 1.51
+PARITY_MEDIAN = 0.05
+PARITY_P99 = 0.25
+PARITY_MAX = 2.0  # ~0.7% of tokens are off by 0.25-1.5 nats (module docstring)
+DIS_KEEP = 0.99  # the DIS keep rate's bound (measured 0.9956)
+DIS_BAND = (0.7, 6.0)  # rl.losses.dis's kept ratio band (docs/method.md, section 2)
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VLLM_PYTHON = str(REPO / ".vllm-venv/bin/python")
 TINY = dict(
-    vocab_size=128,
+    vocab_size=512,  # the harness tokenizer's ids fit (non-canonical tokenization test)
     hidden_size=64,
     num_hidden_layers=2,
     num_attention_heads=2,
@@ -95,7 +109,7 @@ def served(tmp_path_factory):
     src = str(tmp_path_factory.mktemp("tiny"))
     _tiny_checkpoint(src)
     cfg, mdef, params = hf.load_hf_policy(src)
-    cfg_vllm = VllmConfig(python=VLLM_PYTHON, kv_cache_gib=1, max_num_seqs=4)
+    cfg_vllm = VllmConfig(python=VLLM_PYTHON, kv_cache_gib=1, max_num_seqs=8)
     workdir = str(tmp_path_factory.mktemp("vllm"))
     start = time.perf_counter()
     backend = VllmBackend(cfg_vllm, cfg, params, workdir=workdir, max_len=128, decode=_letters)
@@ -119,25 +133,110 @@ def test_token_ids_round_trip_and_logps_match_jax(served):
     want = _logp_of(mdef, exported, list(PROMPT) + result.token_ids)[len(PROMPT) - 1 :]
     delta = np.abs(np.asarray(result.rollout_logp) - want)
     print(f"|delta logp| median {np.median(delta):.4f} max {delta.max():.4f}")
-    assert delta.max() < PARITY_TOL, delta
+    assert np.median(delta) < PARITY_MEDIAN and delta.max() < PARITY_MAX, delta
+
+
+def _logp_batch(mdef, params, ids):
+    """log_softmax(logits[:, t - 1])[ids[:, t]] for t >= 1, fp32 ([B, T - 1])."""
+    logits = jax.jit(lambda p, t: mdef.bind(p)(t).out)(params, np.asarray(ids, np.int32))
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float32), axis=-1)
+    return np.take_along_axis(logp[:, :-1], np.asarray(ids)[:, 1:, None], axis=-1)[..., 0]
+
+
+def test_parity_distribution_and_dis_keep_rate(served):
+    """32 prompts x 64 sampled tokens (temperature 1): vLLM's recorded log-probs against
+    the learner's recomputation on the same tokens and weights; DIS keeps every token."""
+    backend, _, mdef, _, exported = served
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, TINY["vocab_size"], size=(32, 8)).tolist()
+    start = time.perf_counter()
+    handles = [backend.submit(GenRequest(tuple(p), max_tokens=64)) for p in prompts]
+    results = [h.future.result(timeout=600) for h in handles]
+    wall = time.perf_counter() - start
+    assert all(len(r.token_ids) == 64 and r.versions == [0] * 64 for r in results)
+    got = np.asarray([r.rollout_logp for r in results])  # [32, 64]
+    ids = np.asarray([p + r.token_ids for p, r in zip(prompts, results, strict=True)])
+    want = _logp_batch(mdef, exported, ids)[:, 7:]  # the 64 sampled tokens' log-probs
+    delta = np.abs(got - want)
+    ratio = np.exp(want - got)  # pi_learner / pi_engine, DIS's r_t
+    keep = np.mean((ratio > DIS_BAND[0]) & (ratio < DIS_BAND[1]))
+    med, p99, top = np.median(delta), np.quantile(delta, 0.99), delta.max()
+    print(
+        f"parity over {delta.size} tokens ({wall:.1f} s): |delta logp| median {med:.4f} "
+        f"p99 {p99:.4f} max {top:.4f}; ratio in [{ratio.min():.4f}, {ratio.max():.4f}]; "
+        f"DIS keep rate {keep:.4f}; tokens over {PARITY_P99}: {np.sum(delta > PARITY_P99)}"
+    )
+    assert med < PARITY_MEDIAN and p99 < PARITY_P99 and top < PARITY_MAX and keep >= DIS_KEEP
+
+
+def test_a_non_canonical_tokenization_reaches_the_engine_unchanged(served):
+    """A word fed as one id per character (ids the harness tokenizer never produces from
+    its text): vLLM holds exactly these ids (its prompt_token_ids) and continues from
+    them: its log-probs match the learner's on these ids, not on the canonical ones."""
+    backend, _, mdef, _, exported = served
+    tok = load_tokenizer("harness")
+    word = " calculator"
+    canonical = tok.encode("what is the" + word)
+    odd = tok.encode("what is the") + [i for ch in word for i in tok.encode(ch)]
+    assert tok.decode(odd) == tok.decode(canonical) and odd != canonical
+    assert tok.encode(tok.decode(odd)) == canonical  # the text never tokenizes to `odd`
+    assert max(odd + canonical) < TINY["vocab_size"]
+    handle = backend.submit(GenRequest(tuple(odd), max_tokens=8, temperature=0.0))
+    result = handle.future.result(timeout=60)
+    assert handle.engine_prompt_ids == odd and len(result.token_ids) == 8
+    got = np.asarray(result.rollout_logp)
+    want = _logp_of(mdef, exported, odd + result.token_ids)[len(odd) - 1 :]
+    other = _logp_of(mdef, exported, canonical + result.token_ids)[len(canonical) - 1 :]
+    off = np.abs(got - other)
+    print(f"non-canonical: {odd} vs {canonical}; |got - canonical's| median "
+          f"{np.median(off):.3f} max {off.max():.3f}")  # fmt: skip
+    assert np.median(np.abs(got - want)) < PARITY_MEDIAN
+    assert np.abs(got - want).max() < PARITY_MAX < off.max()  # greedy: 4.17 measured
+
+
+def test_an_in_place_sync_of_the_same_weights_changes_nothing(served):
+    """In-place sync (shared memory, vllm_worker_ext.py): reloading the very weights the
+    engine holds leaves greedy tokens and log-probs bit-identical (vLLM's own reload
+    alone moved them by up to 2.4 nats: the CPU MoE prepacking it skips); a request in
+    flight at the sync is interrupted with its streamed tokens standing."""
+    backend, _, _, params, _ = served
+    greedy = GenRequest(PROMPT, max_tokens=16, temperature=0.0)
+    before = backend.submit(greedy).future.result(timeout=60)
+    streamed = threading.Event()
+    long = backend.submit(GenRequest(PROMPT, max_tokens=110), lambda chunk: streamed.set())
+    assert streamed.wait(60)
+    start = time.perf_counter()
+    backend.publish(params, version=1)
+    print(f"in-place sync {time.perf_counter() - start:.2f} s (server: {backend.syncs[-1]})")
+    with pytest.raises(RequestInterrupted, match="synced in place"):
+        long.future.result(timeout=60)
+    assert backend.syncs[-1]["interrupted"] == [long.uid] and backend.version == 1
+    after = backend.submit(greedy).future.result(timeout=60)
+    assert after.versions == [1] * 16
+    assert after.token_ids == before.token_ids
+    assert after.rollout_logp == before.rollout_logp  # bit for bit
+    assert backend.stats()["active_requests"] == 0
 
 
 def test_publication_moves_the_engine_to_the_new_weights(served):
     backend, _, mdef, params, _ = served
     new = jax.tree.map(lambda x: x * 1.5, params)  # logits move by nats, not 1e-2
     start = time.perf_counter()
-    backend.publish(new, version=1)
+    backend.publish(new, version=2)
     print(f"publish {time.perf_counter() - start:.2f} s")
-    assert backend.version == 1
+    assert backend.version == 2
     result = backend.submit(GenRequest(PROMPT, max_tokens=8)).future.result(timeout=60)
-    assert result.versions == [1] * 8
+    assert result.versions == [2] * 8
     ids = list(PROMPT) + result.token_ids
     new_bf16 = jax.tree.map(lambda x: np.asarray(x, jax.numpy.bfloat16).astype(np.float32), new)
     want_new = _logp_of(mdef, new_bf16, ids)[len(PROMPT) - 1 :]
     want_old = _logp_of(mdef, params, ids)[len(PROMPT) - 1 :]
     got = np.asarray(result.rollout_logp)
-    assert np.abs(got - want_new).max() < PARITY_TOL
-    assert np.abs(want_new - want_old).max() > 5 * PARITY_TOL  # a skipped sync would fail
+    moved, off = np.abs(want_new - want_old), np.abs(got - want_new)
+    print(f"update moved log-probs by median {np.median(moved):.2f}, max {moved.max():.2f}; "
+          f"engine vs new weights median {np.median(off):.4f} max {off.max():.4f}")  # fmt: skip
+    assert np.median(off) < PARITY_MEDIAN and off.max() < PARITY_MAX
+    assert np.median(moved) > 4 * PARITY_P99  # a skipped sync fails
 
 
 def test_cancel_frees_the_request(served):

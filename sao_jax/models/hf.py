@@ -416,6 +416,22 @@ def _entries(cfg: ModelConfig, params: Params, layout: str, dtype) -> list[st.En
     ]
 
 
+def hf_entries(
+    cfg: ModelConfig, params: Params, *, layout: str = "per_expert", dtype: str | None = None
+) -> list[st.Entry]:
+    """The tensors `save_hf_checkpoint` writes (Hugging Face names, shapes, `dtype`), each
+    produced on the host only when asked: the one export mapping, for a file or for a
+    live engine's weight sync (sao_jax/sampling/backend_vllm.py)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    mdef = ModelDef.of(lambda: Policy(cfg, rngs=nnx.Rngs(0)))
+    check_params(params, mdef, what="hf_entries params")
+    dtype_name = dtype or cfg.param_dtype
+    if dtype_name not in _NP_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_NP_DTYPES)}, got {dtype_name!r}")
+    return _entries(cfg, params, layout, _NP_DTYPES[dtype_name])
+
+
 def save_hf_checkpoint(
     path: str,
     cfg: ModelConfig,
@@ -437,19 +453,13 @@ def save_hf_checkpoint(
     params' dtype. In a multi-process run every process must call this (gathers are
     collective); only process 0 writes. Refuses a directory that already holds weights.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    mdef = ModelDef.of(lambda: Policy(cfg, rngs=nnx.Rngs(0)))
-    check_params(params, mdef, what="save_hf_checkpoint params")
     dtype_name = dtype or cfg.param_dtype
-    if dtype_name not in _NP_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_NP_DTYPES)}, got {dtype_name!r}")
+    entries = hf_entries(cfg, params, layout=layout, dtype=dtype)
     path = os.fspath(path)
     if glob.glob(os.path.join(path, "*.safetensors")) or os.path.exists(
         os.path.join(path, INDEX_FILE)
     ):
         raise FileExistsError(f"save_hf_checkpoint: {path} already holds safetensors files")
-    entries = _entries(cfg, params, layout, _NP_DTYPES[dtype_name])
     shards = st.plan_shards(entries, max_shard_bytes)
     n = len(shards)
     names = (

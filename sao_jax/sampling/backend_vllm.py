@@ -12,13 +12,21 @@ its stdin, events on a pipe of their own (vLLM's logs go to `<workdir>/vllm.log`
   `logprobs_mode`), the value the learner recomputes. `sampled_logp` is the same value
   at temperature 1 without truncation, 0 under greedy, and NaN for other laws (not yet
   reported by this backend: docs/vllm.md, what remains).
-* `publish(params, version)`: the params are written in Hugging Face layout by
-  models/hf.py's `save_hf_checkpoint` (the one export mapping) to
-  `<workdir>/weights/v<version>/`, and the server is restarted on them (vLLM 0.32's
-  in-place reload corrupts this CPU model: `publish`'s docstring); requests in flight
-  fail with RequestInterrupted (their streamed tokens stand) and submissions wait for
-  the new server. A file, not shared memory: one code path with the checkpoint export.
-  `close()` deletes the exports.
+* `publish(params, version)` with `sampling.vllm.weight_sync='inplace'` (the default):
+  the params go through models/hf.py's `hf_entries` (the one export mapping: Hugging
+  Face names, shapes, `sampling.vllm.dtype`) into one flat buffer in shared memory
+  (a /dev/shm file; the workdir when /dev/shm lacks room), and the server loads them in
+  place between two engine steps (vllm_server.py, worker extension vllm_worker_ext.py).
+  Requests in flight fail with RequestInterrupted (their streamed tokens stand, the
+  caller resubmits the rest) and submissions wait for the sync; no token is sampled by
+  mixed weights and no KV block of the old weights is reused. Shared memory rather than
+  a file: no safetensors encoding, no disk, and the engine's tensors view the buffer
+  (one copy into the model). With `'restart'`: the export is written by
+  `save_hf_checkpoint` to `<workdir>/weights/v<version>/` and a new server starts on it
+  (the same interruption). `close()` deletes the exports.
+* The prompt vLLM holds (`prompt_token_ids`, sent back with a request's first tokens) is
+  checked against the ids sent (GenerationError if they differ) and kept on the handle
+  as `handle.engine_prompt_ids`.
 * `cancel()` aborts the request in vLLM (its KV blocks are freed) and resolves the future
   with 'cancelled' and the tokens sampled so far.
 * Stop strings: checked here on the streamed ids with the run's tokenizer (`decode`): the
@@ -34,6 +42,7 @@ import contextlib
 import itertools
 import json
 import math
+import mmap
 import os
 import shutil
 import signal
@@ -43,6 +52,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from sao_jax.models import hf
 from sao_jax.models.config import ModelConfig
@@ -57,6 +68,8 @@ from sao_jax.sampling.backend import (
 from sao_jax.sampling.vllm_config import VllmConfig, check_python
 
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_server.py")
+SHM = "/dev/shm"  # shared memory on Linux: a tmpfs whose files live in RAM
+ALIGN = 64  # bytes: each staged tensor starts on a cache line
 
 
 def free_port() -> int:
@@ -148,6 +161,8 @@ class VllmBackend:
         self._live: dict[str, _Live] = {}
         self._restarting = False
         self._ready = threading.Event()
+        self._synced = threading.Event()  # an in-place sync answered (or the server failed)
+        self.syncs: list[dict] = []  # the server's 'synced' events (seconds, interrupted)
         self._serving = threading.Event()  # set while a ready server takes requests
         self._version: int | None = None
         self._error: str | None = None
@@ -214,16 +229,75 @@ class VllmBackend:
                 self._send(op="cancel", id=handle.uid)
 
     def publish(self, params: Any, version: int) -> None:
-        """Exports `params` and restarts the engine on them; returns once it serves them.
+        """Hands `params` to the engine as `version`; returns once it serves them.
 
-        vLLM 0.32's in-place reload (`reload_weights`) corrupts this CPU model (reloading
-        the very same weights moved log-probs by up to 2.4 nats, docs/vllm.md), so this
-        slice restarts the server: requests in flight fail with RequestInterrupted (the
-        caller resubmits them from the tokens streamed so far: backend_engine.py) and no
-        token is ever sampled by mixed weights."""
+        In place (`weight_sync='inplace'`) or by a restart (module docstring): either way
+        requests in flight fail with RequestInterrupted (the caller resubmits them from
+        the tokens streamed so far: backend_engine.py), submissions wait, and no token is
+        sampled by mixed weights."""
         start = time.perf_counter()
         with self._lock:
             self._check_alive()
+        if self.cfg.weight_sync == "inplace":
+            self._sync_in_place(params, version)
+        else:
+            self._restart_on(params, version)
+        self.publish_s.append(time.perf_counter() - start)
+
+    def _sync_in_place(self, params: Any, version: int) -> None:
+        """Stages `params` in shared memory and has the server load them (module doc)."""
+        path, manifest = self._stage(params, version)
+        try:
+            with self._lock:
+                self._check_alive()
+                self._serving.clear()  # submissions wait for the sync (_wait_serving)
+                self._synced.clear()
+                self._send(op="load_weights", version=version, path=path, manifest=manifest)
+            if not self._synced.wait(self.cfg.startup_timeout_s):
+                with self._lock:
+                    self._error = (
+                        f"no answer to weights v{version} in {self.cfg.startup_timeout_s} s"
+                    )
+            with self._lock:
+                self._check_alive()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            self._serving.set()  # waiting submissions go on, or hear of the failure
+
+    def _stage(self, params: Any, version: int) -> tuple[str, list[dict]]:
+        """Writes the export's tensors into one flat buffer file (shared memory when
+        /dev/shm has room for it twice, else the workdir); returns its path and the
+        manifest (name, dtype, shape, byte offset) the worker extension reads."""
+        entries = hf.hf_entries(self.model_cfg, params, dtype=self.cfg.dtype)
+        manifest, size = [], 0
+        for e in entries:
+            manifest.append(
+                dict(name=e.name, dtype=self.cfg.dtype, shape=list(e.shape), offset=size)
+            )
+            size += -(-e.nbytes // ALIGN) * ALIGN
+        name = f"sao-vllm-{os.getpid()}-{id(self):x}-v{version}.bin"
+        shm_ok = os.path.isdir(SHM) and shutil.disk_usage(SHM).free > 2 * size
+        path = os.path.join(SHM if shm_ok else os.path.join(self._workdir, "weights"), name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path, "w+b") as f:
+                f.truncate(max(size, 1))
+                with mmap.mmap(f.fileno(), max(size, 1)) as buf:
+                    for e, t in zip(entries, manifest, strict=True):
+                        arr = np.ascontiguousarray(np.asarray(e.produce()).astype(e.dtype))
+                        if arr.shape != tuple(e.shape):
+                            raise ValueError(f"{e.name}: produced {arr.shape}, declared {e.shape}")
+                        buf[t["offset"] : t["offset"] + e.nbytes] = arr.reshape(-1).view(np.uint8)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        self.counters["staged_in_shm" if shm_ok else "staged_in_workdir"] += 1
+        return path, manifest
+
+    def _restart_on(self, params: Any, version: int) -> None:
+        """Exports `params` and restarts the server on them (weight_sync='restart')."""
         path = self._export(params, version)
         with self._lock:  # submissions wait for the new server (_wait_serving)
             self._serving.clear()
@@ -236,7 +310,6 @@ class VllmBackend:
             self._start(path, version)
         finally:
             self._restarting = False
-        self.publish_s.append(time.perf_counter() - start)
         self._prune_weights(keep=path)
 
     @property
@@ -267,6 +340,7 @@ class VllmBackend:
                 return
             self._closed = True
             self._serving.set()  # submissions waiting for a restart hear of the close
+            self._synced.set()  # so does a publication waiting for its sync
         self._stop()
         self._fail_all("the backend is closed")
         self._log.close()
@@ -376,6 +450,12 @@ class VllmBackend:
                 self._ready.set()
             elif op == "tokens":
                 self._on_tokens(event)
+            elif op == "synced":
+                with self._lock:
+                    self._version = event["version"]
+                    self.syncs.append(event)
+                self._fail_all(f"weights v{event['version']} synced in place", RequestInterrupted)
+                self._synced.set()
             elif op == "error":
                 live = None
                 with self._lock:
@@ -385,6 +465,7 @@ class VllmBackend:
                 else:
                     with self._lock:
                         self._error = event["message"]
+                    self._synced.set()
         code = proc.wait()
         with self._lock:  # the server ended
             if self._closed or self._restarting:
@@ -392,6 +473,7 @@ class VllmBackend:
             if self._error is None:
                 self._error = f"exited with code {code}"
         self._ready.set()
+        self._synced.set()
         self._fail_all(self._error)
 
     def _on_tokens(self, event: dict) -> None:
@@ -401,6 +483,15 @@ class VllmBackend:
             live = self._live.get(event["id"])
             if live is None:
                 return
+            seen = event.get("prompt_ids")
+            if seen is not None:
+                live.handle.engine_prompt_ids = seen
+                if seen != list(live.handle.request.prompt_ids):
+                    del self._live[event["id"]]
+                    live.handle.future.set_exception(
+                        GenerationError(f"vLLM holds prompt ids {seen[:8]}..., not the ids sent")
+                    )
+                    return
             stops = live.handle.request.stop_strings
             end = stop_string_end(self._decode, live.ids, ids, stops) if stops else None
             if end is not None:  # the completion holds a stop string: it ends here

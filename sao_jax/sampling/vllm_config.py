@@ -23,6 +23,7 @@ from sao_jax.schema import ConfigError
 
 FIELDS = ("backend", "vllm")  # in the `sampling` section
 BACKENDS = ("native", "vllm")
+WEIGHT_SYNCS = ("inplace", "restart")  # how a publication reaches the engine (docs/vllm.md)
 DTYPES = ("bfloat16", "float16", "float32")  # vLLM's CPU MoE refuses float32 (docs/vllm.md)
 SETUP_HINT = "run `make vllm-env` (docs/vllm.md)"
 
@@ -40,6 +41,8 @@ class VllmConfig:
     omp_threads: int = 1  # OpenMP threads of the engine (OMP_NUM_THREADS)
     max_num_seqs: int = 16  # requests decoded together
     startup_timeout_s: float = 300.0  # engine start (load + warm-up) before a clear error
+    weight_sync: str = "inplace"  # a publication: 'inplace' (shared memory, worker
+    # extension: sampling/vllm_worker_ext.py) or 'restart' (a new server on the export)
 
 
 def section() -> ConfigDict:
@@ -69,6 +72,11 @@ def vllm_config(section: ConfigDict | dict | None) -> VllmConfig:
         raise ConfigError(f"config field sampling.vllm.python: must be a path, got {cfg.python!r}")
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"config field sampling.vllm.dtype: {cfg.dtype!r} is not one of {DTYPES}")
+    if cfg.weight_sync not in WEIGHT_SYNCS:
+        raise ConfigError(
+            f"config field sampling.vllm.weight_sync: {cfg.weight_sync!r} is not one of "
+            f"{WEIGHT_SYNCS}"
+        )
     _positive("max_model_len", cfg.max_model_len, allow_zero=True)
     _positive("port", cfg.port, allow_zero=True)
     if cfg.port > 65535:
