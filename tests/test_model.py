@@ -78,7 +78,7 @@ def test_dispatch_matches_dense_reference():
         assert_pass_close(got, want, err_msg=fn.__name__)
     # Expert-parallel dispatch on 8 fake devices equals the local computation. Data x
     # tensor without fsdp (2, 1, 2, 2) shards tokens and experts as (1, 2, 2, 2) does, only
-    # without the weights' fsdp split: inside tests/test_update.py's sharded PPO update step.
+    # without the weights' fsdp split: inside tests/test_value_pretrain.py's sharded critic.
     for shape in MESHES[:3]:
         sharder = Sharder(build_mesh(shape))
         for impl in ("ragged", "dense"):
