@@ -49,3 +49,21 @@ def test_wrong_answers_and_truncation_score_zero(prompts):
         env.reset(p)
         results = [env.step(t) for t, m in segments if m]
         assert results[-1].done and results[-1].reward == 0.0
+
+
+def test_schema_free_demonstrations_and_the_answer_tokenized_as_the_result(prompts):
+    """A schema-free demonstration is the same episode without the tool schema in its
+    context; the final answer is the result's text, so its tokens equal the tool result's
+    (the policy copies tokens, it does not re-tokenize)."""
+    from sao_jax.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("harness")
+    for p in prompts:
+        full = task.demonstration(p, np.random.default_rng(3), error_rate=0.0)
+        free = task.demonstration(p, np.random.default_rng(3), error_rate=0.0, schema_free_rate=1.0)
+        assert "<tools>" in full[0][0] and "<tools>" not in free[0][0]
+        assert full[1:] == free[1:]  # the same turns and observations
+        answer = tok.encode(full[3][0].removesuffix(task.harness_chat().eos_text))
+        assert answer == tok.encode(str(p.answer))
+        shown = tok.encode(full[2][0])  # the tool's result, as the observation shows it
+        assert any(shown[i : i + len(answer)] == answer for i in range(len(shown)))

@@ -39,6 +39,7 @@ TIMEOUT_S = flags.DEFINE_integer("timeout_s", 900, "per run")
 
 VARIANT = {"gateway": "", "inprocess": "inprocess,"}
 SUCCESS = "eval/greedy_success"
+SAMPLED = "eval/sampled_success"  # the same held-out prompts sampled at the run's law
 EV_KEYS = ("critic/ev_pre_update",)  # the critic's EV on a batch before its update
 KEEP_KEYS = ("policy/keep_rate",)  # the DIS mask's kept share of action tokens
 VP_EV = "value_pretrain/heldout/explained_variance"
@@ -73,6 +74,8 @@ def summarize(workdir: pathlib.Path) -> dict:
     return {
         "before": evals[0][SUCCESS] if evals else math.nan,
         "after": evals[-1][SUCCESS] if len(evals) > 1 else math.nan,
+        "sampled_before": evals[0].get(SAMPLED, math.nan) if evals else math.nan,
+        "sampled_after": evals[-1].get(SAMPLED, math.nan) if len(evals) > 1 else math.nan,
         "critic_ev": _mean_of(rl, ev_key),
         "ev_key": ev_key,
         "keep_rate": _mean_of(rl, keep_key),
@@ -109,30 +112,37 @@ def _pct(x: float) -> str:
 
 def table(runs: list[dict]) -> str:
     lines = [
-        "| row | seeds | success before (%) | after (%) | after - before, paired (pp ± SE [95% t]) "
-        "| MDD (pp) | critic EV | DIS keep rate | RL steps | wall per run (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| row | success | seeds | before (%) | after (%) | after - before, paired "
+        "(pp ± SE [95% t]) | MDD (pp) | critic EV | DIS keep rate | RL steps | wall per run (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in ("gateway", "inprocess"):
         rs = [r for r in runs if r["row"] == row and r["rc"] == 0]  # failed runs: per seed only
         if not rs:
             continue
-        before = {r["seed"]: r["before"] for r in rs}
-        after = {r["seed"]: r["after"] for r in rs}
-        d = compare.paired_difference(after, before)
-        lines.append(
-            f"| {row} | {len(rs)} | {_pct(np.nanmean(list(before.values())))} "
-            f"| {_pct(np.nanmean(list(after.values())))} | {compare.fmt_difference(d)} "
-            f"| {compare.fmt_mdd(d)} | {np.nanmean([r['critic_ev'] for r in rs]):.3f} "
-            f"| {np.nanmean([r['keep_rate'] for r in rs]):.3f} "
-            f"| {max(r['steps'] for r in rs)} | {np.mean([r['wall_s'] for r in rs]):.0f} |"
-        )
-    per_seed = ["", "| row | seed | before (%) | after (%) | RL batches' success (%) "
-                "| value pretraining held-out EV | critic EV | keep rate | rc | wall (s) |",
-                "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for kind, b_key, a_key in (("greedy", "before", "after"),
+                                   ("sampled", "sampled_before", "sampled_after")):  # fmt: skip
+            before = {r["seed"]: r.get(b_key, math.nan) for r in rs}
+            after = {r["seed"]: r.get(a_key, math.nan) for r in rs}
+            if not all(map(math.isfinite, [*before.values(), *after.values()])):
+                continue  # runs from before the sampled columns
+            d = compare.paired_difference(after, before)
+            lines.append(
+                f"| {row} | {kind} | {len(rs)} | {_pct(np.nanmean(list(before.values())))} "
+                f"| {_pct(np.nanmean(list(after.values())))} | {compare.fmt_difference(d)} "
+                f"| {compare.fmt_mdd(d)} | {np.nanmean([r['critic_ev'] for r in rs]):.3f} "
+                f"| {np.nanmean([r['keep_rate'] for r in rs]):.3f} "
+                f"| {max(r['steps'] for r in rs)} | {np.mean([r['wall_s'] for r in rs]):.0f} |"
+            )
+    per_seed = ["", "| row | seed | greedy before (%) | after (%) | sampled before (%) "
+                "| after (%) | RL batches' success (%) | value pretraining held-out EV "
+                "| critic EV | keep rate | rc | wall (s) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in runs:
         per_seed.append(
             f"| {r['row']} | {r['seed']} | {_pct(r['before'])} | {_pct(r['after'])} "
+            f"| {_pct(r.get('sampled_before', math.nan))} "
+            f"| {_pct(r.get('sampled_after', math.nan))} "
             f"| {_pct(r['train_success'])} | {r['vp_heldout_ev']:.3f} | {r['critic_ev']:.3f} "
             f"| {r['keep_rate']:.3f} | {r['rc']} | {r['wall_s']} |"
         )

@@ -45,6 +45,13 @@ def _load_agent():
 
 
 AGENT = _load_agent()  # TOOL, SYSTEM, calculator, reward: the harness's own definitions
+# Share of SFT demonstrations whose context leaves the tool schema (~280 of ~310 prompt
+# tokens) out. With the schema in every demonstration the tiny policy learned the call's
+# format but never found the prompt's expression behind the schema (0 of 154 calls copied
+# it; results/harness_demo/README.md); the copy learned on short contexts is a
+# relative-position circuit (RoPE) that carries over to the full one, where the agent's
+# episodes and the evaluation always have the schema.
+SCHEMA_FREE_RATE = 0.5
 
 
 def expression_of(prompt: Prompt) -> str:
@@ -116,16 +123,26 @@ def harness_chat() -> ChatFormat:
     return ChatFormat(qwen3_tools_template(), EOS_TOKEN)
 
 
-def demonstration(prompt: Prompt, rng: np.random.Generator, *, error_rate: float = 0.0, chat=None):
+def demonstration(
+    prompt: Prompt,
+    rng: np.random.Generator,
+    *,
+    error_rate: float = 0.0,
+    schema_free_rate: float = 0.0,
+    chat=None,
+):
     """(text, is_model_turn) segments of one agent episode (module docstring); model turns
-    end with the eos text, the observations start after it."""
+    end with the eos text, the observations start after it. With probability
+    `schema_free_rate` the context leaves the tool schema out (SCHEMA_FREE_RATE)."""
     chat = chat or harness_chat()
     env = CalculatorAgentEnv(chat=chat)
+    if schema_free_rate > 0 and rng.random() < schema_free_rate:
+        env.tool_schemas = None
     answer = int(prompt.answer)
     bad = rng.random() < error_rate
     kind = ("guess", "typo")[int(rng.integers(2))] if bad else "correct"
     wrong = answer + int(rng.choice([-1, 1])) * int(rng.integers(1, 10))
-    final = f"The answer is {wrong if kind != 'correct' else answer}."
+    final = str(wrong if kind != "correct" else answer)  # tokenized as the tool's result is
     turns = [final] if kind == "guess" else [call_text(expression_of(prompt)), final]
     segments = [(env.reset(prompt), False)]
     for turn in turns:
@@ -140,6 +157,6 @@ TASK = register_task(
     "calculator_agent",
     env=CalculatorAgentEnv,
     prompts=task_prompts,
-    demonstrations=demonstration,
+    demonstrations=functools.partial(demonstration, schema_free_rate=SCHEMA_FREE_RATE),
     chat=True,
 )
