@@ -9,8 +9,11 @@ is the answer. `CalculatorAgentEnv` is that loop as an `Env` on the run's chat t
 same tool, the same reward (the agent's own functions, loaded from its file), so a
 policy trained or measured here sees what the agent shows it. `demonstration` writes the
 agent's episodes as SFT segments: one `<tool_call>` with the prompt's expression, the
-result, then "The answer is N."; with probability `error_rate` an imperfect one (no call
-and a wrong number, or a right call and a wrong final number) for RL's headroom.
+result, then the number alone (written as the result is, so its tokens are the result's:
+"The answer is N." split it differently, ' 3','32','8' for the result's '33','28', so the
+copy was a re-tokenization; not measured apart); with probability `error_rate` an
+imperfect one (no call and a wrong number, or a right call and a wrong final number) for
+RL's headroom.
 
   --config.env.name=experiments.harness_demo.task:TASK   (configs/harness.py sets it)
 """
