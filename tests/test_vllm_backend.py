@@ -282,7 +282,7 @@ def test_a_server_that_dies_fails_its_requests_naming_it(served, tmp_path):
 
 def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):
     """configs/sao.py:smoke,vllm: SFT, value pretraining and three async SAO updates, every
-    rollout from vLLM (one server per rollouts source, restarted on each publication);
+    rollout from vLLM (one server per rollouts source, each publication synced in place);
     the staleness cap (1) makes the last update's batch come from published weights."""
     built, published, taken, backends = [], [], [], []
     build = backend_factory.build_backend
