@@ -79,6 +79,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def staged_size(entries) -> int:
+    """Bytes of the buffer `stage_weights` writes for `entries`."""
+    return sum(_aligned(e.nbytes) for e in entries)
+
+
+def stage_weights(entries, path: str, dtype: str) -> list[dict]:
+    """Writes `entries` (models/hf.py hf_entries, produced one at a time) into one flat
+    buffer file at `path`, each tensor ALIGN-byte aligned; returns the manifest
+    (name, dtype, shape, offset) that sampling/vllm_worker_ext.py reads. The file is
+    removed if a tensor fails."""
+    manifest, size = [], 0
+    for e in entries:
+        manifest.append(dict(name=e.name, dtype=dtype, shape=list(e.shape), offset=size))
+        size += _aligned(e.nbytes)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with open(path, "w+b") as f:
+            f.truncate(max(size, 1))
+            with mmap.mmap(f.fileno(), max(size, 1)) as buf:
+                for e, t in zip(entries, manifest, strict=True):
+                    arr = np.ascontiguousarray(np.asarray(e.produce()).astype(e.dtype))
+                    if arr.shape != tuple(e.shape):
+                        raise ValueError(f"{e.name}: produced {arr.shape}, declared {e.shape}")
+                    buf[t["offset"] : t["offset"] + e.nbytes] = arr.reshape(-1).view(np.uint8)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    return manifest
+
+
 class _Live:
     """A request in flight: its handle, stream callback and the records so far."""
 
@@ -266,33 +301,14 @@ class VllmBackend:
             self._serving.set()  # waiting submissions go on, or hear of the failure
 
     def _stage(self, params: Any, version: int) -> tuple[str, list[dict]]:
-        """Writes the export's tensors into one flat buffer file (shared memory when
-        /dev/shm has room for it twice, else the workdir); returns its path and the
-        manifest (name, dtype, shape, byte offset) the worker extension reads."""
+        """The params' export staged for the worker extension (`stage_weights`): in
+        /dev/shm when it has room for the buffer twice, else in the workdir."""
         entries = hf.hf_entries(self.model_cfg, params, dtype=self.cfg.dtype)
-        manifest, size = [], 0
-        for e in entries:
-            manifest.append(
-                dict(name=e.name, dtype=self.cfg.dtype, shape=list(e.shape), offset=size)
-            )
-            size += -(-e.nbytes // ALIGN) * ALIGN
-        name = f"sao-vllm-{os.getpid()}-{id(self):x}-v{version}.bin"
+        size = staged_size(entries)
         shm_ok = os.path.isdir(SHM) and shutil.disk_usage(SHM).free > 2 * size
-        path = os.path.join(SHM if shm_ok else os.path.join(self._workdir, "weights"), name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            with open(path, "w+b") as f:
-                f.truncate(max(size, 1))
-                with mmap.mmap(f.fileno(), max(size, 1)) as buf:
-                    for e, t in zip(entries, manifest, strict=True):
-                        arr = np.ascontiguousarray(np.asarray(e.produce()).astype(e.dtype))
-                        if arr.shape != tuple(e.shape):
-                            raise ValueError(f"{e.name}: produced {arr.shape}, declared {e.shape}")
-                        buf[t["offset"] : t["offset"] + e.nbytes] = arr.reshape(-1).view(np.uint8)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            raise
+        folder = SHM if shm_ok else os.path.join(self._workdir, "weights")
+        path = os.path.join(folder, f"sao-vllm-{os.getpid()}-{id(self):x}-v{version}.bin")
+        manifest = stage_weights(entries, path, self.cfg.dtype)
         self.counters["staged_in_shm" if shm_ok else "staged_in_workdir"] += 1
         return path, manifest
 
@@ -488,6 +504,9 @@ class VllmBackend:
                 live.handle.engine_prompt_ids = seen
                 if seen != list(live.handle.request.prompt_ids):
                     del self._live[event["id"]]
+                    if event["finish"] is None and not self._closed and self._error is None:
+                        with contextlib.suppress(GenerationError):  # frees its slot
+                            self._send(op="cancel", id=event["id"])
                     live.handle.future.set_exception(
                         GenerationError(f"vLLM holds prompt ids {seen[:8]}..., not the ids sent")
                     )
