@@ -61,10 +61,13 @@ def _in_process_compilation_cache(jax_cache_dir):
     """Every test's in-process programs go through the session's cache too: many modules
     compile the same tiny programs (a fresh jit of the same function on the same shapes
     misses JAX's in-memory cache but hits this one)."""
-    from tests import train_support as ts
+    from jax.experimental.compilation_cache import compilation_cache
 
-    with ts.persistent_compilation_cache(jax_cache_dir):
-        yield
+    jax.config.update("jax_compilation_cache_dir", str(jax_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()  # re-reads the settings at the next compile
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,10 @@ def cpu_experts(model: torch.nn.Module):
     """(layer, experts) for each MoE layer whose kernel is vLLM's CPU unquantized one;
     RuntimeError naming any other experts kernel (its post-load processing is not
     known here: `sampling.vllm.weight_sync='restart'`)."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    try:  # vLLM's own environment (.vllm-venv, make vllm-env), never the run's
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError as e:
+        raise RuntimeError(f"vllm_worker_ext runs inside vLLM's worker: {e}") from e
 
     for layer in model.modules():
         kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
@@ -78,7 +81,10 @@ def redo_cpu_moe_prepack(layers) -> int:
     """Prepacks each CPU MoE layer's w13/w2 (as loaded: the checkpoint's layout) into the
     CPU kernel's layout, in place; returns how many layers. ZenTorch layers read the
     plain layout and are left alone."""
-    from vllm._custom_ops import cpu_prepack_moe_weight
+    try:  # vLLM's own environment, as above
+        from vllm._custom_ops import cpu_prepack_moe_weight
+    except ImportError as e:
+        raise RuntimeError(f"vllm_worker_ext runs inside vLLM's worker: {e}") from e
 
     n = 0
     for layer, experts in layers:
