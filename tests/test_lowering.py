@@ -20,7 +20,7 @@ critic, remat 'full', scanned layers, 1024-token chunked log-probs, DIS, the rec
 microbatches) for 128 rows of 4096 tokens: the recipe's length bucket, the shortest update
 shape it compiles (the kernels' blocks do not change with T). On GPU its attention is the
 blockwise kernel: 'auto' picks cuDNN there, which jax cannot trace without the CUDA
-backend (test_cudnn_attention_lowers_for_cuda skips, saying so).
+backend (test_cudnn_attention_for_cuda_is_called_as_the_recipe_needs checks the call).
 """
 
 import dataclasses
@@ -172,19 +172,43 @@ def test_weight_sync_lowers(platform_name, gpus):
     assert f'"hosts"={n // HOST[platform_name]}, "local"={HOST[platform_name]}' in text
 
 
-def test_cudnn_attention_lowers_for_cuda():
-    """cuDNN flash attention as the GPU update step calls it (bf16, GQA, row lengths)."""
-    q = jax.ShapeDtypeStruct((2, 4096, 32, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 4096, 4, 128), jnp.bfloat16)
-    pos = jax.ShapeDtypeStruct((2, 4096), jnp.int32)
-    build = lambda: jax.jit(functools.partial(backends.cudnn_attention, block=512))
+def test_cudnn_attention_for_cuda_is_called_as_the_recipe_needs(monkeypatch):
+    """cuDNN flash attention as the GPU update step calls it (bf16, GQA, row lengths).
+
+    The recipe's 'auto' picks cuDNN on GPU at its block; `jax.nn.dot_product_attention(
+    implementation='cudnn')` checks the installed cuDNN while tracing, so on a host without
+    CUDA (CI) the lowering fails with a LoweringError naming the program, the platform and
+    cuDNN. The call's arguments are read through a spy that traces the same call through
+    XLA: the whole program (the cuDNN branch and the blockwise fallback) lowers for CUDA."""
+    cfg = ModelConfig.from_config(recipe.get_config("gpus=8").model)
+    got = backends.resolve(cfg.attention_impl, cfg.dtype, "gpu", length=UPDATE_LENGTH,
+                           block=cfg.attention_block)  # fmt: skip
+    assert got == ("cudnn", 512)
+    b, n, kh, h = 2, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = jax.ShapeDtypeStruct((b, UPDATE_LENGTH, n, h), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, UPDATE_LENGTH, kh, h), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((b, UPDATE_LENGTH), jnp.int32)
+    build = lambda: jax.jit(functools.partial(backends.cudnn_attention, block=got[1]))
     try:
         exported = platform.lower("cuDNN attention", "cuda", build, q, kv, kv, pos, pos)
-    except platform.LoweringError as e:
-        if "cuDNN is not detected" not in str(e):
-            raise
-        pytest.skip(
-            "cuDNN attention needs the CUDA backend to lower: jax.nn.dot_product_attention("
-            "implementation='cudnn') checks the installed cuDNN version while tracing"
-        )
-    assert "cudnn" in _mlir(exported)
+    except platform.LoweringError as e:  # no CUDA here
+        assert str(e).startswith("cuDNN attention for cuda: ") and "cuDNN" in str(e), e
+    else:  # a host with CUDA and cuDNN
+        assert "cudnn" in _mlir(exported)
+
+    calls, real = [], jax.nn.dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape, k.shape, v.shape, q.dtype, kw))
+        return real(q, k, v, **{**kw, "implementation": "xla"})
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    exported = platform.lower("cuDNN attention", "cuda", build, q, kv, kv, pos, pos)
+    ((qs, ks, vs, dtype, kw),) = calls
+    assert (qs, ks, vs, dtype) == (q.shape, kv.shape, kv.shape, jnp.bfloat16)  # GQA: 32 / 4
+    assert kw["implementation"] == "cudnn" and kw["is_causal"] is True
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):  # one length per row
+        assert (kw[name].shape, kw[name].dtype) == ((b,), jnp.int32), name
+    assert exported.out_avals[0].shape == q.shape
+    assert exported.out_avals[0].dtype == jnp.bfloat16
+    assert "stablehlo.case" in _mlir(exported)  # the layout check picks cuDNN or blockwise
