@@ -4,8 +4,9 @@ a JSONL, the README's fields, the export.
 A tiny random Qwen3-MoE checkpoint saved by transformers (hidden 48, its own eos / pad ids
 and max_position_embeddings), a `tokenizers`-built byte-level BPE tokenizer with a
 Qwen3-like chat template in the same folder, and 64 problems with \boxed{} answers in a
-JSONL file. Through `sao-train`'s module (`sao_jax.experiments.train`, in a subprocess)
-with only the README's "Train on your own data" fields:
+JSONL file. Through the installed console scripts (sao-train, sao-export) of a wheel
+built from this checkout, run outside it with only the installed copy on the path, and
+with only the README's "Train on your own data" fields (one training process):
 
 * a few SAO steps run (init.tokenizer left at its default: the checkpoint's), logging the
   start-up summary, writing samples.jsonl and W&B rows (a fake `wandb` package, offline),
@@ -19,9 +20,6 @@ with only the README's "Train on your own data" fields:
 Its start-up refusals (an HF init whose folder holds no tokenizer, a prompt longer than
 max_len, ...) are tests/test_preflight.py's, in process; the one line and exit 2 of a
 refusal, tests/test_cli_errors.py's.
-
-The same again through the installed console scripts (sao-train, sao-export) of a wheel
-built from this checkout, run outside it with only the installed copy on the path.
 """
 
 import json
@@ -49,7 +47,6 @@ from tests.chat_support import write_jsonl, write_tokenizer
 pytestmark = pytest.mark.slow
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = ("sao_jax", "configs", "experiments", "pyproject.toml", "README.md", "LICENSE")
-TRAIN = "sao_jax.experiments.train"  # the module of the sao-train console script
 # A stand-in `wandb` package (the real one is optional and not a test dependency): it
 # records init / log / finish calls as JSON lines in $FAKE_WANDB_LOG.
 FAKE_WANDB = """import json, os
@@ -169,63 +166,97 @@ def _tree(root: pathlib.Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
-def test_train_and_export_from_the_checkout(inputs, tmp_path, jax_cache_dir):
+def _wheel(tmp: pathlib.Path) -> pathlib.Path:
+    """A wheel of this checkout, built from a copy (the build writes build/ beside it)."""
+    src = tmp / "src"
+    src.mkdir()
+    for name in (*SHIPPED, "requirements.txt"):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO / name, src / name)
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+           "-w", str(tmp / "dist"), str(src)]  # fmt: skip
+    _run(cmd, tmp, dict(os.environ))
+    return next((tmp / "dist").glob("sao_jax-*.whl"))
+
+
+def test_installed_entry_points_train_and_export_outside_the_checkout(
+    inputs, tmp_path, jax_cache_dir
+):
+    """One training process (the installed sao-train, outside the checkout, a fake wandb
+    on the path), its re-run, the export with the source checkpoint moved away (sao-export)
+    and a missing config file (exit 2); the checkout's `sao_jax.experiments` alias, in
+    process (the same modules as `python -m experiments.train`, tests/test_train.py)."""
+    import sao_jax.experiments.train as checkout_train
+
+    assert pathlib.Path(checkout_train.__file__) == REPO / "experiments" / "train.py"
     _, ckpt, data = inputs
-    workdir, out_dir = tmp_path / "run", tmp_path / "export"
+    wheel = _wheel(tmp_path)
+    site = tmp_path / "site"
+    _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+          "--target", str(site), str(wheel)], tmp_path, dict(os.environ))  # fmt: skip
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}  # the installed copy only, not the checkout
+    where = _run([sys.executable, "-c", "import sao_jax.configs.sao as m; print(m.__file__)"],
+                 outside, env)  # fmt: skip
+    assert where.strip().startswith(str(site))
     fake = tmp_path / "fake_site"
     (fake / "wandb").mkdir(parents=True)
     (fake / "wandb" / "__init__.py").write_text(FAKE_WANDB)
     wandb_log = tmp_path / "wandb_calls.jsonl"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{fake}"}
-    env["FAKE_WANDB_LOG"] = str(wandb_log)
+    env.update(PYTHONPATH=f"{site}{os.pathsep}{fake}", FAKE_WANDB_LOG=str(wandb_log))
 
+    workdir, out_dir = outside / "run", outside / "export"
     wandb = ["--config.train.wandb_project=sao-e2e", "--config.train.wandb_mode=offline"]
-    cmd = [sys.executable, "-m", TRAIN, *_flags(ckpt, data, *wandb), f"--workdir={workdir}"]
+    cmd = [sys.executable, str(site / "bin" / "sao-train"), *_flags(ckpt, data, *wandb),
+           f"--workdir={workdir}"]  # fmt: skip
     with ts.persistent_compilation_cache(jax_cache_dir) as cache_env:
         env.update(cache_env)
-        log = _run(cmd, REPO, env)
-        summary = json.loads((workdir / "summary.json").read_text())
-        assert summary["steps"] == 2 and "eval/greedy_success" in summary["after"], log
-        # The start-up summary, before anything compiles.
-        lines = [line.split(" ", 1)[1] for line in log.splitlines() if line[:1].isdigit()]
-        assert lines[0].startswith(f"checking the config and the inputs (workdir {workdir})")
-        assert lines[1] == f"init.tokenizer: the checkpoint's ({ckpt})"
-        lines = lines[2:]
-        heads = [line.split(":")[0] for line in lines[:7]]
-        assert heads == ["model", "tokenizer", "template", "prompts", "lengths", "devices",
-                         "building the policy, the critic and the learner"], lines  # fmt: skip
-        assert f"model: checkpoint {ckpt}: 2 layers, hidden 48, 4 experts top-2" in lines[0]
-        assert f"tokenizer: {ckpt}: " in lines[1] and "(chat_template)" in lines[2]
-        assert "prompts: 58 training rows of" in lines[3], lines[3]
-        # The workdir: the model it trained, copies of its sources, rollout samples.
-        stored = json.loads((workdir / "config.json").read_text())
-        source = json.loads((ckpt / "config.json").read_text())
-        want = ModelConfig.from_hf(source)
-        assert {k: stored["model"][k] for k in ("vocab_size", "hidden_size", "num_experts")} == {
-            "vocab_size": want.vocab_size, "hidden_size": 48, "num_experts": 4,
-        }  # fmt: skip
-        assert stored["init"]["tokenizer"] == str(ckpt)  # the checkpoint's, by default
-        assert (workdir / "tokenizer" / "tokenizer.json").is_file()
-        assert json.loads((workdir / "hf_base" / "config.json").read_text()) == source
-        samples = [json.loads(x) for x in (workdir / "samples.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in samples] == [2] * 4  # train.samples_per_log per log step
-        assert "<|im_start|>user" in samples[0]["prompt"] and samples[0]["turns"]
-        calls = [json.loads(x) for x in wandb_log.read_text().splitlines()]
-        assert calls[0][0] == "init" and calls[0][1]["mode"] == "offline"
-        assert [c[1] for c in calls if c[0] == "log"] == [0, 2, 2]  # eval, train, eval
-        assert calls[-1] == ["finish"]
-        # Again: nothing to do, nothing written.
-        before = _tree(workdir)
-        again = _run(cmd, REPO, env)
-        assert "already finished at step 2 (train.total_steps=2): nothing to do" in again
-        assert _tree(workdir) == before
+        log = _run(cmd, outside, env)
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 2 and "eval/greedy_success" in summary["after"], log
+    # The start-up summary, before anything compiles.
+    lines = [line.split(" ", 1)[1] for line in log.splitlines() if line[:1].isdigit()]
+    assert lines[0].startswith(f"checking the config and the inputs (workdir {workdir})")
+    assert lines[1] == f"init.tokenizer: the checkpoint's ({ckpt})"
+    lines = lines[2:]
+    heads = [line.split(":")[0] for line in lines[:7]]
+    assert heads == ["model", "tokenizer", "template", "prompts", "lengths", "devices",
+                     "building the policy, the critic and the learner"], lines  # fmt: skip
+    assert f"model: checkpoint {ckpt}: 2 layers, hidden 48, 4 experts top-2" in lines[0]
+    assert f"tokenizer: {ckpt}: " in lines[1] and "(chat_template)" in lines[2]
+    assert "prompts: 58 training rows of" in lines[3], lines[3]
+    # The workdir: the model it trained, copies of its sources, rollout samples.
+    stored = json.loads((workdir / "config.json").read_text())
+    source = json.loads((ckpt / "config.json").read_text())
+    want = ModelConfig.from_hf(source)
+    assert {k: stored["model"][k] for k in ("vocab_size", "hidden_size", "num_experts")} == {
+        "vocab_size": want.vocab_size, "hidden_size": 48, "num_experts": 4,
+    }  # fmt: skip
+    assert stored["init"]["tokenizer"] == str(ckpt)  # the checkpoint's, by default
+    assert (workdir / "tokenizer" / "tokenizer.json").is_file()
+    assert json.loads((workdir / "hf_base" / "config.json").read_text()) == source
+    samples = [json.loads(x) for x in (workdir / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in samples] == [2] * 4  # train.samples_per_log per log step
+    assert "<|im_start|>user" in samples[0]["prompt"] and samples[0]["turns"]
+    calls = [json.loads(x) for x in wandb_log.read_text().splitlines()]
+    assert calls[0][0] == "init" and calls[0][1]["mode"] == "offline"
+    assert [c[1] for c in calls if c[0] == "log"] == [0, 2, 2]  # eval, train, eval
+    assert calls[-1] == ["finish"]
+    # Again: nothing to do, nothing written.
+    before = _tree(workdir)
+    again = _run(cmd, outside, env)
+    assert "already finished at step 2 (train.total_steps=2): nothing to do" in again
+    assert _tree(workdir) == before
 
     moved = ckpt.with_name(ckpt.name + "_moved")  # export from the workdir alone
     ckpt.rename(moved)
     try:
         printed = _run(
-            [sys.executable, "-m", "sao_jax.experiments.export", f"--workdir={workdir}",
-             f"--out={out_dir}"], REPO, env,
+            [sys.executable, str(site / "bin" / "sao-export"), f"--workdir={workdir}",
+             f"--out={out_dir}", "--step=2"], outside, env,
         )  # fmt: skip
     finally:
         moved.rename(ckpt)
@@ -242,46 +273,6 @@ def test_train_and_export_from_the_checkout(inputs, tmp_path, jax_cache_dir):
     # ConfigError: tests/test_cli_errors.py)
     with pytest.raises(ConfigError, match="--out: .* already holds safetensors files"):
         export.export_run(str(workdir), str(out_dir))
-
-
-def _wheel(tmp: pathlib.Path) -> pathlib.Path:
-    """A wheel of this checkout, built from a copy (the build writes build/ beside it)."""
-    src = tmp / "src"
-    src.mkdir()
-    for name in (*SHIPPED, "requirements.txt"):
-        if (REPO / name).is_dir():
-            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy(REPO / name, src / name)
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-           "-w", str(tmp / "dist"), str(src)]  # fmt: skip
-    _run(cmd, tmp, dict(os.environ))
-    return next((tmp / "dist").glob("sao_jax-*.whl"))
-
-
-def test_installed_entry_points_outside_the_checkout(inputs, tmp_path, jax_cache_dir):
-    _, ckpt, data = inputs
-    wheel = _wheel(tmp_path)
-    site = tmp_path / "site"
-    _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-          "--target", str(site), str(wheel)], tmp_path, dict(os.environ))  # fmt: skip
-    outside = tmp_path / "elsewhere"
-    outside.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(site)}  # the installed copy only, not the checkout
-    where = _run([sys.executable, "-c", "import sao_jax.configs.sao as m; print(m.__file__)"],
-                 outside, env)  # fmt: skip
-    assert where.strip().startswith(str(site))
-    workdir, out_dir = outside / "run", outside / "export"
-    with ts.persistent_compilation_cache(jax_cache_dir) as cache_env:
-        env.update(cache_env)
-        _run([sys.executable, str(site / "bin" / "sao-train"), *_flags(ckpt, data),
-              f"--workdir={workdir}"], outside, env)  # fmt: skip
-    printed = _run(
-        [sys.executable, str(site / "bin" / "sao-export"), f"--workdir={workdir}",
-         f"--out={out_dir}", "--step=2"], outside, env,
-    )  # fmt: skip
-    assert "exported step 2" in printed
-    _check_export(out_dir, workdir, 2)
     missing = subprocess.run(
         [sys.executable, str(site / "bin" / "sao-train"), "--config=configs/nope.py",
          f"--workdir={outside / 'w2'}"], cwd=outside, env=env, capture_output=True, text=True,
