@@ -418,14 +418,16 @@ from sao_jax.config import ConfigDict
 def get_config(arg=None):
     c = sao.get_config("smoke")
     c.sampling.max_turn_tokens, c.sampling.max_len = 64, 96
-    c.sft.steps, c.train.eval_every, c.train.total_steps, c.train.log_every = 4, 0, 4, 1
+    c.train.eval_every, c.train.total_steps, c.train.log_every = 0, 4, 1
+    c.init.kind, c.sft.steps = "random", 0  # no warm start to compile: value pretraining's
+    # rollouts call the judge first
     c.env.name = "style"  # the style task: a judge scores it
     c.env.params = ConfigDict(dict(switch_steps=(50, 100)))
     c.env.prompts = ConfigDict(dict(n_topics=(1, 2)))
     c.env.params.judge = dict(base_url="http://127.0.0.1:{port}/v1", model="judge", **{judge})
     c.sampling.env_timeout_s = {env_timeout}
     c.sampling.max_env_errors = 4
-    c.env.eval_size, c.sft.steps = 4, 1
+    c.env.eval_size = 4
     c.value_pretrain.steps = 1
     c.train.eval_sampled, c.train.report = False, False
     return c
