@@ -5,14 +5,15 @@
     python -m experiments.bench.backends --levels 8 32 --rounds 2 --tokens 32 --syncs 3
 
 One policy, configs/sao.py:vllm's tiny MoE (the shapes vLLM's CPU kernels take) at its
-init seed, is served by both backends of sao_jax/sampling/backend_factory.py
-(`build_backend`): 'native' (NativeBackend, one per level with `num_slots` = the level)
-and 'vllm' (one server, `max_num_seqs` = the largest level, 1 OpenMP thread as the run
-uses it). A trajectory is one request: a --prompt_len-id prompt (random ids of the run's
-vocabulary, the same for both) continued by exactly --tokens tokens at temperature 1 (no
-eos: the tokenizer's eos is withheld, so every request decodes the same length and a
-token counts the same in both). At each level, C requests are submitted at once and the
-round lasts until the last one finishes:
+init seed (--config: another run config's policy, an `init.kind='hf'` one's checkpoint;
+only the default has run), is served by both backends of
+sao_jax/sampling/backend_factory.py (`build_backend`): 'native' (NativeBackend, one per
+level with `num_slots` = the level) and 'vllm' (one server, `max_num_seqs` = the largest
+level, 1 OpenMP thread as the run uses it). A trajectory is one request: a
+--prompt_len-id prompt (random ids of the run's vocabulary, the same for both) continued
+by exactly --tokens tokens at temperature 1 (no eos: the tokenizer's eos is withheld, so
+every request decodes the same length and a token counts the same in both). At each
+level, C requests are submitted at once and the round lasts until the last one finishes:
 
   trajectories/s  C / the round's seconds
   decode tokens/s the round's sampled tokens / its seconds (prefill included, as a run
@@ -49,7 +50,7 @@ import numpy as np
 
 from sao_jax import config as config_lib
 from sao_jax.parallel.mesh import Sharder
-from sao_jax.run.inputs import build_models
+from sao_jax.run.inputs import build_models, resolved_config
 from sao_jax.sampling.backend import GenRequest
 from sao_jax.sampling.backend_factory import build_backend
 from sao_jax.sampling.sampler import configs_from_section
@@ -106,20 +107,18 @@ def main() -> None:
     p.add_argument("--syncs", type=int, default=5, help="in-place syncs timed (restart: 2)")
     args = p.parse_args()
 
-    config = config_lib.load_config(args.config)
+    config = resolved_config(config_lib.load_config(args.config))  # an hf run: its checkpoint
     tok = NoEos(load_tokenizer(config.init.tokenizer))
     models = build_models(config, Sharder(), tok)
-    mdef, params = models.policy_def, models.policy
+    mdef, params, vocab = models.policy_def, models.policy, models.cfg.vocab_size
     n_params = sum(x.size for x in jax.tree.leaves(params))
     max_len = args.prompt_len + args.tokens
     engine_cfg, _ = configs_from_section(config.sampling, config.seed)
     engine_cfg = dataclasses.replace(engine_cfg, max_len=max_len, max_turn_tokens=args.tokens)
     vcfg = dataclasses.replace(vllm_config(config.sampling.vllm), max_num_seqs=max(args.levels))
     rng = np.random.default_rng(0)
-    prompts = {
-        c: rng.integers(3, config.model.vocab_size, (c, args.prompt_len)) for c in args.levels
-    }
-    print(f"{args.config}: {n_params / 1e6:.3f}M parameters, vocab {config.model.vocab_size}, "
+    prompts = {c: rng.integers(3, vocab, (c, args.prompt_len)) for c in args.levels}
+    print(f"{args.config}: {n_params / 1e6:.3f}M parameters, vocab {vocab}, "
           f"{args.prompt_len} + {args.tokens} tokens per request, levels {args.levels}, "
           f"{args.rounds} rounds; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, vLLM {vcfg.omp_threads} OpenMP thread(s)")  # fmt: skip
