@@ -3,7 +3,8 @@ resume (in process and after a real SIGTERM), counter balance, corrupt-checkpoin
 fallback, the workdir guard and init errors.
 
 Two completed runs are shared (module fixtures): `sync_run` (configs/sao.py:smoke,sync,
-the uninterrupted reference of the resume tests) and `async_run` (configs/sao.py:smoke).
+6 steps, the uninterrupted reference of the resume test) and `async_run`
+(configs/sao.py:smoke).
 Every compiled program goes to the session's persistent compilation cache (tests/conftest.py),
 so later runs, in this process or a subprocess, only trace.
 """
@@ -29,7 +30,10 @@ from sao_jax.sampling import rollouts
 from sao_jax.schema import ConfigError
 from tests import train_support as ts
 
-TOTAL = 4  # RL steps of the shared runs (checkpoints at 0, 2, 4)
+TOTAL = 4  # RL steps of the async run (checkpoints at 0, 2, 4)
+SYNC_TOTAL = 6  # RL steps of the sync run, the resume test's reference (0, 2, 4, 6)
+# The sync run's settings (every checkpoint kept: the resume test starts from step 0's).
+SYNC = dict(train__log_every=1, train__eval_sampled=True, train__keep_checkpoints=4)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,7 @@ def cache_env(jax_cache_dir):
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory, cache_env):
     """(config, workdir, summary) of an uninterrupted sync run, one log record per step."""
-    config = ts.small_config("smoke,sync", train__log_every=1, train__eval_sampled=True)
+    config = ts.small_config("smoke,sync", **SYNC, train__total_steps=SYNC_TOTAL)
     workdir = tmp_path_factory.mktemp("sync_run")
     return config, workdir, train.run(config, workdir)
 
@@ -269,55 +273,52 @@ def _assert_same_run(target, reference, workdir):
     """Same final TrainState, same metric records (time aside) as the reference run."""
     ref_state, ref_meta = ts.restore(target, reference)
     state, meta = ts.restore(target, workdir)
-    assert int(state.step) == int(ref_state.step) == TOTAL
+    assert int(state.step) == int(ref_state.step) == SYNC_TOTAL
     assert ts.tree_max_diff(state, ref_state) <= 1e-6
     assert meta["counters"] == ref_meta["counters"]
     assert ts.timeless(ts.read_metrics(workdir)) == ts.timeless(ts.read_metrics(reference))
 
 
 @pytest.mark.slow
-def test_resume_with_more_steps_matches_uninterrupted(sync_run, target, tmp_path):
+def test_resume_more_steps_and_sigterm_match_uninterrupted(sync_run, target, cache_env, tmp_path):
+    """One run resumed three times, each the same as the uninterrupted reference: after a
+    death at checkpoint 0 (the reference's workdir without its later checkpoints), in
+    process to train.total_steps=2 (finished); with more steps, as the entry point's
+    process, which gets a real SIGTERM after step 3 (it saves, exits 0); in process to
+    the end."""
     config, reference, summary = sync_run
     workdir = tmp_path / "w"
-    first = train.run(
-        ts.small_config(
-            "smoke,sync", train__log_every=1, train__eval_sampled=True, train__total_steps=2
-        ),
-        workdir,
-    )
-    assert first["steps"] == 2 and ts.saved_steps(workdir) == [0, 2]
-    second = train.run(config, workdir)  # total_steps is resumable
-    stored = json.loads((workdir / checkpointing.CONFIG_FILE).read_text())
-    assert stored["train"]["total_steps"] == TOTAL
-    _assert_same_run(target, reference, workdir)
-    assert ts.timeless([second["after"]]) == ts.timeless([summary["after"]])
+    shutil.copytree(reference, workdir)
+    (workdir / accounting.SUMMARY_FILE).unlink()
+    for step in ts.saved_steps(workdir)[1:]:
+        shutil.rmtree(workdir / "checkpoints" / str(step))
+    assert ts.saved_steps(workdir) == [0]
+    first = train.run(ts.small_config("smoke,sync", **SYNC, train__total_steps=2), workdir)
+    assert first["steps"] == 2 and not first["interrupted"] and ts.saved_steps(workdir) == [0, 2]
 
-
-@pytest.mark.slow
-def test_sigterm_saves_exits_0_and_resumes_exactly(sync_run, target, cache_env, tmp_path):
-    config, reference, _ = sync_run
-    workdir = tmp_path / "w"
-    flags = ts.flags_of(
-        "smoke,sync", train__log_every=1, train__eval_sampled=True, train__total_steps=100
-    )
+    flags = ts.flags_of("smoke,sync", **SYNC, train__total_steps=100)
     log = tmp_path / "log.txt"
     with log.open("w") as f:
         proc = ts.entry_point(flags, workdir, cache_env, f)
         try:
-            ts.sigterm_after_step(proc, workdir, step=1, timeout=300)
+            ts.sigterm_after_step(proc, workdir, step=3, timeout=300)
             rc = proc.wait(timeout=300)
         finally:
             if proc.poll() is None:
                 proc.kill()
     assert rc == 0, log.read_text()
+    assert "resumed from step 2" in log.read_text()  # a finished run, more steps
     stopped = json.loads((workdir / "summary.json").read_text())
-    assert stopped["interrupted"] is True and 1 <= stopped["steps"] < TOTAL, stopped["steps"]
+    assert stopped["interrupted"] is True and 3 <= stopped["steps"] < SYNC_TOTAL, stopped
     assert ts.saved_steps(workdir)[-1] == stopped["steps"]
     assert "received SIGTERM" in log.read_text()
 
-    resumed = train.run(config, workdir)
-    assert resumed["steps"] == TOTAL and resumed["interrupted"] is False
+    resumed = train.run(config, workdir)  # total_steps is resumable
+    stored = json.loads((workdir / checkpointing.CONFIG_FILE).read_text())
+    assert stored["train"]["total_steps"] == SYNC_TOTAL
+    assert resumed["steps"] == SYNC_TOTAL and resumed["interrupted"] is False
     _assert_same_run(target, reference, workdir)
+    assert ts.timeless([resumed["after"]]) == ts.timeless([summary["after"]])
 
 
 @pytest.mark.slow
