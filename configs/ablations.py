@@ -125,10 +125,12 @@ TABLES = {
     "brace_staleness": ("sao", "sao_brace"),
 }
 # Smoke mode (the test suite) runs one row per code path: critic + DIS, groups + PPO
-# clip, step-level values.
+# clip, another advantage estimator (GAE's cross_observation row: the same command as
+# experiments/observation_signal/'s graded-task row, so a shared sweep dir runs it once;
+# every estimator's math is tested in process, tests/test_advantages.py).
 SMOKE_ROWS = {
     "table4": ("sao", "grpo"),
-    "gae": ("sao", "step_last"),
+    "gae": ("sao", "cross_observation"),
     "staleness_lr": TABLES["staleness_lr"],
     "baseline_ceiling": ("sao", "moving_average_per_level"),  # + the keyed baseline
     "staleness_law": TABLES["staleness_law"],
@@ -160,16 +162,21 @@ CEILING_SEEDS = {"smoke": (0,), "quick": (0,), "full": tuple(range(10))}
 # with the rows sao and sao_brace: its sao points are the grid's (one command each).
 STALENESS = {"smoke": (1,), "quick": (8,), "full": (0, 8)}
 POLICY_LRS = {"smoke": (1e-4,), "quick": (1e-4, 1e-3), "full": (1e-4, 1e-3)}
-STALENESS_STEPS = {"smoke": 2, "quick": 30, "full": 40}
+# smoke: 3 logged steps, the collapse rule's patience (experiments/ablations/collapse.py),
+# so that the staleness law, which runs these points in smoke, reads collapse times
+STALENESS_STEPS = {"smoke": 3, "quick": 30, "full": 40}
 STALENESS_SEEDS = {"smoke": (0,), "quick": (0,), "full": (0, 1, 2, 3, 4)}
 # staleness_law: the same pair over more learning rates, each cell run until most runs
 # without DIS collapse (the full staleness grid's collapses: docs/experiments.md) so that
 # the collapse step can be read against lr; S = 2 and 8
 # so that S x lr varies in both factors. Logged every step (collapse resolution); the
 # level `log_every=1` also keeps these points' names apart from the staleness grid's.
+# Smoke's cell is the staleness grid's smoke cell, with the same commands (log_every=1 a
+# shared override, not a grid level): a sweep dir shared with experiments/staleness_lr/
+# runs its two points once.
 LAW_STALENESS = {"smoke": (1,), "quick": (8,), "full": (2, 8)}
-LAW_LRS = {"smoke": (1e-3,), "quick": (1e-3, 4e-3), "full": (5e-4, 1e-3, 2e-3, 4e-3)}
-LAW_STEPS = {"smoke": 3, "quick": 30, "full": 40}
+LAW_LRS = {"smoke": (1e-4,), "quick": (1e-3, 4e-3), "full": (5e-4, 1e-3, 2e-3, 4e-3)}
+LAW_STEPS = {"smoke": STALENESS_STEPS["smoke"], "quick": 30, "full": 40}
 # mask_budget: DIS (symmetric band), ESTR and IcePop, each calibrated to mask the same
 # share of the action tokens of the same batches, at the staleness grid's S = 8 and high
 # lr 1e-3 (where the default DIS band binds and runs collapse within the budget:
@@ -285,17 +292,21 @@ def _open_question_sweep(arg, rows, fixed, common) -> SweepSpec:
     """The sweeps of experiments/staleness_law/ and experiments/mask_budget/."""
     mode, batch = arg.mode, _batch(arg.mode)
     if arg.table == "staleness_law":
+        grid = (
+            tuple(staleness_level(s, batch) for s in LAW_STALENESS[mode]),
+            axis("optim.policy.lr", LAW_LRS[mode]),
+        )
+        if mode == "smoke":  # the staleness grid's smoke points (LAW_STALENESS)
+            fixed = _budget(fixed, LAW_STEPS[mode], **{"train.log_every": 1})
+        else:
+            grid, fixed = (*grid, axis("train.log_every", (1,))), _budget(fixed, LAW_STEPS[mode])
         return SweepSpec(
             name="staleness_law",
             config="configs/ablations.py",
             variants=rows,
             seeds=STALENESS_SEEDS[mode],
-            grid=(
-                tuple(staleness_level(s, batch) for s in LAW_STALENESS[mode]),
-                axis("optim.policy.lr", LAW_LRS[mode]),
-                axis("train.log_every", (1,)),
-            ),
-            fixed=_budget(fixed, LAW_STEPS[mode]),
+            grid=grid,
+            fixed=fixed,
             common_arg=common,
         )
     s, lr = MASK_CELL[mode]

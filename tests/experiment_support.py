@@ -122,15 +122,17 @@ def check_report(out_dir: pathlib.Path, name: str, rows: list[str]) -> str:
 
 
 # The points the pool holds: the scripts whose smoke sweeps start them with one command
-# each (the online task's: critic_correction's per-user cell is the main table's
-# `offsets=none` SAO row and its warm start).
+# each (the staleness grid's two cells are also the staleness law's smoke cells, GAE's
+# cross_observation row observation_signal's graded-task row; the online task's:
+# critic_correction's per-user cell is the main table's `offsets=none` SAO row and its
+# warm start).
+STALENESS_CELL = "max_staleness=1__queue_size=16__lr=0.0001__seed=0"
 SHARED = {
     "warm_start__ablations__smoke__seed=0": ("ablations", "--rows=sao"),
     "ablations__sao__seed=0": ("ablations", "--rows=sao"),
-    "ablations__sao__max_staleness=1__queue_size=16__lr=0.0001__seed=0": (
-        "staleness_lr",
-        "--rows=sao",
-    ),
+    f"ablations__sao__{STALENESS_CELL}": ("staleness_lr",),
+    f"ablations__vanilla_vapo__{STALENESS_CELL}": ("staleness_lr",),
+    "ablations__cross_observation__seed=0": ("gae_granularity", "--rows=cross_observation"),
     "warm_start__online_shift__smoke__seed=0": ("online_shift", "--rows=sao", "--offsets=none"),
     "online_shift__sao__seed=0": ("online_shift", "--rows=sao", "--offsets=none"),
 }

@@ -239,9 +239,15 @@ def test_mask_budget_sweep_sets_each_rule_to_its_calibrated_band(tmp_path, mode)
 def test_open_question_sweeps_keep_their_names_apart_and_share_warm_starts():
     names = {}
     for table in ("staleness_lr", "staleness_law", "mask_pilot"):
-        for mode in ablations.MODES:
+        for mode in ("quick", "full"):
             for p in sweep.expand(ablations.get_sweep(f"table={table},mode={mode}")):
                 assert names.setdefault(p.name, table) == table, p.name  # no shared names
+    # smoke: the law's points are the staleness grid's, the same commands (run once)
+    grid, law = (
+        ablations.get_sweep(f"table={t},mode=smoke") for t in ("staleness_lr", "staleness_law")
+    )
+    argv = lambda spec: {p.name: sweep.point_argv(p, "w") for p in sweep.expand(spec)}
+    assert argv(law) == argv(grid)
     law = ablations.get_sweep("table=staleness_law,mode=full")
     pilot = ablations.get_sweep("table=mask_pilot,mode=full")
     t4 = ablations.get_sweep("table=table4,mode=full")

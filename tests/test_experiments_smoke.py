@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.experiment_support import SHARED, SharedRuns, run_script
+from tests.experiment_support import SharedRuns, run_script
 from tests.experiment_support import check_report as _check_report
 from tests.experiment_support import env as _env
 from tests.experiment_support import run_experiment as _experiment
@@ -20,17 +20,20 @@ def test_ablations_gae_and_rescore_share_one_sweep(tmp_path, jax_cache_dir, shar
     (the baseline ceiling and the staleness grid: tests/test_smoke_ceiling_staleness.py,
     so the two xdist workers share the scripts)."""
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
-    # the warm start, SAO and staleness SAO runs
-    SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(sweep_dir, *SHARED)
+    # the warm start, SAO and cross-observation runs (all of GAE's smoke rows)
+    pooled = ("warm_start__ablations__smoke__seed=0", "ablations__sao__seed=0")
+    pooled += ("ablations__cross_observation__seed=0",)
+    SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(sweep_dir, *pooled)
     _experiment("ablations", sweep_dir, out, cache=jax_cache_dir)
     text = _check_report(out, "ablations", ["SAO", "GRPO", "SFT warm start (step 0)"])
     assert "Does laptop scale reproduce the paper's ordering?" in text
     assert "| 97.3 | 74.8 |" in text  # the paper's SAO row beside ours
 
+    # the SAO run of the ablations and the cross_observation row (observation_signal's
+    # too) are the pool's
     log = _experiment("gae_granularity", sweep_dir, out, cache=jax_cache_dir)
-    assert "start ablations__sao__seed=0" not in log  # the SAO run of the ablations is reused
-    assert "start ablations__step_last__seed=0" in log
-    _check_report(out, "gae_granularity", ["SAO", "step-level (last)"])
+    assert "[sweep] start" not in log
+    _check_report(out, "gae_granularity", ["SAO", "cross-observation GAE"])
 
     # Rescoring on as many prompts as the runs' own evaluation reproduces it exactly (the
     # same prompts and sampling keys); the scores are cached beside each run.

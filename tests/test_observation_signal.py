@@ -136,10 +136,12 @@ def test_run_share_is_none_without_records_or_variance():
 @pytest.mark.slow
 def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs_dir):
     out = tmp_path / "out"
-    # the graded task's warm start and SAO run are the ablations smoke's
+    # the graded task's warm start and runs are the ablations and GAE smokes' (the pool's)
     shared = ("warm_start__ablations__smoke__seed=0", "ablations__sao__seed=0")
+    shared += ("ablations__cross_observation__seed=0",)
     SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(tmp_path / "sweep", *shared)
-    run_experiment("observation_signal", tmp_path / "sweep", out, cache=jax_cache_dir, timeout=1800)
+    log = run_experiment("observation_signal", tmp_path / "sweep", out, cache=jax_cache_dir)
+    assert "start ablations__" not in log and "start warm_start__ablations" not in log
     text = (out / "observation_signal.md").read_text()
     assert "Runs that did not finish" not in text
     for task in observation_signal.TASKS:

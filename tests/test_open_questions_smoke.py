@@ -1,5 +1,6 @@
 """experiments/mask_budget/ and experiments/staleness_law/ end to end in smoke mode
-(tiny model, 2-3 steps, one seed), sharing one sweep dir and so one warm start."""
+(tiny model, 2-3 steps, one seed), sharing one sweep dir and so one warm start; the law's
+smoke cells are the staleness grid's, from the session's pool."""
 
 import json
 
@@ -9,7 +10,7 @@ import pytest
 from sao_jax.metrics import read_jsonl
 from sao_jax.rl import mask_budget as mb
 from sao_jax.run import token_dump
-from tests.experiment_support import SharedRuns
+from tests.experiment_support import STALENESS_CELL, SharedRuns
 from tests.experiment_support import check_report as _check_report
 from tests.experiment_support import run_experiment as _experiment
 
@@ -18,8 +19,9 @@ pytestmark = pytest.mark.slow
 
 def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs_dir):
     sweep_dir, out = tmp_path / "sweep", tmp_path / "results"
+    cells = [f"ablations__{row}__{STALENESS_CELL}" for row in ("sao", "vanilla_vapo")]
     SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(
-        sweep_dir, "warm_start__ablations__smoke__seed=0"
+        sweep_dir, "warm_start__ablations__smoke__seed=0", *cells
     )
     _experiment("mask_budget", sweep_dir, out, cache=jax_cache_dir)
     text = _check_report(out, "mask_budget", [])
@@ -47,9 +49,9 @@ def test_mask_budget_and_staleness_law_in_smoke_mode(tmp_path, jax_cache_dir, sh
     )
 
     log = _experiment("staleness_law", sweep_dir, out, cache=jax_cache_dir)
-    assert "warm_start__ablations__smoke__seed=0" not in log.split("start ")[-1]
+    assert "[sweep] start" not in log  # the staleness grid's cells: its points are pooled
     text = _check_report(out, "staleness_law", [])
-    assert "| DIS | 1 | 0.001 |" in text and "| no DIS | 1 | 0.001 |" in text
+    assert "| DIS | 1 | 0.0001 |" in text and "| no DIS | 1 | 0.0001 |" in text
     assert "## Is t_collapse x lr constant?" in text
     assert "not estimable" in text  # one lr, one S and a 3-step budget: nothing to fit
 
