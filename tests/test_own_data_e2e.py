@@ -22,6 +22,7 @@ max_len, ...) are tests/test_preflight.py's, in process; the one line and exit 2
 refusal, tests/test_cli_errors.py's.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -188,9 +189,9 @@ def test_installed_entry_points_train_and_export_outside_the_checkout(
     on the path), its re-run, the export with the source checkpoint moved away (sao-export)
     and a missing config file (exit 2); the checkout's `sao_jax.experiments` alias, in
     process (the same modules as `python -m experiments.train`, tests/test_train.py)."""
-    import sao_jax.experiments.train as checkout_train
-
-    assert pathlib.Path(checkout_train.__file__) == REPO / "experiments" / "train.py"
+    for module in ("sao_jax.experiments.train", "sao_jax.experiments.export"):
+        alias = importlib.util.find_spec(module)  # found, not imported
+        assert pathlib.Path(alias.origin) == REPO / "experiments" / f"{module.split('.')[-1]}.py"
     _, ckpt, data = inputs
     wheel = _wheel(tmp_path)
     site = tmp_path / "site"
