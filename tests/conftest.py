@@ -86,12 +86,16 @@ def pytest_collection_modifyitems(config, items):
 
     Among the slow modules, the first that uses the shared smoke runs (`shared_runs_dir`)
     leads and the others that use them come after every other slow module: the first
-    builds the pool while the other worker runs modules that never wait for its lock."""
+    builds the pool while the other worker runs modules that never wait for its lock.
+    The vLLM modules go before all of them: most of their wall time is spent waiting on
+    vLLM's server (start-up, requests), which the other worker's CPU work fills."""
     by_path: dict = {}  # module path -> its items, in collection order
     for item in items:
         by_path.setdefault(item.path, []).append(item)
+    vllm = [p for p, its in by_path.items() if any(i.get_closest_marker("vllm") for i in its)]
     slow = [p for p, its in by_path.items() if any(i.get_closest_marker("slow") for i in its)]
+    slow = [p for p in slow if p not in vllm]
     pool = [p for p in slow if any("shared_runs_dir" in i.fixturenames for i in by_path[p])]
-    order = pool[:1] + [p for p in slow if p not in pool] + pool[1:]
+    order = vllm + pool[:1] + [p for p in slow if p not in pool] + pool[1:]
     rank = {p: i for i, p in enumerate(order)}
     items.sort(key=lambda item: rank.get(item.path, len(order)))
