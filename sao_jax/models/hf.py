@@ -396,18 +396,26 @@ def _param(cfg: ModelConfig, params: Params, key: tuple) -> jax.Array:
     return leaf
 
 
-def _entries(cfg: ModelConfig, params: Params, layout: str, dtype) -> list[st.Entry]:
+def _device(x, expert: int | None) -> jax.Array:
+    """One parameter (or one expert's slice of it), left on its devices."""
+    return x if expert is None else _take(x, expert)
+
+
+def _entries(
+    cfg: ModelConfig, params: Params, layout: str, dtype, on_device: bool = False
+) -> list[st.Entry]:
     parts: dict[str, list] = {}
     for key, src in tensor_map(cfg, layout).items():
         for e, name in enumerate(src.names):
             parts.setdefault(name, []).append((key, src, e if src.stacked else None))
+    fetch, concatenate = (_device, jnp.concatenate) if on_device else (_host, np.concatenate)
 
     def produce(contributors):
         views = []
         for key, src, e in sorted(contributors, key=lambda c: (c[1].select or (0, 0))[1]):
-            views.append(st.to_source_view(src, _host(_param(cfg, params, key), e)))
+            views.append(st.to_source_view(src, fetch(_param(cfg, params, key), e)))
         src = contributors[0][1]
-        x = views[0] if len(views) == 1 else np.concatenate(views, axis=src.select[0])
+        x = views[0] if len(views) == 1 else concatenate(views, axis=src.select[0])
         return x.reshape(src.hf_shape).astype(dtype)
 
     return [
@@ -417,11 +425,18 @@ def _entries(cfg: ModelConfig, params: Params, layout: str, dtype) -> list[st.En
 
 
 def hf_entries(
-    cfg: ModelConfig, params: Params, *, layout: str = "per_expert", dtype: str | None = None
+    cfg: ModelConfig,
+    params: Params,
+    *,
+    layout: str = "per_expert",
+    dtype: str | None = None,
+    on_device: bool = False,
 ) -> list[st.Entry]:
     """The tensors `save_hf_checkpoint` writes (Hugging Face names, shapes, `dtype`), each
     produced on the host only when asked: the one export mapping, for a file or for a
-    live engine's weight sync (sao_jax/sampling/backend_vllm.py)."""
+    live engine's weight sync (sao_jax/sampling/backend_vllm.py). With `on_device`,
+    `produce()` returns a jax.Array on the params' devices instead (no host copy: the
+    GPU and TPU syncs, sao_jax/sampling/weight_payloads.py)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     mdef = ModelDef.of(lambda: Policy(cfg, rngs=nnx.Rngs(0)))
@@ -429,7 +444,7 @@ def hf_entries(
     dtype_name = dtype or cfg.param_dtype
     if dtype_name not in _NP_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_NP_DTYPES)}, got {dtype_name!r}")
-    return _entries(cfg, params, layout, _NP_DTYPES[dtype_name])
+    return _entries(cfg, params, layout, _NP_DTYPES[dtype_name], on_device)
 
 
 def save_hf_checkpoint(

@@ -283,7 +283,11 @@ def read_target(reader, tensors, src: Source, index, dtype) -> np.ndarray:
     return out
 
 
-def to_source_view(src: Source, t: np.ndarray) -> np.ndarray:
-    """Inverse of `read_block` on a whole target: back to the view (selected dim kept)."""
-    x = np.transpose(t, np.argsort(src.perm))
-    return x if src.select is None else np.expand_dims(x, src.select[0])
+def to_source_view(src: Source, t):
+    """Inverse of `read_block` on a whole target: back to the view (selected dim kept).
+    Array methods only, so a jax.Array stays on its devices (models/hf.py `on_device`)."""
+    x = t.transpose(tuple(int(a) for a in np.argsort(src.perm)))
+    if src.select is None:
+        return x
+    k = src.select[0]
+    return x.reshape((*x.shape[:k], 1, *x.shape[k:]))
