@@ -14,10 +14,11 @@ export (the one mapping: weight_payloads.device_entries) in three steps:
 1. `engine_targets(leaves, name_of)`: for each engine leaf (its path, shape, dtype,
    sharding), the Hugging Face tensor it takes and how (`view`, `perm`: leaf =
    transpose(reshape(hf_tensor, view), perm), the `safetensors_io.Source` convention).
-   tpu-inference's JAX Qwen3-MoE names its params after the checkpoint's
-   (`model.layers.{i}.self_attn.q_proj...`) and keeps q/k/v as [D, N, H] and o as
-   [N, H, D] (its weight loader reshapes and permutes the torch tensors so), which is
-   models/hf.py's own layout: `our_layout(cfg)` gives those transforms.
+   tpu-inference's JAX Qwen3-MoE gives its modules the checkpoint's prefixes
+   (`model.layers.{i}.self_attn...`), and a weight loader of its reshapes and permutes
+   q/k/v to [D, N, H] and o to [N, H, D], models/hf.py's own layout: `our_layout(cfg)`
+   gives those transforms (read in its source, not run; a live engine's leaf names, its
+   MoE experts' above all, are what `name_of` must be checked against).
 2. `plan_reshard(payloads, targets)`: every exported tensor feeds exactly one leaf,
    every leaf's shape follows from its tensor's, dtypes are known; errors name the leaf.
 3. `reshard(entries, plan)`: each tensor produced on the trainer's devices, cast,
