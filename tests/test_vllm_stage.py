@@ -13,33 +13,16 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from sao_jax.models import hf
 from sao_jax.sampling.backend_vllm import ALIGN, stage_weights, staged_size
 from sao_jax.sampling.vllm_worker_ext import shared_tensors
-
-TINY = dict(
-    vocab_size=96,
-    hidden_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_experts=4,
-    num_experts_per_tok=2,
-    decoder_sparse_step=2,
-    tie_word_embeddings=True,
-)
+from tests.tiny_moe import save_tiny_moe
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("tiny"))
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY)).save_pretrained(path)
+    path = save_tiny_moe(str(tmp_path_factory.mktemp("tiny")))
     cfg, _, params = hf.load_hf_policy(path)
     return cfg, params
 

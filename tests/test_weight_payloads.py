@@ -23,35 +23,18 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.torch import load_file
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from sao_jax.models import hf
 from sao_jax.parallel.mesh import Sharder, build_mesh
 from sao_jax.sampling import dlpack_torch, weight_payloads, weight_sync_tpu
 from sao_jax.sampling.vllm_worker_nccl import load_all, received_tensors
 from sao_jax.sampling.weight_sync_nccl import NcclSender, worker_init_info
-
-TINY = dict(
-    vocab_size=96,
-    hidden_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_experts=4,
-    num_experts_per_tok=2,
-    decoder_sparse_step=2,
-    tie_word_embeddings=True,
-)
+from tests.tiny_moe import save_tiny_moe
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("tiny"))
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY)).save_pretrained(path)
+    path = save_tiny_moe(str(tmp_path_factory.mktemp("tiny")))
     sharder = Sharder(build_mesh((1, 8, 1, 1), devices=jax.devices()[:8]))  # fsdp over 8
     cfg, _, params = hf.load_hf_policy(path, sharder=sharder)
     out = tmp_path_factory.mktemp("export")
