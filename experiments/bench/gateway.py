@@ -53,7 +53,7 @@ from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
 from sao_jax.sampling.backend import GenRequest
-from sao_jax.sampling.backend_native import NativeBackend
+from sao_jax.sampling.backend_native import ADMIT_GAP_S, ADMIT_WAIT_S, NativeBackend
 from sao_jax.sampling.engine import Engine, EngineConfig
 from sao_jax.serve.app import start_server
 from sao_jax.serve.episodes import EpisodeLog
@@ -135,10 +135,12 @@ class _Clients:
     async def _round(self):
         t0 = time.perf_counter()
         out = await asyncio.gather(*(self._one() for _ in range(SESSIONS)))
-        return time.perf_counter() - t0, out
+        return t0, time.perf_counter() - t0, out
 
     def round(self):
-        """One round: (seconds, [(call latency, completion tokens)])."""
+        """One round: (its start, seconds, [(call latency, completion tokens)]); the start
+        on perf_counter's clock, CLOCK_MONOTONIC on Linux, which the server's process
+        shares."""
         return self.loop.run_until_complete(self._round())
 
     def close(self) -> None:
@@ -155,26 +157,48 @@ def _client_worker(url: str, admin: str, tokens: int, conn) -> None:
     clients.close()
 
 
-def _gateway_round(run_clients, backend, added: list):
+def _gateway_round(run_clients, backend, added: list, phases: list):
     """One round through the gateway; the backend's own time per request is measured in
     the server's process, and the added latency pairs calls and requests by rank (which
-    call was which request is not observable from the client side)."""
+    call was which request is not observable from the client side). `phases` gets the
+    round's `_phases`."""
     spans: dict[int, float] = {}
+    submits: list[float] = []
+    results: list[float] = []
     submit = backend.submit
+    admissions = backend.stats().get("admissions", 0)
 
     def timed(request, on_tokens=None):
         h = submit(request, on_tokens)
         t = time.perf_counter()
-        h.future.add_done_callback(lambda _: spans.__setitem__(id(h), time.perf_counter() - t))
+        submits.append(t)
+
+        def done(_):
+            now = time.perf_counter()
+            results.append(now)
+            spans[id(h)] = now - t
+
+        h.future.add_done_callback(done)
         return h
 
     backend.submit = timed
     try:
-        dt, out = run_clients()
+        t0, dt, out = run_clients()
     finally:
         backend.submit = submit
     latencies = sorted(lat for lat, _ in out)
     added += [c - e for c, e in zip(latencies, sorted(spans.values()), strict=False)]
+    submits.sort()
+    phases.append(
+        dict(
+            lead_in=submits[0] - t0,
+            arrivals=submits[-1] - submits[0],
+            largest_gap=float(np.max(np.diff(submits), initial=0.0)),
+            backend=max(results) - submits[0],
+            tail=t0 + dt - max(results),
+            admissions=backend.stats().get("admissions", 0) - admissions,
+        )
+    )
     return dt, len(out), sum(n for _, n in out)
 
 
@@ -198,6 +222,8 @@ def bench(
     root: pathlib.Path,
     client_process: bool = True,
     row_prefill: bool = True,
+    admit_gap_s: float = ADMIT_GAP_S,
+    admit_wait_s: float = ADMIT_WAIT_S,
 ) -> None:
     tok = HFTokenizer(write_harness_tokenizer(root / "tok"))
     sharder = Sharder()
@@ -208,12 +234,14 @@ def bench(
     cfg = EngineConfig(num_slots=SESSIONS, max_len=512, max_turn_tokens=tokens, steps_per_sync=4,
                        add_bos=False)  # fmt: skip
     engine = Engine.create(mdef, tok, OneTurn, cfg, seed=0)
-    backend = NativeBackend(mdef, params, tok, cfg, seed=0, row_prefill=row_prefill)
+    backend = NativeBackend(mdef, params, tok, cfg, seed=0, row_prefill=row_prefill,
+                            admit_gap_s=admit_gap_s, admit_wait_s=admit_wait_s)  # fmt: skip
     renderer = ChatRenderer(qwen3_tools_template(), tok)
     gateway = Gateway(backend, renderer, GatewayConfig(), EpisodeLog(root / variant / "ep.jsonl"))
     server = start_server(gateway)
     rows = {"in-process": [], "gateway": []}
     added: list[float] = []
+    phases: list[dict] = []
     args = (server.url, gateway.admin_key, tokens)
     worker = None
     if client_process:  # the clients in a process of their own (they need no GIL here)
@@ -231,12 +259,12 @@ def bench(
 
     try:
         _in_process(engine, params, text)  # compile both paths before timing
-        _gateway_round(run_clients, backend, [])
+        _gateway_round(run_clients, backend, [], [])
         _compile_admissions(backend, renderer.prompt_ids(MESSAGES, tools=[CALCULATOR_TOOL]))
-        prefills = (backend.stats()["prefill_calls"], engine.calls["prefill"])
+        before = _calls(backend, engine)
         for _ in range(rounds):
             rows["in-process"].append(_in_process(engine, params, text))
-            rows["gateway"].append(_gateway_round(run_clients, backend, added))
+            rows["gateway"].append(_gateway_round(run_clients, backend, added, phases))
     finally:
         if worker is not None:
             conn.send(None)
@@ -245,12 +273,12 @@ def bench(
             clients.close()
         server.stop()
         backend.close()
-    now = (backend.stats()["prefill_calls"], engine.calls["prefill"])
-    prefills = [(a - b) / rounds for a, b in zip(now, prefills, strict=True)]
+    calls = {k: (v - before[k]) / rounds for k, v in _calls(backend, engine).items()}
     where = "a client process" if client_process else "the server's process"
     where += "" if row_prefill else ", full prefill"
     print(f"\n{variant}: {n_params / 1e6:.2f}M parameters, {SESSIONS} sessions in {where}, "
-          f"max {tokens} tokens, {rounds} rounds, load {os.getloadavg()[0]:.1f}")  # fmt: skip
+          f"max {tokens} tokens, {rounds} rounds, load {os.getloadavg()[0]:.1f}, admission "
+          f"gap {admit_gap_s * 1e3:g} ms / wait {admit_wait_s * 1e3:g} ms")  # fmt: skip
     med = {}
     for name, rs in rows.items():
         traj_s = statistics.median(n / dt for dt, n, _ in rs)
@@ -266,7 +294,31 @@ def bench(
     a = np.asarray(added) * 1000
     print(f"  added latency per call: p50 {np.percentile(a, 50):.1f} ms, "
           f"p99 {np.percentile(a, 99):.1f} ms")  # fmt: skip
-    print(f"  prefill calls per round: gateway {prefills[0]:.1f}, in-process {prefills[1]:.1f}")
+    c = calls
+    print(f"  per round: gateway {c['admissions']:.1f} admissions, {c['prefill']:.1f} prefill "
+          f"calls, {c['decode']:.1f} decode calls; in-process {c['in_prefill']:.1f} prefill, "
+          f"{c['in_decode']:.1f} decode")  # fmt: skip
+    ms = {k: statistics.median(p[k] for p in phases) * 1e3 for k in phases[0]}
+    inproc = statistics.median(dt for dt, _, _ in rows["in-process"]) * 1e3
+    print(f"  gateway round, median ms: {ms['lead_in']:.0f} from the round's start to the "
+          f"first request at the backend (sessions created, the call sent and rendered), "
+          f"{ms['backend']:.0f} from it to the last result ({ms['arrivals']:.0f} of "
+          f"arrivals, largest gap {ms['largest_gap']:.1f}), {ms['tail']:.0f} from the last "
+          f"result to the round's end (replies, rewards); in-process round "
+          f"{inproc:.0f}")  # fmt: skip
+    print("  admissions per round: " + " ".join(str(p["admissions"]) for p in phases))
+
+
+def _calls(backend, engine) -> dict[str, int]:
+    """The device calls and admissions made so far, by both paths."""
+    stats = backend.stats()
+    return dict(
+        admissions=stats.get("admissions", 0),
+        prefill=stats["prefill_calls"],
+        decode=stats["decode_calls"],
+        in_prefill=engine.calls["prefill"],
+        in_decode=engine.calls["decode"],
+    )
 
 
 def main() -> None:
@@ -283,11 +335,15 @@ def main() -> None:
         action="store_true",
         help="the gateway's engine prefills over all slots (no Engine.row_prefill)",
     )
+    parser.add_argument("--admit_gap_s", type=float, default=ADMIT_GAP_S,
+                        help="NativeBackend's admission quiet gap")  # fmt: skip
+    parser.add_argument("--admit_wait_s", type=float, default=ADMIT_WAIT_S,
+                        help="NativeBackend's longest admission wait")  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
         for variant in args.models:
             bench(variant, args.rounds, args.tokens, pathlib.Path(d), not args.same_process,
-                  not args.full_prefill)  # fmt: skip
+                  not args.full_prefill, args.admit_gap_s, args.admit_wait_s)  # fmt: skip
 
 
 if __name__ == "__main__":

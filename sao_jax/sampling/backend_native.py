@@ -14,6 +14,15 @@ The engine is used unchanged, through a subclass that replaces its environment h
 * new prompts are prefilled over their own slots only (`Engine.row_prefill`): requests
   admitted while others decode cost their rows, not all S.
 
+Admission (`_admit_due`): the prompts taken into slots at one engine step are prefilled
+together, so a burst of requests (many harness sessions calling at once) should be taken
+whole. While no slot decodes, waiting requests are admitted once no new one has arrived
+for `admit_gap_s` (the burst is over: a lone request waits that long and no more), once
+the oldest has waited `admit_wait_s` (a stream with no pause still starts), or once they
+fill the free slots (nothing more would fit). While slots decode, every request that
+waits at a step's start is admitted at once: the step in progress was its window, and
+holding it for the next would cost a whole step of latency to save one prefill call.
+
 Streaming: after every engine step the thread reports each request's new tokens
 (`on_tokens`). Weights: `publish` goes through a ParamsStore; every step reads the latest
 pair, so requests in flight continue on new weights and each token carries the version
@@ -52,6 +61,20 @@ from sao_jax.sampling.params_store import ParamsStore
 from sao_jax.sampling.slots import DropError, Slot
 
 TOP_K_MAX = 20  # top log-probs a pass reports (OpenAI's limit)
+ADMIT_GAP_S = 0.02  # the old fixed window: a lone request waits no longer than before
+ADMIT_WAIT_S = (
+    0.2  # a burst with no 20 ms pause (32 calls reach it over ~30-40 ms here) still starts
+)
+
+
+def check_admission(admit_gap_s: float, admit_wait_s: float) -> None:
+    """ValueError naming the field unless 0 <= admit_gap_s <= admit_wait_s."""
+    if not admit_gap_s >= 0:
+        raise ValueError(f"admit_gap_s: must be >= 0, got {admit_gap_s}")
+    if not admit_wait_s >= admit_gap_s:
+        raise ValueError(
+            f"admit_wait_s: must be >= admit_gap_s ({admit_gap_s}), got {admit_wait_s}"
+        )
 
 
 def _top_logprobs(mdef, params, tokens_1t):
@@ -168,11 +191,11 @@ class _RequestEngine(Engine):
 class _Live:
     """A request's bookkeeping on the backend thread."""
 
-    def __init__(self, handle: GenHandle, on_tokens):
+    def __init__(self, handle: GenHandle, on_tokens, since: float):
         self.handle = handle
         self.on_tokens = on_tokens
         self.reported = 0  # sampled tokens already reported
-        self.since = time.monotonic()  # when it was submitted
+        self.since = since  # when it was submitted (the backend's clock)
 
 
 def _records(sl_tokens, rollout, sampled, versions, lo: int, hi: int) -> GenChunk:
@@ -192,8 +215,11 @@ class NativeBackend:
       tokenizer: the engine's tokenizer (eos ends every request; stop strings decode).
       cfg: the engine's settings (slots, max_len, sampling); max_turn_tokens is ignored.
       max_pending: requests waiting for a slot beyond which `submit` raises BackendBusy.
-      admit_wait_s: how long a request may wait for others to take slots with it (their
-        prompts prefilled in the same calls); 0 = each takes a slot at the next step.
+      admit_gap_s: while no slot decodes, waiting requests are admitted once no new one
+        arrived for this long (module docstring, Admission); 0 = at once.
+      admit_wait_s: ... or once the oldest has waited this long (a burst with no pause
+        of `admit_gap_s` still starts); must be >= admit_gap_s.
+      clock: the admission window's clock (tests pass a fake one).
       row_prefill: new prompts are prefilled over their own slots (Engine.row_prefill);
         False: every prefill is an [S, C] call over all slots (for comparison).
     """
@@ -208,17 +234,23 @@ class NativeBackend:
         version: int = 0,
         seed: int = 0,
         max_pending: int = 256,
-        admit_wait_s: float = 0.02,
+        admit_gap_s: float = ADMIT_GAP_S,
+        admit_wait_s: float = ADMIT_WAIT_S,
         row_prefill: bool = True,
         sharder=None,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        check_admission(admit_gap_s, admit_wait_s)
         cfg = dataclasses.replace(cfg, max_turn_tokens=cfg.max_len)
         self.cfg = cfg
         self.max_len = cfg.max_len
         self.eos_id = getattr(tokenizer, "eos_id", None)
         self.max_pending = max_pending
-        self.admit_wait_s = admit_wait_s
+        self.admit_gap_s, self.admit_wait_s = admit_gap_s, admit_wait_s
+        self._clock = clock
+        self._last_arrival = 0.0  # when the newest waiting request was submitted
         self._admitting = False  # this engine step takes waiting requests into free slots
+        self._admitted_now = 0  # requests this engine step took
         self._engine = _RequestEngine(
             generate_fns(mdef, cfg, sharder), tokenizer, _OneTurn, cfg, seed=seed
         )
@@ -256,7 +288,9 @@ class NativeBackend:
                 self.counters["busy"] += 1
                 raise BackendBusy(f"{len(self._pending)} requests already wait for a slot")
             handle.uid = f"r{next(self._uids)}"
-            self._pending.append(_Live(handle, on_tokens))
+            live = _Live(handle, on_tokens, self._clock())
+            self._last_arrival = live.since
+            self._pending.append(live)
             self.counters["submitted"] += 1
             self._cond.notify_all()
         return handle
@@ -330,17 +364,16 @@ class NativeBackend:
     # ---- the backend thread --------------------------------------------------------------
 
     def _admit_due(self) -> float:
-        """Seconds until the waiting requests should take slots (<= 0: now). Admissions
-        are batched: the prompts admitted in one step are prefilled together (over their
-        own rows: Engine.row_prefill), so requests that arrive close together wait up to
-        `admit_wait_s` for each other (fewer, larger prefill calls), unless they already
-        fill the free slots. Called under the lock."""
+        """Seconds until the waiting requests should take slots (<= 0: now); the rule is
+        the module docstring's (Admission). Called under the lock."""
         if not self._pending:
             return float("inf")
-        free = self.cfg.num_slots - self._engine.active
-        if len(self._pending) >= free:
+        eng = self._engine
+        if eng.active or len(self._pending) >= self.cfg.num_slots - eng.active:
             return 0.0
-        return self._pending[0].since + self.admit_wait_s - time.monotonic()
+        now = self._clock()
+        quiet = self._last_arrival + self.admit_gap_s - now
+        return min(quiet, self._pending[0].since + self.admit_wait_s - now)
 
     def _next_prompt(self) -> Prompt | None:
         with self._cond:
@@ -352,6 +385,7 @@ class NativeBackend:
                     self._finish_cancelled(live, None)
                     continue
                 self._live[live.handle.uid] = live
+                self._admitted_now += 1
                 return Prompt(live.handle.uid, "", None, {"request": live.handle.request})
         return None
 
@@ -374,7 +408,10 @@ class NativeBackend:
                 if not (eng.active or self._admitting):
                     continue
                 version, params = self._store.latest()
+                self._admitted_now = 0
                 out = eng.step(params, version, self._next_prompt)
+                if self._admitted_now:  # one admission: its prompts prefilled together
+                    self.counters["admissions"] += 1
                 self._report_progress()
                 for traj in out.finished:
                     self._finish(traj)
