@@ -220,3 +220,138 @@ def test_apply_to_state_writes_the_leaves_in_place():
     assert np.array_equal(np.asarray(state["norm"][...]), np.arange(4.0))
     with pytest.raises(KeyError, match="no leaf lm_head"):
         weight_sync_tpu.apply_to_state(state, {"lm_head": new})
+
+
+# ---- weight_sync='nccl' wired through the server (sampling/vllm_server.py) ------------
+
+
+def test_the_knob_selects_the_servers_worker_extension(tmp_path):
+    """sampling.vllm.weight_sync -> the server's command line -> its worker extension;
+    'nccl' names the GPU extension, which exists with its two calls."""
+    from sao_jax.sampling import backend_vllm, vllm_server, vllm_worker_ext, vllm_worker_nccl
+    from sao_jax.sampling.vllm_config import WEIGHT_SYNCS, VllmConfig
+
+    assert set(vllm_server.WORKER_EXTENSIONS) == set(WEIGHT_SYNCS)
+    modules = {"vllm_worker_ext": vllm_worker_ext, "vllm_worker_nccl": vllm_worker_nccl}
+    for sync, ext in vllm_server.WORKER_EXTENSIONS.items():
+        cmd = backend_vllm.server_command("py", VllmConfig(weight_sync=sync), "/m", 64, 3, 9)
+        assert cmd[:2] == ["py", backend_vllm.SERVER] and f"--weight_sync={sync}" in cmd
+        module, cls = ext.split(".")
+        assert hasattr(getattr(modules[module], cls), "sao_nccl_receive") == (sync == "nccl")
+    nccl = vllm_worker_nccl.NcclWeightSync
+    assert callable(nccl.sao_nccl_init) and callable(nccl.sao_nccl_receive)
+
+
+class WireCollective(FakeCollective):
+    """Rank 0's broadcasts put on a wire another thread (the worker) reads."""
+
+    def __init__(self):
+        super().__init__()
+        import queue
+
+        self.wire = queue.Queue()
+
+    def broadcast(self, tensor):
+        self.wire.put(tensor.clone())
+
+
+class StandInEngine:
+    """vLLM's engine as vllm_server.Server calls it, with one worker whose two NCCL calls
+    are vllm_worker_nccl.NcclWeightSync's, its broadcast reading the stand-in wire."""
+
+    def __init__(self, wire):
+        self.wire, self.loaded, self.calls = wire, {}, []
+        self.unfinished = {"r7"}  # a request in flight at the sync
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        if method == "sao_nccl_init":
+            (info,) = args
+            return [dict(rank=0 + info["rank_offset"])]
+        assert method == "sao_nccl_receive"
+
+        def broadcast(buf):
+            buf.copy_(self.wire.get(timeout=30))
+
+        n = load_all(self.loaded.update, received_tensors(broadcast, args[0], "cpu"))
+        return [dict(seconds=0.0, tensors=n, moe_layers=0)]
+
+    def abort_request(self, ids):
+        self.unfinished -= set(ids)
+        self.calls.append(("abort", tuple(ids)))
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+        return True
+
+    def has_unfinished_requests(self):
+        return bool(self.unfinished)
+
+
+def test_an_nccl_sync_runs_through_the_servers_commands(policy):
+    """weight_sync='nccl' as wired: the trainer's ServerSync sends the server's commands
+    (JSON, as backend_vllm does) and broadcasts while the server's command loop runs the
+    worker's receive; the rendezvous once, a request in flight aborted, the checkpoint's
+    tensors loaded bit for bit, the version moved. NCCL itself is a stand-in."""
+    import json
+    import threading
+
+    from sao_jax.sampling.vllm_server import Server
+    from sao_jax.sampling.weight_sync_nccl import ServerSync
+
+    cfg, params, ckpt = policy
+    net = WireCollective()
+    engine = StandInEngine(net.wire)
+    answers, events, sent = {}, [], []
+
+    def emit(**event):
+        events.append(event)
+        if event["op"] in answers:
+            answers.pop(event["op"]).set_result(event)
+
+    server = Server(engine, make_request=None, emit=emit, version=0)
+    server.sent["r7"] = 3
+
+    def rpc(op, answer, **fields):  # backend_vllm.VllmBackend._rpc over a pipe
+        future = answers[answer] = Future()
+        cmd = json.loads(json.dumps(dict(op=op, **fields)))
+        sent.append(cmd)
+        threading.Thread(target=server.handle, args=(cmd,), daemon=True).start()
+        return future
+
+    sync = ServerSync(rpc, world_size=2, device=jax.devices()[0], collective=net)
+    out = sync.publish(cfg, params, "bfloat16", version=1)
+    assert net.warmed and out["tensors"] == len(ckpt)
+    assert [c["op"] for c in sent] == ["nccl_init", "nccl_receive"]
+    assert sent[0]["init_info"]["world_size"] == 2 and sent[1]["version"] == 1
+    assert sent[1]["update_info"]["names"] == sync.sender.sent
+    assert engine.calls == [
+        "sao_nccl_init",
+        ("abort", ("r7",)),
+        "sao_nccl_receive",
+        "reset_prefix_cache",
+    ]
+    assert [e["op"] for e in events] == ["nccl_ready", "synced"]
+    assert events[1]["interrupted"] == ["r7"] and server.version == 1 and net.wire.empty()
+    for name, t in ckpt.items():
+        assert torch.equal(_bits(engine.loaded[name]), _bits(t)), name
+    sync.publish(cfg, params, "bfloat16", version=2)  # no second rendezvous
+    assert [c["op"] for c in sent] == ["nccl_init", "nccl_receive", "nccl_receive"]
+    assert server.version == 2 and events[-1]["op"] == "synced"
+
+
+def test_a_failed_nccl_call_is_fatal_for_the_caller():
+    """A worker's NCCL call that raises: an error event with no id (the caller's backend
+    is then failed: the group and the weights are undefined)."""
+    from sao_jax.sampling.vllm_server import Server
+
+    class Broken(StandInEngine):
+        def collective_rpc(self, method, args=()):
+            raise RuntimeError("NCCL error: unhandled system error")
+
+    events = []
+    server = Server(Broken(None), None, lambda **e: events.append(e), version=0)
+    server.handle({"op": "nccl_init", "init_info": {}})
+    server.handle({"op": "nccl_receive", "version": 1, "update_info": {}})
+    assert [(e["op"], e["id"]) for e in events] == [("error", None)] * 2
+    assert "NCCL error" in events[0]["message"] and server.version == 0

@@ -39,6 +39,23 @@ class GenerationError(RuntimeError):
     """A request the backend could not serve (the message says why)."""
 
 
+class EngineDied(GenerationError):
+    """The backend's engine is gone (its process exited, or a weight sync left it unusable):
+    nothing more can be served; a run ends (sao_jax/train.py checkpoints first)."""
+
+
+def engine_died(error: BaseException | None) -> bool:
+    """Whether `error` came from an engine that died: EngineDied anywhere in its chain
+    (the backend engine, the sampler and the rollouts sources wrap it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, EngineDied):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class RequestInterrupted(GenerationError):
     """A weight publication ended the request early (the engine restarted on the new
     weights); the tokens it streamed stand, the rest may be asked for again."""

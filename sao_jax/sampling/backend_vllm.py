@@ -23,7 +23,14 @@ its stdin, events on a pipe of their own (vLLM's logs go to `<workdir>/vllm.log`
   a file: no safetensors encoding, no disk, and the engine's tensors view the buffer
   (one copy into the model). With `'restart'`: the export is written by
   `save_hf_checkpoint` to `<workdir>/weights/v<version>/` and a new server starts on it
-  (the same interruption). `close()` deletes the exports.
+  (the same interruption). With `'nccl'` (GPU; never run on one): the server's workers
+  join the trainer's NCCL group on the first publication and receive each tensor by
+  broadcast from the trainer's GPU (weight_sync_nccl.ServerSync, the server's
+  `nccl_init` / `nccl_receive`). `close()` deletes the exports.
+* A server that exits (killed, crashed) or a sync that fails leaves the backend failed:
+  every request in flight and every later call raises EngineDied naming the engine, its
+  exit code and its log; `fatal_error()` says so to a caller that polls (the gateway's
+  rollouts source, sao_jax/serve/source.py).
 * The prompt vLLM holds (`prompt_token_ids`, sent back with a request's first tokens) is
   checked against the ids sent (GenerationError if they differ) and kept on the handle
   as `handle.engine_prompt_ids`.
@@ -51,6 +58,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -58,6 +66,7 @@ import numpy as np
 from sao_jax.models import hf
 from sao_jax.models.config import ModelConfig
 from sao_jax.sampling.backend import (
+    EngineDied,
     GenChunk,
     GenerationError,
     GenHandle,
@@ -77,6 +86,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def server_command(
+    python: str, cfg: VllmConfig, path: str, max_len: int, version: int, events_fd: int
+) -> list[str]:
+    """The command line of vllm_server.py on the checkpoint at `path`
+    (`--weight_sync` picks the server's worker extension)."""
+    return [
+        python,
+        SERVER,
+        f"--model={path}",
+        f"--dtype={cfg.dtype}",
+        f"--max_model_len={max_len}",
+        f"--max_num_seqs={cfg.max_num_seqs}",
+        f"--version={version}",
+        f"--weight_sync={cfg.weight_sync}",
+        f"--events_fd={events_fd}",
+    ]
 
 
 def _aligned(nbytes: int) -> int:
@@ -198,6 +225,8 @@ class VllmBackend:
         self._ready = threading.Event()
         self._synced = threading.Event()  # an in-place sync answered (or the server failed)
         self.syncs: list[dict] = []  # the server's 'synced' events (seconds, interrupted)
+        self._answers: dict[str, Future] = {}  # event op -> the Future of a command (_rpc)
+        self._nccl = None  # weight_sync_nccl.ServerSync, on the first 'nccl' publication
         self._serving = threading.Event()  # set while a ready server takes requests
         self._version: int | None = None
         self._error: str | None = None
@@ -275,6 +304,8 @@ class VllmBackend:
             self._check_alive()
         if self.cfg.weight_sync == "inplace":
             self._sync_in_place(params, version)
+        elif self.cfg.weight_sync == "nccl":
+            self._sync_nccl(params, version)
         else:
             self._restart_on(params, version)
         self.publish_s.append(time.perf_counter() - start)
@@ -299,6 +330,50 @@ class VllmBackend:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             self._serving.set()  # waiting submissions go on, or hear of the failure
+
+    def _sync_nccl(self, params: Any, version: int) -> None:
+        """The GPU sync (weight_sync='nccl', a plan: never run on a GPU): the rendezvous
+        on the first call, then the trainer's broadcasts while the server's workers
+        receive (weight_sync_nccl.ServerSync). A failure leaves the NCCL group and the
+        engine's weights undefined: the backend is failed (EngineDied)."""
+        from sao_jax.sampling import weight_sync_nccl  # jax and, on a GPU, torch
+
+        with self._lock:
+            self._check_alive()
+            self._serving.clear()  # submissions wait for the sync (_wait_serving)
+        try:
+            if self._nccl is None:
+                import jax
+
+                # the trainer at rank 0 and the server's one worker (no tensor parallel)
+                self._nccl = weight_sync_nccl.ServerSync(
+                    self._rpc, world_size=2, device=jax.local_devices()[0]
+                )
+            self._nccl.publish(self.model_cfg, params, self.cfg.dtype, version)
+        except Exception as e:
+            with self._lock:
+                if self._error is None:
+                    self._error = f"NCCL weight sync of v{version} failed: {e}"
+            self._check_alive()
+            raise
+        finally:
+            self._serving.set()  # waiting submissions go on, or hear of the failure
+
+    def _rpc(self, op: str, answer: str, **fields) -> Future:
+        """Sends the command `op`; a Future of the event `answer` (EngineDied when the
+        server fails first)."""
+        future: Future = Future()
+        with self._lock:
+            self._check_alive()
+            self._answers[answer] = future
+            self._send(op=op, **fields)
+        return future
+
+    def _answer(self, op: str, event: dict) -> None:
+        with self._lock:
+            future = self._answers.pop(op, None)
+        if future is not None:
+            future.set_result(event)
 
     def _stage(self, params: Any, version: int) -> tuple[str, list[dict]]:
         """The params' export staged for the worker extension (`stage_weights`): in
@@ -344,6 +419,15 @@ class VllmBackend:
         """The law `request` is sampled with."""
         return request.law(self.sampling)
 
+    def fatal_error(self) -> str | None:
+        """Why this backend can serve nothing more (its engine exited, a sync failed),
+        naming the engine, its exit code and its log; None while it serves (or once
+        closed)."""
+        with self._lock:
+            if self._closed or self._error is None:
+                return None
+            return f"vLLM server failed: {self._error}; its log: {self._log.name}"
+
     def stats(self) -> dict[str, float]:
         with self._lock:
             live = len(self._live)
@@ -375,16 +459,7 @@ class VllmBackend:
             VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine in the server's process
         )
         env.pop("PYTHONPATH", None)  # nothing of this environment leaks into vLLM's
-        cmd = [
-            self._python,
-            SERVER,
-            f"--model={path}",
-            f"--dtype={cfg.dtype}",
-            f"--max_model_len={self.max_len}",
-            f"--max_num_seqs={cfg.max_num_seqs}",
-            f"--version={version}",
-            f"--events_fd={write_fd}",
-        ]
+        cmd = server_command(self._python, cfg, path, self.max_len, version, write_fd)
         with self._lock:
             self._error = None
         self._ready = threading.Event()
@@ -447,7 +522,7 @@ class VllmBackend:
         if self._closed:
             raise GenerationError("the backend is closed")
         if self._error is not None:
-            raise GenerationError(f"vLLM server failed: {self._error}; its log: {self._log.name}")
+            raise EngineDied(f"vLLM server failed: {self._error}; its log: {self._log.name}")
 
     def _send(self, **command) -> None:
         try:
@@ -472,6 +547,9 @@ class VllmBackend:
                     self.syncs.append(event)
                 self._fail_all(f"weights v{event['version']} synced in place", RequestInterrupted)
                 self._synced.set()
+                self._answer("synced", event)
+            elif op == "nccl_ready":
+                self._answer("nccl_ready", event)
             elif op == "error":
                 live = None
                 with self._lock:
@@ -482,15 +560,27 @@ class VllmBackend:
                     with self._lock:
                         self._error = event["message"]
                     self._synced.set()
+                    self._fail_answers()
         code = proc.wait()
         with self._lock:  # the server ended
             if self._closed or self._restarting:
                 return
             if self._error is None:
-                self._error = f"exited with code {code}"
+                self._error = f"the engine (pid {proc.pid}) exited with code {code}"
+            message = f"vLLM server failed: {self._error}; its log: {self._log.name}"
         self._ready.set()
         self._synced.set()
-        self._fail_all(self._error)
+        self._fail_answers()
+        self._fail_all(message, EngineDied)
+
+    def _fail_answers(self) -> None:
+        """The commands waiting for an answer (_rpc) fail: the server is failed."""
+        with self._lock:
+            futures, self._answers = list(self._answers.values()), {}
+            message = f"vLLM server failed: {self._error}; its log: {self._log.name}"
+        for future in futures:
+            if not future.done():
+                future.set_exception(EngineDied(message))
 
     def _on_tokens(self, event: dict) -> None:
         ids, logp, version = event["token_ids"], event["logp"], event["version"]

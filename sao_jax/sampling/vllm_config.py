@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
 
 from ml_collections import ConfigDict
 
@@ -23,7 +24,11 @@ from sao_jax.schema import ConfigError
 
 FIELDS = ("backend", "vllm")  # in the `sampling` section
 BACKENDS = ("native", "vllm")
-WEIGHT_SYNCS = ("inplace", "restart")  # how a publication reaches the engine (docs/vllm.md)
+# how a publication reaches the engine (docs/vllm.md): 'inplace' (CPU: shared memory),
+# 'restart' (a new server), 'nccl' (GPU: NCCL broadcasts, checked for CUDA torch below). No
+# 'tpu': the TPU sync (weight_sync_tpu.py) writes an engine in the trainer's process, and
+# this backend's engine is a server in another process and environment (docs/vllm.md)
+WEIGHT_SYNCS = ("inplace", "restart", "nccl")
 DTYPES = ("bfloat16", "float16", "float32")  # vLLM's CPU MoE refuses float32 (docs/vllm.md)
 SETUP_HINT = "run `make vllm-env` (docs/vllm.md)"
 
@@ -42,7 +47,8 @@ class VllmConfig:
     max_num_seqs: int = 16  # requests decoded together
     startup_timeout_s: float = 300.0  # engine start (load + warm-up) before a clear error
     weight_sync: str = "inplace"  # a publication: 'inplace' (shared memory, worker
-    # extension: sampling/vllm_worker_ext.py) or 'restart' (a new server on the export)
+    # extension: sampling/vllm_worker_ext.py), 'restart' (a new server on the export) or
+    # 'nccl' (GPU: sampling/weight_sync_nccl.py and vllm_worker_nccl.py; never run on one)
 
 
 def section() -> ConfigDict:
@@ -117,6 +123,49 @@ def check_vllm_package(python: str) -> None:
         raise ConfigError(
             f"config field sampling.vllm.python: {python} has no vllm package; {SETUP_HINT}"
         )
+
+
+# Exit 0 when the interpreter's torch is a CUDA build that sees a GPU; else one line why.
+_CUDA_TORCH = (
+    "import sys\n"
+    "try:\n    import torch\n"
+    "except ImportError as e:\n    print(f'no torch ({e})'); sys.exit(1)\n"
+    "if torch.version.cuda is None:\n"
+    "    print(f'torch {torch.__version__} is not a CUDA build'); sys.exit(1)\n"
+    "if not torch.cuda.is_available():\n"
+    "    print(f'torch {torch.__version__} sees no CUDA device'); sys.exit(1)\n"
+)
+
+
+def cuda_torch_problem(python: str) -> str | None:
+    """Why `python` cannot run NCCL through torch (None: it can): no torch, a CPU build,
+    or no CUDA device. Imports torch in that interpreter (a second or two)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        proc = subprocess.run(
+            [python, "-c", _CUDA_TORCH], env=env, timeout=120, capture_output=True, text=True
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{python} failed: {e}"
+    if proc.returncode == 0:
+        return None
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return lines[-1] if lines else f"exit {proc.returncode}"
+
+
+def check_weight_sync(cfg: VllmConfig, python: str, trainer_python: str) -> None:
+    """weight_sync='nccl' needs a CUDA torch that sees a GPU on both ends: the vLLM env
+    (its workers receive) and the trainer's env (rank 0 sends through torch.cuda.nccl,
+    weight_sync_nccl.TorchNccl). ConfigError naming the field and the cause otherwise."""
+    if cfg.weight_sync != "nccl":
+        return
+    for who, exe in (("the vLLM env", python), ("the trainer's env", trainer_python)):
+        problem = cuda_torch_problem(exe)
+        if problem is not None:
+            raise ConfigError(
+                f"config field sampling.vllm.weight_sync: 'nccl' needs a CUDA torch on a GPU "
+                f"host; {who} ({exe}): {problem} (on CPU use 'inplace')"
+            )
 
 
 # What vLLM 0.32's CPU kernels refuse (docs/vllm.md): "Unsupported CPU attention
@@ -196,6 +245,7 @@ def check_fields(section: ConfigDict | dict, config: ConfigDict | None = None) -
     if backend == "vllm":
         python = check_python(cfg)
         check_sampling(section, cfg)
-        if config is not None:
+        if config is not None and cfg.weight_sync != "nccl":  # GPU kernels: not these
             check_model(config, cfg)
+        check_weight_sync(cfg, python, sys.executable)
         check_vllm_package(python)

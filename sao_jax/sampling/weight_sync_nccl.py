@@ -19,11 +19,13 @@ trainer:
 
 `rpc(...)` returns a Future: the engine's workers must sit in their receive while the
 trainer broadcasts (both meet inside the same NCCL calls), so the receive is started
-first and awaited last. The control plane is the server's (collective_rpc on the worker
-extension `vllm_worker_nccl.NcclWeightSync`, or vLLM's own `init_weight_transfer_engine`
-/ `update_weights` with `weight_transfer_config=WeightTransferConfig(backend="nccl")`,
-whose unpacked wire format this sender speaks): wiring it into vllm_server.py is not
-done (docs/vllm.md, "Weight sync on GPU and TPU").
+first and awaited last. The control plane is the server's: with
+`sampling.vllm.weight_sync='nccl'`, sao_jax/sampling/vllm_server.py starts the engine
+with the worker extension `vllm_worker_nccl.NcclWeightSync` and runs its two calls
+through collective_rpc on the commands `nccl_init` and `nccl_receive`, which
+backend_vllm.py sends through `ServerSync` below (the unpacked wire format is also
+vLLM's own `WeightTransferConfig(backend="nccl")`'s). Run on CPU through a stand-in
+collective and a stand-in engine only (docs/vllm.md, "Weight sync on GPU and TPU").
 
 Each tensor comes from models/hf.py's export (weight_payloads.py: the one mapping,
 produced on the device), is gathered whole onto the sender's GPU (device to device) and
@@ -169,3 +171,40 @@ def in_thread(fn: Callable[[], object]) -> Future:
 
     threading.Thread(target=run, daemon=True, name="weight-sync-rpc").start()
     return future
+
+
+# rpc(op, answer, **fields): sends the server command `op` and returns a Future of the
+# event `answer` that acknowledges it (backend_vllm.VllmBackend._rpc)
+Rpc = Callable[..., Future]
+
+
+class ServerSync:
+    """weight_sync='nccl' through vllm_server.py: the rendezvous on the first publication
+    (`nccl_init` -> `nccl_ready`), then one `nccl_receive` -> `synced` per publication,
+    the trainer's broadcasts running while the server's workers receive.
+
+    Args:
+      rpc: the server's commands (Rpc above).
+      world_size: the trainer plus the engine's workers (vllm_server.py starts one).
+      device: the trainer's GPU that sends.
+      collective: the NCCL binding; None: TorchNccl (GPU only).
+    """
+
+    def __init__(
+        self, rpc: Rpc, world_size: int, device: jax.Device, collective: Collective | None = None
+    ):
+        self.rpc = rpc
+        self.sender = NcclSender(world_size, device, collective)
+        self.connected = False
+
+    def publish(self, cfg: ModelConfig, params: Params, dtype: str, version: int) -> dict:
+        """One sync of `params` as `version`; returns the sender's {'tensors', 'bytes'}."""
+        if not self.connected:
+            self.sender.connect(lambda info: self.rpc("nccl_init", "nccl_ready", init_info=info))
+            self.connected = True
+        return self.sender.send(
+            cfg,
+            params,
+            dtype,
+            lambda info: self.rpc("nccl_receive", "synced", version=version, update_info=info),
+        )
