@@ -59,6 +59,7 @@ from sao_jax.run.inputs import Inputs, build_models, load_policy, read_inputs, r
 from sao_jax.run.settings import check_run
 from sao_jax.run.sft import SFTTrainer, demo_batches
 from sao_jax.run.streams import stream_seed
+from sao_jax.sampling.backend import engine_died
 from sao_jax.sampling.backend_factory import backend_builder, sampler_backend
 from sao_jax.sampling.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.sampling.sampler import configs_from_section
@@ -540,7 +541,14 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
     stopped = False
     try:
         while step < t.total_steps:
-            trajs = take_or_stop(source, b, t.take_timeout_s, stopper)
+            try:
+                trajs = take_or_stop(source, b, t.take_timeout_s, stopper)
+            except Exception as e:
+                if engine_died(e):  # the last completed step, kept; the run then ends
+                    log.error("the generation engine died: checkpoint of step %d", step)
+                    r.save(step, state, source, acct.counters(counters, source.stats()), extra)
+                    r.ckpt.wait()  # committed before the error ends the process
+                raise
             if trajs is None:
                 stopped = True
                 break

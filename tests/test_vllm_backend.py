@@ -34,6 +34,7 @@ dying-server test kills the module's server once every other test on it has run.
 import json
 import os
 import pathlib
+import re
 import threading
 import time
 
@@ -48,12 +49,17 @@ from sao_jax import train
 from sao_jax.config import load_config
 from sao_jax.models import hf
 from sao_jax.sampling import backend_factory
-from sao_jax.sampling.backend import GenerationError, GenRequest, RequestInterrupted
+from sao_jax.sampling.backend import EngineDied, GenRequest, RequestInterrupted, engine_died
+from sao_jax.sampling.engine import EngineConfig
+from sao_jax.sampling.sampler import AsyncSampler, SamplerError
 from sao_jax.sampling.vllm_config import VllmConfig
+from sao_jax.schema import ConfigDict
 from sao_jax.serve.gateway import GatewayConfig
 from sao_jax.serve.launch import serve
+from sao_jax.serve.source import GatewayRollouts
 from sao_jax.text.harness_tokenizer import CALCULATOR_TOOL
 from sao_jax.text.tokenizer import load_tokenizer
+from tests.sampling_support import FakeTokenizer, TurnEnv, prompts
 from tests.serve_support import episodes, http
 
 pytestmark = pytest.mark.vllm  # in the default run; `pytest -m vllm` selects this module
@@ -64,6 +70,9 @@ PARITY_P99 = 0.25
 PARITY_MAX = 2.0  # ~0.7% of tokens are off by 0.25-1.5 nats (module docstring)
 DIS_KEEP = 0.99  # the DIS keep rate's bound (measured 0.9956)
 DIS_BAND = (0.7, 6.0)  # rl.losses.dis's kept ratio band (docs/method.md, section 2)
+# seconds from an engine's SIGKILL to the rollouts' SamplerError: the exit is seen when its
+# events pipe closes (at once), the takes poll every 0.05 s (generous: a loaded box)
+DEATH_S = 10.0
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VLLM_PYTHON = os.environ.get("SAO_VLLM_PYTHON") or str(REPO / ".vllm-venv/bin/python")
 TINY = dict(
@@ -271,19 +280,61 @@ def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(served):
     assert backend.stats()["active_requests"] == 0
 
 
-def test_a_server_that_dies_fails_its_requests_naming_it(served):
-    """The engine killed mid-request: the request and every later call fail with
-    GenerationError naming the exit and the server's log (nothing hangs). The module's
-    own server is killed (a server start saved): this is the last test that uses it."""
-    backend = served[0]
-    handle = backend.submit(GenRequest(PROMPT, max_tokens=100))
-    os.killpg(backend._proc.pid, 9)
-    with pytest.raises(GenerationError, match="exited with code -9"):
-        handle.future.result(timeout=30)
-    with pytest.raises(GenerationError, match=r"exited with code -9; its log: .*vllm\.log"):
-        backend.submit(GenRequest(PROMPT, max_tokens=4))
-    with pytest.raises(GenerationError, match="exited with code -9"):
-        backend.publish(served[3], version=3)
+def test_a_server_that_dies_mid_run_ends_the_rollouts_naming_it(served, tmp_path):
+    """The engine killed (SIGKILL) while both rollouts sources use it: the in-process
+    sampler's episodes and the gateway's source (harness mode, its take) each end with
+    SamplerError naming the engine, its exit code and its log within DEATH_S (the run
+    then checkpoints its last step and exits 2: backend.engine_died); the request in flight
+    and every later call fail with EngineDied (nothing hangs). The module's own server is
+    killed (a server start saved): this is the last test that uses it."""
+    backend, _, mdef, _, _ = served
+    cfg = EngineConfig(num_slots=2, max_len=64, max_turn_tokens=8)
+    sampler = AsyncSampler(mdef, FakeTokenizer(), TurnEnv, iter(prompts(400, seed=2)),
+                           engine=cfg, backend=lambda p, v: backend)  # fmt: skip
+    section = ConfigDict(dict(mode="harness", max_staleness=None))
+    source = GatewayRollouts(section, policy_def=mdef, tokenizer=None, chat=None,
+                             engine_cfg=cfg, prompts=None, workdir=tmp_path, seed=0,
+                             queue_size=8, max_env_errors=100, take_timeout_s=60)  # fmt: skip
+    source.backend = backend  # started: what start() builds the gateway on
+    ended = {}
+
+    def take(name, fn):
+        try:
+            fn()
+        except BaseException as e:
+            ended[name] = (e, time.perf_counter())
+
+    with sampler:
+        sampler.publish({}, 0)
+        deadline = time.monotonic() + 60
+        while backend.stats()["active_requests"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the sampler's episodes are in vLLM: mid-run
+        takers = [
+            threading.Thread(target=take, args=("in-process", lambda: sampler.take(64, 120))),
+            threading.Thread(target=take, args=("gateway", lambda: source.take(8, 120))),
+        ]
+        for t in takers:
+            t.start()
+        handle = backend.submit(GenRequest(PROMPT, max_tokens=110))
+        killed = time.perf_counter()
+        os.killpg(backend._proc.pid, 9)
+        for t in takers:
+            t.join(DEATH_S + 30)
+        assert set(ended) == {"in-process", "gateway"}, ended  # neither hangs
+        for name in ("in-process", "gateway"):
+            error, when = ended[name]
+            print(f"{name}: {type(error).__name__} {when - killed:.2f} s after the kill: {error}")
+            assert isinstance(error, SamplerError) and engine_died(error), (name, error)
+            assert re.search(r"exited with code -9; its log: .*vllm\.log", str(error)), error
+            assert when - killed < DEATH_S, name
+        why = backend.fatal_error()  # (before the sampler's exit closes the backend)
+        assert why is not None and "exited with code -9" in why
+        with pytest.raises(EngineDied, match="exited with code -9"):
+            handle.future.result(timeout=30)
+        with pytest.raises(EngineDied, match=r"exited with code -9; its log: .*vllm\.log"):
+            backend.submit(GenRequest(PROMPT, max_tokens=4))
+        with pytest.raises(EngineDied, match="exited with code -9"):
+            backend.publish(served[3], version=3)
 
 
 def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):

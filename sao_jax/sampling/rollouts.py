@@ -38,7 +38,10 @@ Every `take` is bounded, whoever calls it (the RL loop, value pretraining):
   row of any reason (e.g. every prompt longer than `sampling.max_len`) NoProgress
   naming the drops by reason (`sampler.DropStreak`);
 * by a stop request: SIGTERM (`sao_jax.stop`) raises StopRequested within a poll
-  interval, also while an environment call hangs.
+  interval, also while an environment call hangs;
+* by the engine: a generation backend whose engine died (EngineDied, e.g. the vLLM
+  server exited) raises SamplerError naming it (the synchronous take is rewound first,
+  so a checkpoint saved then resumes with it; the async sampler's worker fails with it).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import jax
 from sao_jax import stop
 from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel.partition import ModelDef, Params
+from sao_jax.sampling.backend import GenerationError, engine_died
 from sao_jax.sampling.backend_engine import (
     BackendBuilder,
     BackendEngine,
@@ -66,6 +70,7 @@ from sao_jax.sampling.sampler import (
     DropStreak,
     NoProgress,
     SamplerConfig,
+    SamplerError,
     no_trajectory_message,
 )
 from sao_jax.sampling.trajectory import Trajectory
@@ -283,6 +288,11 @@ class SyncRollouts:
         except stop.StopRequested:
             self._rewind(mark)  # a checkpoint saved now resumes with exactly this take
             raise
+        except GenerationError as e:
+            if not engine_died(e):
+                raise
+            self._rewind(mark)  # the run ends: its checkpoint resumes with this take
+            raise SamplerError(f"the generation engine died: {e}") from e
 
     def give_back(self, trajs: list[Trajectory]) -> None:
         """Undoes the last take (the run stopped before training it): a checkpoint saved

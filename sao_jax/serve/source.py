@@ -23,7 +23,9 @@ made the trajectories.
   the in-process take's: no trajectory for `timeout` s raises NoProgress naming the drops;
   `sampling.max_env_errors` harness failures in a row (crashed, timed out, failed to
   start) raise EnvErrorLimit naming the last; SIGTERM raises StopRequested within
-  `POLL_S`.
+  `POLL_S`; an engine that died (the backend's `fatal_error()`: the vLLM server exited)
+  raises SamplerError naming it, its exit code and its log within `POLL_S` of the
+  backend seeing the exit (not counted as harness failures).
 * `publish(params, version)` goes to the backend: requests in flight continue on the
   new weights from the engine's next step, and each token records the version that
   sampled it (docs/harness.md, "Training on harness episodes"); the vLLM backend
@@ -49,6 +51,7 @@ from typing import Any
 import jax
 
 from sao_jax import stop
+from sao_jax.sampling.backend import EngineDied
 from sao_jax.sampling.backend_engine import BackendBuilder
 from sao_jax.sampling.backend_factory import build_backend
 from sao_jax.sampling.engine import EngineConfig
@@ -250,6 +253,10 @@ class GatewayRollouts:
             return sum(len(e.trajs) for e in self._queue)
 
     def _raise_if_failed(self) -> None:
+        fatal = getattr(self.backend, "fatal_error", None)  # the native backend has none
+        why = fatal() if fatal is not None else None
+        if why is not None:
+            raise SamplerError(f"the generation engine died: {why}") from EngineDied(why)
         if self.pool is not None and self.pool.error is not None:
             err = self.pool.error
             raise SamplerError(f"the harness driver failed: {type(err).__name__}: {err}") from err
