@@ -23,8 +23,9 @@ Rounds are INTERLEAVED (the machine may be shared); printed per model: the media
 trajectories/s and decode tokens/s of both and their ratio (gateway / in-process), each
 round's ratio and their median (paired rounds ran seconds apart, under the same load), the
 gateway's added latency per call (client latency minus the backend's own time from
-submit to result), p50 and p99 over all calls, and the prefill calls per round (requests
-that reach the backend within `admit_wait_s` of each other are admitted together). A
+submit to result), p50 and p99 over all calls, and the admissions and prefill calls per
+round (sao_jax/sampling/backend_native.py, Admission: a burst is admitted whole once no
+request arrived for `admit_gap_s`, or its oldest waited `admit_wait_s`). A
 random-init model stops at eos at random, so tokens are counted, not assumed. Not a
 timed test: docs/benchmarks.md and docs/harness.md have the rows and the command.
 """
