@@ -368,8 +368,7 @@ class NativeBackend:
         the module docstring's (Admission). Called under the lock."""
         if not self._pending:
             return float("inf")
-        eng = self._engine
-        if eng.active or len(self._pending) >= self.cfg.num_slots - eng.active:
+        if self._engine.active or len(self._pending) >= self.cfg.num_slots:
             return 0.0
         now = self._clock()
         quiet = self._last_arrival + self.admit_gap_s - now

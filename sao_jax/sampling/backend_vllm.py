@@ -426,7 +426,7 @@ class VllmBackend:
         with self._lock:
             if self._closed or self._error is None:
                 return None
-            return f"vLLM server failed: {self._error}; its log: {self._log.name}"
+            return self._failure()
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -518,11 +518,15 @@ class VllmBackend:
             if os.path.join(root, name) != keep:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
+    def _failure(self) -> str:
+        """What failed and where its log is (self._error set; called under the lock)."""
+        return f"vLLM server failed: {self._error}; its log: {self._log.name}"
+
     def _check_alive(self) -> None:
         if self._closed:
             raise GenerationError("the backend is closed")
         if self._error is not None:
-            raise EngineDied(f"vLLM server failed: {self._error}; its log: {self._log.name}")
+            raise EngineDied(self._failure())
 
     def _send(self, **command) -> None:
         try:
@@ -567,7 +571,7 @@ class VllmBackend:
                 return
             if self._error is None:
                 self._error = f"the engine (pid {proc.pid}) exited with code {code}"
-            message = f"vLLM server failed: {self._error}; its log: {self._log.name}"
+            message = self._failure()
         self._ready.set()
         self._synced.set()
         self._fail_answers()
@@ -577,7 +581,7 @@ class VllmBackend:
         """The commands waiting for an answer (_rpc) fail: the server is failed."""
         with self._lock:
             futures, self._answers = list(self._answers.values()), {}
-            message = f"vLLM server failed: {self._error}; its log: {self._log.name}"
+            message = self._failure()
         for future in futures:
             if not future.done():
                 future.set_exception(EngineDied(message))
