@@ -100,6 +100,9 @@ class ScriptedBackend:
     def stats(self):
         return {"submitted": self.submitted}
 
+    def fatal_error(self):
+        return None
+
     def close(self):
         self._pool.shutdown()
 

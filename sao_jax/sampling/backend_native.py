@@ -336,6 +336,10 @@ class NativeBackend:
             [(int(ids[i - 1, j]), float(vals[i - 1, j])) for j in range(k)] for i in range(start, t)
         ]
 
+    def fatal_error(self) -> str | None:
+        """None: the engine runs in this process (its failures reach each request)."""
+        return None
+
     def stats(self) -> dict[str, float]:
         eng = self._engine
         calls = max(eng.decode_calls, 1)

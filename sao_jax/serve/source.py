@@ -253,8 +253,7 @@ class GatewayRollouts:
             return sum(len(e.trajs) for e in self._queue)
 
     def _raise_if_failed(self) -> None:
-        fatal = getattr(self.backend, "fatal_error", None)  # the native backend has none
-        why = fatal() if fatal is not None else None
+        why = None if self.backend is None else self.backend.fatal_error()
         if why is not None:
             raise SamplerError(f"the generation engine died: {why}") from EngineDied(why)
         if self.pool is not None and self.pool.error is not None:
