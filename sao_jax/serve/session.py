@@ -93,7 +93,9 @@ class Segment:
         return any(self.action_mask)
 
     def record(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The four lists, copied (dataclasses.asdict deep-copies every element: ~1 ms a
+        segment of a few hundred tokens, on the server's event loop)."""
+        return {f.name: list(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
 @dataclasses.dataclass
