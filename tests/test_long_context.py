@@ -18,9 +18,10 @@ from sao_jax.rl.update import Learner
 V = 80
 
 
-def _shapes(length: int, **model):
+def _shapes(length: int, rl=None, **model):
     c = base.get_config()
     c.model.update(vocab_size=V, **model)
+    c.rl.update(rl or {})
     c.rl.batch_size = 1
     c = config_lib.validate(c)
     cfg = ModelConfig.from_config(c.model)
@@ -48,7 +49,9 @@ def test_update_step_at_4k_has_no_quadratic_or_vocab_buffer():
 
 def test_check_sees_naive_scores_and_whole_logits():
     """Negative control at T = 1024 (two 512-blocks): naive attention and an unchunked LM
-    head do hold [.., T, T] scores and [.., T, V] logits, and the check finds them."""
+    head do hold [.., T, T] scores and [.., T, V] logits, and the check finds them. The
+    update step without a critic (a moving-average baseline): the policy's half holds both
+    buffers, and the step compiles in about half the time."""
     t = 1024
-    shapes = _shapes(t, attention_impl="naive", logits_chunk=0)
+    shapes = _shapes(t, {"advantage": "moving_average"}, attention_impl="naive", logits_chunk=0)
     assert _quadratic(shapes, t) and _logits(shapes, t)
