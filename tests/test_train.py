@@ -2,9 +2,11 @@
 resume (in process and after a real SIGTERM), counter balance, corrupt-checkpoint
 fallback, the workdir guard and init errors.
 
-Two completed runs are shared (module fixtures): `sync_run` (configs/sao.py:smoke,sync,
-6 steps, the uninterrupted reference of the resume test) and `async_run`
-(configs/sao.py:smoke).
+One completed run is shared (a module fixture): `sync_run` (configs/sao.py:smoke,sync, 6
+steps, with its report), whose outputs are checked and which is the uninterrupted
+reference of the resume test. Asynchronous rollouts end to end: the main job's processes of
+tests/test_own_data_e2e.py and tests/test_distributed.py (the counters at a mid-run save
+and after a resume are checked there).
 Every compiled program goes to the session's persistent compilation cache (tests/conftest.py),
 so later runs, in this process or a subprocess, only trace.
 """
@@ -30,7 +32,7 @@ from sao_jax.sampling import rollouts
 from sao_jax.schema import ConfigError
 from tests import train_support as ts
 
-TOTAL = 4  # RL steps of the async run (checkpoints at 0, 2, 4)
+TOTAL = 4  # RL steps of the finished run that is not run again
 SYNC_TOTAL = 6  # RL steps of the sync run, the resume test's reference (0, 2, 4, 6)
 # The sync run's settings (every checkpoint kept: the resume test starts from step 0's).
 SYNC = dict(train__log_every=1, train__eval_sampled=True, train__keep_checkpoints=4)
@@ -45,17 +47,12 @@ def cache_env(jax_cache_dir):
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory, cache_env):
-    """(config, workdir, summary) of an uninterrupted sync run, one log record per step."""
-    config = ts.small_config("smoke,sync", **SYNC, train__total_steps=SYNC_TOTAL)
+    """(config, workdir, summary) of an uninterrupted sync run, one log record per step,
+    with its report (train.report: resumable, so its resumes run without one)."""
+    config = ts.small_config(
+        "smoke,sync", **SYNC, train__total_steps=SYNC_TOTAL, train__report=True
+    )
     workdir = tmp_path_factory.mktemp("sync_run")
-    return config, workdir, train.run(config, workdir)
-
-
-@pytest.fixture(scope="module")
-def async_run(tmp_path_factory, cache_env):
-    """(config, workdir, summary) of an async smoke run with its report."""
-    config = ts.small_config("smoke", sampling__queue_size=16, train__report=True)
-    workdir = tmp_path_factory.mktemp("async_run")
     return config, workdir, train.run(config, workdir)
 
 
@@ -163,8 +160,8 @@ def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch, caplog):
 
 
 @pytest.mark.slow
-def test_smoke_run_writes_every_output(async_run):
-    config, workdir, summary = async_run
+def test_smoke_run_writes_every_output(sync_run):
+    config, workdir, summary = sync_run
     for name in ("metrics.jsonl", "report.md", "summary.json", "config.json"):
         assert (workdir / name).is_file(), name
     assert any(p.is_file() for p in (workdir / "tensorboard").rglob("events.out.tfevents*"))
@@ -173,7 +170,7 @@ def test_smoke_run_writes_every_output(async_run):
     assert pngs and all(p.stat().st_size > 0 for p in pngs)
     for png in pngs:
         assert f"plots/{png.name}" in report
-    assert ts.saved_steps(workdir) == [0, 2, 4]
+    assert ts.saved_steps(workdir) == [0, 2, 4, 6]
 
     stored = ts.read_strict_json(workdir / "summary.json")  # NaN is written as null
     assert sorted(stored) == sorted(summary) and sorted(stored["last_train"]) == sorted(
@@ -181,18 +178,18 @@ def test_smoke_run_writes_every_output(async_run):
     )
     for key in ("steps", "counters", "before", "after", "interrupted"):
         assert stored[key] == summary[key], key
-    assert summary["steps"] == TOTAL and summary["interrupted"] is False
+    assert summary["steps"] == SYNC_TOTAL and summary["interrupted"] is False
     assert accounting.cpu_model() in summary["machine"]  # runs of two CPUs round apart
     for when in ("before", "after"):
         assert 0 <= summary[when]["eval/greedy_success"] <= 1
         assert summary[when]["eval/greedy_episodes"] == config.env.eval_size
-    assert summary["counters"]["trained"] == TOTAL * config.rl.batch_size
+    assert summary["counters"]["trained"] == SYNC_TOTAL * config.rl.batch_size
     assert "policy/loss" in summary["last_train"]
 
     records = ts.read_metrics(workdir)
     train_steps = [r["step"] for r in records if "policy/loss" in r]
     eval_steps = [r["step"] for r in records if "eval/greedy_success" in r]
-    assert train_steps == [2, 4] and eval_steps == [0, 2, 4]
+    assert train_steps == list(range(1, SYNC_TOTAL + 1)) and eval_steps == [0, 2, 4, 6]
     last = [r for r in records if "policy/loss" in r][-1]
     assert last["sampler/taken"] == summary["counters"]["trained"]
 
@@ -211,27 +208,31 @@ def test_smoke_run_writes_every_output(async_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["async_run", "sync_run"])
-def test_counters_balance_at_every_save(request, target, which):
-    _, workdir, summary = request.getfixturevalue(which)
+def test_counters_balance_at_every_save(sync_run, target):
+    _, workdir, summary = sync_run
     for step in ts.saved_steps(workdir):
         _, meta = ts.restore(target, workdir, step)
         assert ts.unbalanced(meta["counters"]) is None, f"checkpoint {step}"
+        assert meta["counters"]["in_flight"] == 0, f"checkpoint {step}"  # sync: none between
     assert ts.unbalanced(summary["counters"]) is None
-    if which == "sync_run":  # nothing in flight between updates
-        assert summary["counters"]["in_flight"] == 0
+    assert summary["counters"]["in_flight"] == 0
 
 
 @pytest.mark.slow
-def test_rows_differing_in_rl_time_settings_pretrain_the_same_critic(sync_run, tmp_path):
+def test_rows_differing_in_rl_time_settings_pretrain_the_same_critic(
+    sync_run, tmp_path, monkeypatch
+):
     """K=1, a full-parameter RL critic and lam_critic 0.9 leave value pretraining alone:
     the critic at checkpoint 0 is bit-identical to SAO's (before, the K=1 row got half the
-    pretraining steps and no_frozen_attention another trainable set)."""
+    pretraining steps and no_frozen_attention another trainable set). Only checkpoint 0
+    is read: the run skips its evaluations and its (empty) RL stage."""
     config, reference, _ = sync_run
     other = ts.small_config(
         "smoke,sync", rl__k_critic=1, rl__lam_critic=0.9, train__total_steps=0,
         optim__critic__freeze_attention=False,
     )  # fmt: skip
+    monkeypatch.setattr(train.Run, "evaluate", lambda self, state, step: {})
+    monkeypatch.setattr(train, "_rl", lambda *args: dict(steps=0))
     train.run(other, tmp_path / "w")
     ref, _ = ts.restore(ts.restore_target(config), reference, 0)
     got, _ = ts.restore(ts.restore_target(other), tmp_path / "w", 0)
@@ -279,21 +280,42 @@ def _assert_same_run(target, reference, workdir):
     assert ts.timeless(ts.read_metrics(workdir)) == ts.timeless(ts.read_metrics(reference))
 
 
+def _damage(workdir, step: int) -> None:
+    """Overwrites the array data of checkpoint `step` (a death while writing it)."""
+    for f in (workdir / "checkpoints" / str(step) / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":  # the array data
+            f.write_bytes(b"\0" * 16)
+
+
 @pytest.mark.slow
-def test_resume_more_steps_and_sigterm_match_uninterrupted(sync_run, target, cache_env, tmp_path):
+# After reading a damaged file tensorstore may report "Event loop is closed" (harmless,
+# docs/checkpointing.md).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_resume_more_steps_and_sigterm_match_uninterrupted(
+    sync_run, target, cache_env, tmp_path, caplog
+):
     """One run resumed three times, each the same as the uninterrupted reference: after a
-    death at checkpoint 0 (the reference's workdir without its later checkpoints), in
-    process to train.total_steps=2 (finished); with more steps, as the entry point's
-    process, which gets a real SIGTERM after step 3 (it saves, exits 0); in process to
-    the end."""
+    death while writing checkpoint 2 (the reference's workdir without its later
+    checkpoints, checkpoint 2's data damaged: it falls back to checkpoint 0), in process
+    to train.total_steps=2 (finished); with more steps, as the entry point's process,
+    which gets a real SIGTERM after step 3 (it saves, exits 0); in process to the end."""
     config, reference, summary = sync_run
     workdir = tmp_path / "w"
     shutil.copytree(reference, workdir)
-    (workdir / accounting.SUMMARY_FILE).unlink()
-    for step in ts.saved_steps(workdir)[1:]:
+    (workdir / accounting.SUMMARY_FILE).unlink()  # died (a finished run is not run again)
+    for step in ts.saved_steps(workdir)[2:]:
         shutil.rmtree(workdir / "checkpoints" / str(step))
-    assert ts.saved_steps(workdir) == [0]
-    first = train.run(ts.small_config("smoke,sync", **SYNC, train__total_steps=2), workdir)
+    assert ts.saved_steps(workdir) == [0, 2]
+    _damage(workdir, 2)
+    with caplog.at_level(logging.INFO):
+        first = train.run(ts.small_config("smoke,sync", **SYNC, train__total_steps=2), workdir)
+    (line,) = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert line.startswith("checkpoint step 2 is damaged (state/") and "restored step 0" in line
+    (resumed,) = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
+    assert (
+        resumed == "resumed from step 0 (checkpoint 0, the newest readable; checkpoint 2 was not)"
+    )
+    assert (workdir / "checkpoints" / checkpointing.CORRUPT_DIR / "2").is_dir()
     assert first["steps"] == 2 and not first["interrupted"] and ts.saved_steps(workdir) == [0, 2]
 
     flags = ts.flags_of("smoke,sync", **SYNC, train__total_steps=100)
@@ -317,63 +339,29 @@ def test_resume_more_steps_and_sigterm_match_uninterrupted(sync_run, target, cac
     stored = json.loads((workdir / checkpointing.CONFIG_FILE).read_text())
     assert stored["train"]["total_steps"] == SYNC_TOTAL
     assert resumed["steps"] == SYNC_TOTAL and resumed["interrupted"] is False
+    # the same state, counters and metric records (the damaged run's after step 0 replaced)
     _assert_same_run(target, reference, workdir)
     assert ts.timeless([resumed["after"]]) == ts.timeless([summary["after"]])
-
-
-@pytest.mark.slow
-# After reading a damaged file tensorstore may report "Event loop is closed" (harmless,
-# docs/checkpointing.md).
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_corrupt_latest_checkpoint_falls_back(async_run, target, tmp_path, caplog):
-    config, finished, _ = async_run
-    workdir = tmp_path / "w"
-    shutil.copytree(finished, workdir)
-    (workdir / accounting.SUMMARY_FILE).unlink()  # died after its last save (a finished
-    # run, with its summary, is not run again)
-    _, meta2 = ts.restore(target, workdir, 2)
-    for f in (workdir / "checkpoints" / "4" / "state").rglob("*"):
-        if f.is_file() and f.parent.name == "d":  # the array data
-            f.write_bytes(b"\0" * 16)
-    with caplog.at_level(logging.INFO):
-        summary = train.run(config, workdir)
-    (line,) = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
-    assert line.startswith("checkpoint step 4 is damaged (state/") and "restored step 2" in line
-    (resumed,) = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
-    assert (
-        resumed == "resumed from step 2 (checkpoint 2, the newest readable; checkpoint 4 was not)"
-    )
-    assert (workdir / "checkpoints" / checkpointing.CORRUPT_DIR / "4").is_dir()
-    assert summary["steps"] == TOTAL and ts.saved_steps(workdir) == [0, 2, 4]
-    # What was in flight at step 2 is discarded; the totals still balance.
-    c = summary["counters"]
-    assert c["discarded"] == meta2["counters"]["discarded"] + meta2["counters"]["in_flight"]
-    assert c["trained"] == TOTAL * config.rl.batch_size
-    assert ts.unbalanced(c) is None
-    _, meta4 = ts.restore(target, workdir, 4)
-    assert meta4["counters"] == c
-    steps = [r["step"] for r in ts.read_metrics(workdir) if "policy/loss" in r]
-    assert steps == [2, 4]  # the damaged run's step-4 record was replaced
 
 
 # ------------------------------------------------------------------------ the workdir
 
 
 @pytest.mark.slow
-def test_workdir_of_another_config_is_refused_unless_overwrite(async_run, tmp_path, monkeypatch):
-    _, finished, _ = async_run
+def test_workdir_of_another_config_is_refused_unless_overwrite(sync_run, tmp_path, monkeypatch):
+    _, finished, _ = sync_run
     workdir = tmp_path / "w"
     shutil.copytree(finished, workdir)
-    other = ts.small_config(rl__k_critic=1)
+    other = ts.small_config("smoke,sync", rl__k_critic=1)
     with pytest.raises(ConfigError, match=r"config field rl\.k_critic"):
         train.run(other, workdir)
-    assert ts.saved_steps(workdir) == [0, 2, 4]
+    assert ts.saved_steps(workdir) == [0, 2, 4, 6]
 
     _forbid_start(monkeypatch)
     with pytest.raises(AssertionError, match="past its config checks"):
         train.run(other, workdir, overwrite=True)
     (moved,) = workdir.glob("previous-*")
-    assert ts.saved_steps(moved) == [0, 2, 4]
+    assert ts.saved_steps(moved) == [0, 2, 4, 6]
     stored = json.loads((workdir / checkpointing.CONFIG_FILE).read_text())
     assert stored["rl"]["k_critic"] == 1
 
