@@ -25,6 +25,7 @@ step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -60,7 +61,7 @@ from sao_jax.run.settings import check_run
 from sao_jax.run.sft import SFTTrainer, demo_batches
 from sao_jax.run.streams import stream_seed
 from sao_jax.sampling.backend import engine_died
-from sao_jax.sampling.backend_factory import backend_builder, sampler_backend
+from sao_jax.sampling.backend_factory import run_backend
 from sao_jax.sampling.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.sampling.trajectory import (
@@ -142,15 +143,18 @@ class Run:
             stall_timeout_s=config.train.take_timeout_s,
         )
         self.pool = dict(device_context=self.placement.pool_context)  # rollouts' kwargs
-        # sampling.backend (sao_jax/sampling/backend_factory.py): what rollouts generate
-        # with (None: the sampler's own engines); evaluation stays on the native engine
-        self.backend_args = dict(
+        # sampling.backend (sao_jax/sampling/backend_factory.py): the run's one backend
+        # (one vLLM server), lent to value pretraining's source, then the RL loop's, closed
+        # by run(); the in-process rollouts generate with it (None: the sampler's own
+        # engines); evaluation stays on the native engine
+        self.backend = run_backend(
+            config,
             mdef=self.sampler_def,
             tokenizer=self.tokenizer,
             workdir=workdir,
             seed=stream_seed(config.seed, "rollouts"),
         )
-        self.pool["backend"] = sampler_backend(config, **self.backend_args)
+        self.pool["backend"] = self.backend.sampler()
         t = config.train
         self.ckpt = checkpointing.Checkpointer(
             workdir / "checkpoints", keep=t.keep_checkpoints, async_save=t.async_checkpoints
@@ -378,7 +382,7 @@ class Run:
                 queue_size=self.sampler_cfg.queue_size,
                 max_env_errors=self.sampler_cfg.max_env_errors,
                 take_timeout_s=cfg.train.take_timeout_s,
-                backend=backend_builder(cfg, **self.backend_args),
+                backend=self.backend,
             )
         kw = dict(group_size=cfg.env.group_size)
         args = (self.sampler_def, self.tokenizer, self.env_factory, self.prompts)
@@ -458,7 +462,9 @@ def run(config: ConfigDict, workdir: str | pathlib.Path, *, overwrite: bool = Fa
     t_start = time.time()
     r = Run(config, workdir, sharder, inputs, placement)
     t = config.train
-    with checkpointing.GracefulExit() as stopper:
+    # the run's one backend (a vLLM server) closed on every way out, errors included,
+    # while signals are still caught (a second SIGTERM cannot leave its process behind)
+    with checkpointing.GracefulExit() as stopper, contextlib.closing(r.backend):
         latest = r.ckpt.latest_step()
         if latest is None:
             r.open_writers(resume_step=-1)
@@ -592,6 +598,7 @@ def _rl(r: Run, state, counters: dict, extra: dict, stopper, t_start: float) -> 
                 r.save(step, state, source, acct.counters(counters, source.stats()), extra)
     finally:
         source.stop()
+        r.backend.close()  # its last user: the final evaluation runs without the server
         progress.close()
     after = {}
     if step >= t.total_steps and not stopped:

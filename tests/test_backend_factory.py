@@ -15,6 +15,7 @@ from sao_jax.models.transformer import Policy
 from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
 from sao_jax.sampling import backend_factory, backend_vllm
+from sao_jax.sampling.backend import GenerationError, GenHandle, GenRequest
 from sao_jax.sampling.backend_native import NativeBackend
 from sao_jax.schema import ConfigError
 from tests import train_support as ts
@@ -43,7 +44,7 @@ def test_native_runs_keep_the_samplers_engine_and_serve_the_native_backend(polic
     mdef, params = policy
     c = _config()
     kw = dict(mdef=mdef, tokenizer=FakeTokenizer(), workdir=tmp_path, seed=0)
-    assert backend_factory.sampler_backend(c, **kw) is None
+    assert backend_factory.run_backend(c, **kw).sampler() is None
     backend = backend_factory.backend_builder(c, **kw)(params, 3)
     try:
         assert isinstance(backend, NativeBackend) and backend.version == 3
@@ -67,7 +68,8 @@ def test_vllm_runs_build_the_vllm_backend_with_the_runs_settings(policy, tmp_pat
     c = _vllm(sampling__temperature=0.7, sampling__top_p=0.9, sampling__vllm__max_num_seqs=3,
               init__kind="hf", init__hf_path=str(hf_dir))  # fmt: skip
     kw = dict(mdef=mdef, tokenizer=FakeTokenizer(), workdir=tmp_path, seed=5)
-    build = backend_factory.sampler_backend(c, **kw)
+    assert isinstance(backend_factory.run_backend(c, **kw).sampler(), backend_factory.RunBackend)
+    build = backend_factory.backend_builder(c, **kw)
     build(params, 4)
     build(params, 7)
     (cfg, model_cfg, a), (_, _, b) = built
@@ -78,6 +80,61 @@ def test_vllm_runs_build_the_vllm_backend_with_the_runs_settings(policy, tmp_pat
     assert a["base_config"] == {"eos_token_id": 2, "bos_token_id": 1}
     assert a["workdir"] != b["workdir"] and a["workdir"].startswith(str(tmp_path / "vllm"))
     assert a["decode"]([5, 6]) == FakeTokenizer().decode([5, 6])  # the run's stop strings
+
+
+class _Recorded:
+    """A backend that records its publications and close; cancel() cancels the future."""
+
+    max_len = 64
+
+    def __init__(self, version):
+        self.version, self.published, self.closed = version, [], False
+
+    def submit(self, request, on_tokens=None):
+        return GenHandle(request, lambda handle: handle.future.cancel())
+
+    def publish(self, params, version):
+        self.published.append(version)
+        self.version = version
+
+    def stats(self):
+        return {"submitted": 2}
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_runs_backend_is_built_once_lent_to_each_source_and_closed_by_the_run():
+    """Value pretraining's source, then the RL loop's, on one backend (one vLLM server):
+    a source's close() cancels its own requests in flight and leaves the backend up; a
+    source on the version served publishes nothing, a newer one publishes; the run's
+    close() closes it (tests/test_vllm_backend.py: the same on a real server)."""
+    built = []
+    run = backend_factory.RunBackend(
+        lambda params, version: built.append(version) or _Recorded(version)
+    )
+    first = run("weights", 0)
+    ended = first.submit(GenRequest((1, 2), max_tokens=4))
+    ended.future.set_result(None)
+    live = first.submit(GenRequest((1, 2), max_tokens=4))
+    first.close()
+    assert live.future.cancelled() and not ended.future.cancelled()
+    assert not run.backend.closed
+    with pytest.raises(GenerationError, match="closed"):
+        first.submit(GenRequest((1, 2), max_tokens=4))
+    second = run("weights", 0)
+    assert built == [0] and run.backend.published == []
+    run("newer", 3)
+    run("older", 2)
+    assert run.backend.published == [3] and second.version == 3
+    assert second.stats() == {"submitted": 2} and second.max_len == 64  # the backend's own
+    backend = run.backend
+    run.close()
+    run.close()
+    assert backend.closed and built == [0]
+    with pytest.raises(GenerationError, match="the run's backend is closed"):
+        run("weights", 4)
+    assert backend_factory.RunBackend(run, native=True).sampler() is None
 
 
 @pytest.mark.parametrize(

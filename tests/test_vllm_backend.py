@@ -10,8 +10,9 @@ distribution over 32 x 64 sampled tokens with DIS's keep rate), the in-place wei
 (the same weights: bit-identical greedy tokens and log-probs, a request in flight
 interrupted; new weights: the engine follows them), cancel; and a run:
 configs/sao.py:smoke,vllm trains two async SAO updates with every rollout from vLLM
-(sampling.backend='vllm' through sao_jax/sampling/backend_factory.py), and the gateway
-(configs/harness.py:smoke on vLLM's shapes) answers a tool call from vLLM's tokens.
+(sampling.backend='vllm' through sao_jax/sampling/backend_factory.py, one server for
+the run), and the gateway (configs/harness.py:smoke, in front of the module's server)
+answers a tool call from vLLM's tokens.
 
 Parity bounds: vLLM runs bf16 (fp32 MoE is refused on CPU), the JAX reference fp32 on the
 same bf16-rounded weights; bf16 activations carry a relative error of 2^-8 per rounding,
@@ -26,9 +27,10 @@ sync fails.
 The module is part of the default run (`make test` builds the vLLM env first); without
 the env every test FAILS with one line naming `make vllm-env` (a skip would check
 nothing). SAO_VLLM_PYTHON names another vLLM env's python (docs/vllm.md: the kernel
-builds checked by forcing them, "Which CPUs"). Its cost is about four server starts (the
-module's, value pretraining's and the RL loop's in the SAO run, the gateway's): the
-dying-server test kills the module's server once every other test on it has run.
+builds checked by forcing them, "Which CPUs"). Its cost is two server starts (the
+module's, which the gateway test borrows too, and the SAO run's one for value pretraining
+and the RL loop): the dying-server test kills the module's server once every other test
+on it has run.
 """
 
 import json
@@ -54,8 +56,8 @@ from sao_jax.sampling.engine import EngineConfig
 from sao_jax.sampling.sampler import AsyncSampler, SamplerError
 from sao_jax.sampling.vllm_config import VllmConfig
 from sao_jax.schema import ConfigDict
+from sao_jax.serve import launch
 from sao_jax.serve.gateway import GatewayConfig
-from sao_jax.serve.launch import serve
 from sao_jax.serve.source import GatewayRollouts
 from sao_jax.text.harness_tokenizer import CALCULATOR_TOOL
 from sao_jax.text.tokenizer import load_tokenizer
@@ -131,7 +133,8 @@ def served(tmp_path_factory):
     cfg_vllm = VllmConfig(python=VLLM_PYTHON, kv_cache_gib=1, max_num_seqs=8)
     workdir = str(tmp_path_factory.mktemp("vllm"))
     start = time.perf_counter()
-    backend = VllmBackend(cfg_vllm, cfg, params, workdir=workdir, max_len=128, decode=_letters)
+    # max_len: the gateway test's chat prompt with a tool is 292 harness tokens
+    backend = VllmBackend(cfg_vllm, cfg, params, workdir=workdir, max_len=512, decode=_letters)
     print(f"vLLM start {time.perf_counter() - start:.1f} s")
     # the reference reads the weights vLLM got (bf16-rounded), in fp32
     _, _, exported = hf.load_hf_policy(os.path.join(workdir, "weights", "v0"))
@@ -280,6 +283,53 @@ def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(served):
     assert backend.stats()["active_requests"] == 0
 
 
+def test_the_gateway_serves_vllms_tokens(served, tmp_path, monkeypatch):
+    """configs/harness.py:smoke served by serve/launch.py in front of the module's vLLM
+    server, lent to it as a run lends its server to a source (backend_factory.RunBackend:
+    the gateway's close at its shutdown cancels its own requests, the server goes on): a
+    tool-enabled chat call is answered and its episode records the engine's token ids,
+    log-probs and version. (The factory building a VllmBackend from a run's config:
+    tests/test_backend_factory.py and the SAO run above.)"""
+    backend = served[0]
+    config = load_config(f"{REPO}/configs/harness.py:smoke")
+    assert config.model.vocab_size == TINY["vocab_size"]  # the harness tokenizer's ids fit
+    lend = backend_factory.RunBackend(lambda params, version: backend)
+    monkeypatch.setattr(launch, "backend_builder", lambda config, **kw: lend)
+    stop = threading.Event()
+    errors = []
+
+    def run():
+        try:
+            launch.serve(config, tmp_path, GatewayConfig(), stop=stop)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    path = tmp_path / "gateway.json"
+    deadline = time.monotonic() + 300
+    while not path.exists() and not errors and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not errors and path.exists(), errors
+    info = json.loads(path.read_text())
+    _, _, s = http("POST", f"{info['base_url']}/sessions", {"task": 1}, info["api_key"])
+    client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+    r = client.chat.completions.create(
+        model=info["model"], messages=[{"role": "user", "content": "what is 3 + 4?"}],
+        tools=[CALCULATOR_TOOL], max_tokens=3,
+    )  # fmt: skip
+    assert r.usage.completion_tokens >= 1
+    stop.set()
+    thread.join(60)
+    assert not thread.is_alive() and not errors
+    (ep,) = episodes(tmp_path)
+    (seg,) = ep["segments"]
+    acts = [i for i, m in enumerate(seg["action_mask"]) if m]
+    assert len(acts) == r.usage.completion_tokens
+    assert all(seg["versions"][i] == backend.version and seg["logprobs"][i] <= 0 for i in acts)
+    assert backend.fatal_error() is None and backend.stats()["active_requests"] == 0  # lent
+
+
 def test_a_server_that_dies_mid_run_ends_the_rollouts_naming_it(served, tmp_path):
     """The engine killed (SIGKILL) while both rollouts sources use it: the in-process
     sampler's episodes and the gateway's source (harness mode, its take) each end with
@@ -340,10 +390,12 @@ def test_a_server_that_dies_mid_run_ends_the_rollouts_naming_it(served, tmp_path
 def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):
     """configs/sao.py:smoke,vllm from a random policy (the SFT warm start never touches
     vLLM: tests/test_train.py's): value pretraining and two async SAO updates, every
-    rollout from vLLM (one server per rollouts source, each publication synced in place);
-    the staleness cap (0) makes the second update's batch come from published weights."""
-    built, published, taken, backends = [], [], [], []
+    rollout from vLLM (one server for the run, lent to value pretraining's source, then
+    the RL loop's; each publication synced in place; closed at the run's end); the
+    staleness cap (0) makes the second update's batch come from published weights."""
+    built, published, taken, backends, lent = [], [], [], [], []
     build = backend_factory.build_backend
+    lend = backend_factory.RunBackend.__call__
 
     def recording_build(kind, **kw):
         start = time.perf_counter()
@@ -360,6 +412,10 @@ def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):
         backend.publish = publish
         return backend
 
+    def recording_lend(self, params, version):
+        lent.append(version)
+        return lend(self, params, version)
+
     take = train.take_or_stop
 
     def recording_take(*args):
@@ -369,6 +425,7 @@ def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(backend_factory, "build_backend", recording_build)
     monkeypatch.setattr(train, "take_or_stop", recording_take)
+    monkeypatch.setattr(backend_factory.RunBackend, "__call__", recording_lend)
     config = load_config(f"{REPO}/configs/sao.py:smoke,vllm")
     config.sampling.vllm.python = VLLM_PYTHON
     config.sampling.max_staleness = 0
@@ -384,8 +441,10 @@ def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):
         f"{[round(x, 1) for b in backends for x in b.publish_s]}; stats {summary['counters']}"
     )
     assert summary["steps"] == 2 and not summary["interrupted"]
-    assert built == ["vllm", "vllm"]  # value pretraining's source, then the RL loop's
-    rl = [v for engine, v in published if engine == 2]
+    assert built == ["vllm"] and lent == [0, 0]  # value pretraining's source, the RL loop's
+    (server,) = backends
+    assert server._proc.poll() is not None  # closed by the run: no process left behind
+    rl = [v for _, v in published]  # the RL loop's (version 0: the weights it was built on)
     assert rl and rl == sorted(rl) and set(rl) <= {1, 2}
     assert len(taken) == 2 and all(len(b) == 8 for b in taken)
     for trajs in taken:
@@ -396,48 +455,3 @@ def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):
                 t.rollout_logp[t.action_mask] <= 0
             )
     assert min(t.min_version for t in taken[1]) >= 1  # the cap: sampled after a publication
-
-
-def test_the_gateway_serves_vllms_tokens(tmp_path):
-    """configs/harness.py:smoke with sampling.backend='vllm' (serve/launch.py builds the
-    backend through the factory): a chat call is answered and its episode records the
-    engine's token ids, log-probs and version."""
-    config = load_config(f"{REPO}/configs/harness.py:smoke")
-    with config.unlocked():
-        config.model.update(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
-                            head_dim=64, moe_intermediate_size=32, mlp_only_layers=())  # fmt: skip
-        config.sampling.update(num_slots=2, max_len=512, backend="vllm")
-        config.sampling.vllm.update(python=VLLM_PYTHON, max_num_seqs=2)
-    stop = threading.Event()
-    errors = []
-
-    def run():
-        try:
-            serve(config, tmp_path, GatewayConfig(), stop=stop)
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    path = tmp_path / "gateway.json"
-    deadline = time.monotonic() + 300
-    while not path.exists() and not errors and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not errors and path.exists(), errors
-    info = json.loads(path.read_text())
-    _, _, s = http("POST", f"{info['base_url']}/sessions", {"task": 1}, info["api_key"])
-    client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
-    r = client.chat.completions.create(
-        model=info["model"], messages=[{"role": "user", "content": "what is 3 + 4?"}],
-        tools=[CALCULATOR_TOOL], max_tokens=3,
-    )  # fmt: skip
-    assert r.usage.completion_tokens >= 1
-    stop.set()
-    thread.join(60)
-    assert not thread.is_alive() and not errors
-    (ep,) = episodes(tmp_path)
-    (seg,) = ep["segments"]
-    acts = [i for i, m in enumerate(seg["action_mask"]) if m]
-    assert len(acts) == r.usage.completion_tokens
-    assert all(seg["versions"][i] == 0 and seg["logprobs"][i] <= 0 for i in acts)
-    assert (tmp_path / "vllm").is_dir()

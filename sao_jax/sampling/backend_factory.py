@@ -6,15 +6,21 @@
 * `backend_builder(config, ...)`: `(params, version) -> backend` of the run config's
   `sampling.backend`, with its engine settings (`sampling`), vLLM's knobs
   (`sampling.vllm`), the run's tokenizer (eos) and, for an `init.kind='hf'` run, the
-  checkpoint's config.json (fields the export keeps). The gateway (serve/launch.py,
-  serve/source.py) serves whichever it builds.
-* `sampler_backend(config, ...)`: what the in-process rollouts (sampling/rollouts.py)
-  generate with: None for 'native' (the sampler's own continuous-batching engine, as
-  always: its compiled programs, keys and lockstep bits), else the builder, whose
-  backend the BackendEngines share (sampling/backend_engine.py).
+  checkpoint's config.json (fields the export keeps). The gateway (serve/launch.py)
+  serves whichever it builds.
+* `RunBackend` (`run_backend(config, ...)`): a training run's one backend, lent to each
+  rollouts source in turn (value pretraining's, then the RL loop's: in-process or the
+  gateway's, serve/source.py): built on the first weights a source serves, published to
+  when a source serves a newer version, closed by the run (sao_jax/train.py), never by a
+  source: a source's `close()` cancels its own requests and leaves the server up. One
+  vLLM server per run, not one per source (a start costs 8-26 s on 2 cores, docs/vllm.md).
+  `sampler()` is what the in-process rollouts (sampling/rollouts.py) generate with:
+  None for 'native' (the sampler's own continuous-batching engine, as always: its
+  compiled programs, keys and lockstep bits), else the run's backend, whose server the
+  BackendEngines share (sampling/backend_engine.py).
 
 vLLM's exports and log go to `<workdir>/vllm/engine<i>/` (one directory per backend
-built in this process: value pretraining's and the RL loop's never share one).
+built in this process: a run builds one, engine0 in a fresh process).
 """
 
 from __future__ import annotations
@@ -23,13 +29,21 @@ import functools
 import itertools
 import json
 import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
 
 from sao_jax.parallel.partition import ModelDef, Params
-from sao_jax.sampling.backend import GenerationBackend
+from sao_jax.sampling.backend import (
+    GenChunk,
+    GenerationBackend,
+    GenerationError,
+    GenHandle,
+    GenRequest,
+)
 from sao_jax.sampling.backend_engine import BackendBuilder
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.sampling.slots import EngineConfig
@@ -125,11 +139,92 @@ def _build_at(kind: str, params: Params, version: int, **kw) -> GenerationBacken
     return build_backend(kind, params=params, version=version, **kw)
 
 
-def sampler_backend(
-    config: ConfigDict, *, mdef: ModelDef, tokenizer, workdir, seed: int
-) -> BackendBuilder | None:
-    """The in-process rollouts' backend: None for 'native' (the sampler's own engine),
-    else the run's builder (module docstring)."""
-    if config.sampling.get("backend", "native") == "native":
-        return None
-    return backend_builder(config, mdef=mdef, tokenizer=tokenizer, workdir=workdir, seed=seed)
+def run_backend(config: ConfigDict, *, mdef: ModelDef, tokenizer, workdir, seed: int) -> RunBackend:
+    """The run's one backend of `sampling.backend` (`RunBackend`, module docstring)."""
+    build = backend_builder(config, mdef=mdef, tokenizer=tokenizer, workdir=workdir, seed=seed)
+    return RunBackend(build, native=config.sampling.get("backend", "native") == "native")
+
+
+class RunBackend:
+    """A run's one generation backend, lent to its rollouts sources in turn.
+
+    Called as a BackendBuilder, `(params, version)`, it builds the backend with `build`
+    the first time; later calls hand it `params` when `version` is newer than the one it
+    serves (a source starting on weights it already serves, the RL loop's version 0 after
+    value pretraining's, publishes nothing); each call returns a `LentBackend`, the
+    caller's view. `close()` (the run's, once no source uses it) closes the backend."""
+
+    def __init__(self, build: BackendBuilder, *, native: bool = False):
+        self._build = build
+        self.native = native  # sampling.backend='native': see sampler()
+        self._lock = threading.Lock()
+        self.backend: GenerationBackend | None = None
+        self._closed = False
+
+    def sampler(self) -> BackendBuilder | None:
+        """What the in-process rollouts generate with: None for 'native' (the sampler's
+        own engine), else this backend."""
+        return None if self.native else self
+
+    def __call__(self, params: Params, version: int) -> LentBackend:
+        with self._lock:
+            if self._closed:
+                raise GenerationError("the run's backend is closed")
+            if self.backend is None:
+                self.backend = self._build(params, version)
+            elif self.backend.version is None or version > self.backend.version:
+                self.backend.publish(params, version)
+            return LentBackend(self.backend)
+
+    def close(self) -> None:
+        """Closes the backend (a vLLM server: its process group ends); idempotent."""
+        with self._lock:
+            self._closed = True
+            backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.close()
+
+
+class LentBackend:
+    """A rollouts source's view of the run's backend: every call and attribute is the
+    backend's, except `close()`, which cancels the requests submitted through this view
+    (still in flight) and leaves the backend serving; later submissions are refused."""
+
+    def __init__(self, backend: GenerationBackend):
+        self._backend = backend
+        self._lock = threading.Lock()
+        self._handles: set[GenHandle] = set()
+        self._closed = False
+
+    def submit(
+        self, request: GenRequest, on_tokens: Callable[[GenChunk], None] | None = None
+    ) -> GenHandle:
+        with self._lock:
+            if self._closed:
+                raise GenerationError("the backend is closed")
+        handle = self._backend.submit(request, on_tokens)
+        with self._lock:
+            closed = self._closed  # closed while it was submitted: cancelled at once
+            if not closed:
+                self._handles.add(handle)
+        if closed:
+            handle.cancel()
+        else:
+            handle.future.add_done_callback(lambda _: self._forget(handle))
+        return handle
+
+    def _forget(self, handle: GenHandle) -> None:
+        with self._lock:
+            self._handles.discard(handle)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            handles, self._handles = list(self._handles), set()
+        for handle in handles:
+            handle.cancel()
+
+    def __getattr__(self, name: str) -> Any:  # submit and close aside: the backend's own
+        if name == "_backend":  # not set yet (a copy): no recursion
+            raise AttributeError(name)
+        return getattr(self._backend, name)

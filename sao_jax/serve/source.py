@@ -32,7 +32,9 @@ made the trajectories.
   restarts its engine on them instead (the learner waits; requests in flight fail and
   the harness's call is retried or its episode dropped, docs/vllm.md).
 * `stop()` kills the harness processes, drops the live sessions (`shutdown`: written
-  to episodes.jsonl, counted) and closes the server and the backend.
+  to episodes.jsonl, counted) and closes the server and the backend (a training run's is
+  lent: its requests are cancelled, and the run closes the backend itself,
+  sao_jax/sampling/backend_factory.py `RunBackend`).
 """
 
 from __future__ import annotations
