@@ -358,6 +358,13 @@ def gateway_section() -> ConfigDict:
     # is ended as by /end (scored by its task's reward, else dropped)
     c.strict_sampling = False  # sampling knobs that differ from the run's: a 400, not
     # ignored and counted
+    # The native backend's admission of requests arriving over HTTP
+    # (sao_jax/sampling/backend_native.py, Admission): while no slot decodes, waiting
+    # requests start together once none arrived for admit_gap_s (a burst is over), or the
+    # oldest waited admit_wait_s, or they fill the free slots; 0 <= gap <= wait. A vLLM
+    # backend schedules its own requests and ignores both.
+    c.admit_gap_s = 0.02
+    c.admit_wait_s = 0.2
     c.max_staleness = ml_collections.FieldReference(16, field_type=int)  # drop an episode
     # whose oldest action token is more than this many versions behind the learner when
     # taken (None = off); on by default, unlike sampling.max_staleness, because nothing

@@ -45,12 +45,23 @@ def test_native_runs_keep_the_samplers_engine_and_serve_the_native_backend(polic
     c = _config()
     kw = dict(mdef=mdef, tokenizer=FakeTokenizer(), workdir=tmp_path, seed=0)
     assert backend_factory.run_backend(c, **kw).sampler() is None
+    c.gateway.admit_gap_s, c.gateway.admit_wait_s = 0.05, 0.5  # the gateway's admission
     backend = backend_factory.backend_builder(c, **kw)(params, 3)
     try:
         assert isinstance(backend, NativeBackend) and backend.version == 3
         assert backend.max_len == c.sampling.max_len
+        assert (backend.admit_gap_s, backend.admit_wait_s) == (0.05, 0.5)
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize(
+    "gap, wait, field",
+    [(-0.01, 0.2, "gateway.admit_gap_s"), (0.3, 0.2, "gateway.admit_wait_s")],
+)
+def test_bad_admission_windows_are_refused_naming_the_field(gap, wait, field):
+    with pytest.raises(ConfigError, match=f"config field {field}: must be >="):
+        config_lib.validate(_config(gateway__admit_gap_s=gap, gateway__admit_wait_s=wait))
 
 
 def test_vllm_runs_build_the_vllm_backend_with_the_runs_settings(policy, tmp_path, monkeypatch):

@@ -65,14 +65,19 @@ def build_backend(
     vllm: VllmConfig | None = None,
     workdir: str | os.PathLike | None = None,
     base_config: dict[str, Any] | None = None,
+    admission: dict[str, float] | None = None,
 ) -> GenerationBackend:
     """A `kind` backend ('native' | 'vllm') serving `params` as `version`, sampling with
-    `engine_cfg`'s law and limits; vLLM's knobs `vllm`, its files under `workdir`."""
+    `engine_cfg`'s law and limits; the native one's admission windows `admission`
+    (`admit_gap_s`, `admit_wait_s`; None: its defaults); vLLM's knobs `vllm`, its files
+    under `workdir`."""
     if kind == "native":
         from sao_jax.sampling.backend_native import NativeBackend
 
         try:
-            return NativeBackend(mdef, params, tokenizer, engine_cfg, version=version, seed=seed)
+            return NativeBackend(
+                mdef, params, tokenizer, engine_cfg, version=version, seed=seed, **(admission or {})
+            )
         except ValueError as e:  # the tokenizer's vocabulary does not fit the model's
             raise ConfigError(f"config field model.vocab_size: {e}") from None
     if kind == "vllm":
@@ -132,7 +137,16 @@ def backend_builder(
         vllm=vllm_config(sampling.get("vllm")),
         workdir=workdir,
         base_config=_base_config(config),
+        admission=_admission(config),
     )
+
+
+def _admission(config: ConfigDict) -> dict[str, float] | None:
+    """`gateway.admit_gap_s` / `admit_wait_s` (checked at start-up, serve/settings.py)."""
+    g = config.get("gateway")
+    if g is None:
+        return None
+    return dict(admit_gap_s=float(g.admit_gap_s), admit_wait_s=float(g.admit_wait_s))
 
 
 def _build_at(kind: str, params: Params, version: int, **kw) -> GenerationBackend:

@@ -75,6 +75,18 @@ def command_words(command: str) -> tuple[str, ...]:
     return words
 
 
+def _check_admission(section: ConfigDict) -> None:
+    """The native backend's admission windows (`admit_gap_s`, `admit_wait_s`): ConfigError
+    naming the field unless 0 <= gap <= wait."""
+    from sao_jax.sampling.backend_native import check_admission
+
+    gap, wait = float(section.admit_gap_s), float(section.admit_wait_s)
+    try:
+        check_admission(gap, wait)
+    except ValueError as e:  # "<field>: <why>"
+        raise ConfigError(f"config field gateway.{e}") from None
+
+
 def harness_config(section: ConfigDict) -> HarnessConfig:
     h = section.harness
     return HarnessConfig(
@@ -95,6 +107,7 @@ def _check_gateway(config: ConfigDict) -> None:
     require(g.max_tokens >= 0, "gateway.max_tokens", f"must be >= 0, got {g.max_tokens}")
     require(g.max_body_bytes > 0, "gateway.max_body_bytes", "must be > 0")
     require(g.reward_timeout_s > 0, "gateway.reward_timeout_s", "must be > 0")
+    _check_admission(g)
     require(
         g.max_staleness is None or g.max_staleness >= 0,
         "gateway.max_staleness",
