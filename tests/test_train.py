@@ -8,14 +8,18 @@ reference of the resume test. Asynchronous rollouts end to end: the main job's p
 tests/test_own_data_e2e.py and tests/test_distributed.py (the counters at a mid-run save
 and after a resume are checked there).
 Every compiled program goes to the session's persistent compilation cache (tests/conftest.py),
-so later runs, in this process or a subprocess, only trace.
+so later runs only trace.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import signal
+import threading
+import time
 
 import ml_collections
 import pytest
@@ -224,12 +228,14 @@ def test_rows_differing_in_rl_time_settings_pretrain_the_same_critic(
 ):
     """K=1, a full-parameter RL critic and lam_critic 0.9 leave value pretraining alone:
     the critic at checkpoint 0 is bit-identical to SAO's (before, the K=1 row got half the
-    pretraining steps and no_frozen_attention another trainable set). Only checkpoint 0
-    is read: the run skips its evaluations and its (empty) RL stage."""
+    pretraining steps and no_frozen_attention another trainable set). It starts from the
+    reference's saved warm start (init.kind='params': the same policy, no SFT again) and
+    only its checkpoint 0 is read: the run skips its evaluations and its (empty) RL stage."""
     config, reference, _ = sync_run
     other = ts.small_config(
         "smoke,sync", rl__k_critic=1, rl__lam_critic=0.9, train__total_steps=0,
-        optim__critic__freeze_attention=False,
+        optim__critic__freeze_attention=False, init__kind="params",
+        init__params_path=str(reference / "warm_start"),
     )  # fmt: skip
     monkeypatch.setattr(train.Run, "evaluate", lambda self, state, step: {})
     monkeypatch.setattr(train, "_rl", lambda *args: dict(steps=0))
@@ -280,6 +286,21 @@ def _assert_same_run(target, reference, workdir):
     assert ts.timeless(ts.read_metrics(workdir)) == ts.timeless(ts.read_metrics(reference))
 
 
+def _sigterm_self_after_step(workdir, step: int, done: threading.Event) -> None:
+    """Sends SIGTERM to this process once workdir/metrics.jsonl holds a train record of
+    `step` or later (a thread's loop; `done` ends it)."""
+    deadline = time.monotonic() + 300
+    while not done.is_set() and time.monotonic() < deadline:
+        try:
+            records = ts.read_metrics(workdir)
+        except (OSError, ValueError):  # not there yet, or a line half written
+            records = []
+        if any(r["step"] >= step and "policy/loss" in r for r in records):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(0.05)
+
+
 def _damage(workdir, step: int) -> None:
     """Overwrites the array data of checkpoint `step` (a death while writing it)."""
     for f in (workdir / "checkpoints" / str(step) / "state").rglob("*"):
@@ -291,14 +312,15 @@ def _damage(workdir, step: int) -> None:
 # After reading a damaged file tensorstore may report "Event loop is closed" (harmless,
 # docs/checkpointing.md).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_resume_more_steps_and_sigterm_match_uninterrupted(
-    sync_run, target, cache_env, tmp_path, caplog
-):
+def test_resume_more_steps_and_sigterm_match_uninterrupted(sync_run, target, tmp_path, caplog):
     """One run resumed three times, each the same as the uninterrupted reference: after a
     death while writing checkpoint 2 (the reference's workdir without its later
-    checkpoints, checkpoint 2's data damaged: it falls back to checkpoint 0), in process
-    to train.total_steps=2 (finished); with more steps, as the entry point's process,
-    which gets a real SIGTERM after step 3 (it saves, exits 0); in process to the end."""
+    checkpoints, checkpoint 2's data damaged: it falls back to checkpoint 0), to
+    train.total_steps=2 (finished); with more steps, until a real SIGTERM to this process
+    after step 3 (train.run's handler: it saves and returns); to the end. The entry
+    point's exit 0 after SIGTERM, as a process: tests/test_distributed.py (two processes,
+    one signalled, a second launch resumes) and tests/test_hangs.py (before the first
+    checkpoint)."""
     config, reference, summary = sync_run
     workdir = tmp_path / "w"
     shutil.copytree(reference, workdir)
@@ -318,22 +340,24 @@ def test_resume_more_steps_and_sigterm_match_uninterrupted(
     assert (workdir / "checkpoints" / checkpointing.CORRUPT_DIR / "2").is_dir()
     assert first["steps"] == 2 and not first["interrupted"] and ts.saved_steps(workdir) == [0, 2]
 
-    flags = ts.flags_of("smoke,sync", **SYNC, train__total_steps=100)
-    log = tmp_path / "log.txt"
-    with log.open("w") as f:
-        proc = ts.entry_point(flags, workdir, cache_env, f)
-        try:
-            ts.sigterm_after_step(proc, workdir, step=3, timeout=300)
-            rc = proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    assert rc == 0, log.read_text()
-    assert "resumed from step 2" in log.read_text()  # a finished run, more steps
-    stopped = json.loads((workdir / "summary.json").read_text())
+    caplog.clear()
+    done = threading.Event()
+    thread = threading.Thread(target=_sigterm_self_after_step, args=(workdir, 3, done))
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # one after run() returned
+    thread.start()
+    try:
+        with caplog.at_level(logging.INFO):
+            more = ts.small_config("smoke,sync", **SYNC, train__total_steps=100)
+            stopped = train.run(more, workdir)
+    finally:
+        done.set()
+        thread.join(5)
+        signal.signal(signal.SIGTERM, previous)
+    assert "resumed from step 2" in caplog.text  # a finished run, more steps
+    assert "received SIGTERM" in caplog.text
     assert stopped["interrupted"] is True and 3 <= stopped["steps"] < SYNC_TOTAL, stopped
+    assert json.loads((workdir / accounting.SUMMARY_FILE).read_text())["interrupted"] is True
     assert ts.saved_steps(workdir)[-1] == stopped["steps"]
-    assert "received SIGTERM" in log.read_text()
 
     resumed = train.run(config, workdir)  # total_steps is resumable
     stored = json.loads((workdir / checkpointing.CONFIG_FILE).read_text())
