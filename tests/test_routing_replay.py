@@ -6,6 +6,8 @@ exactly as the sampler did and reproduce its log-probs; a slightly changed route
 changes free routing but not replayed routing; and the update step runs with replay on.
 """
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -53,11 +55,25 @@ def setup():
     return config, models, trajs, batch
 
 
+@functools.cache
+def _jitted(policy_def, replay: bool):
+    """The training forward (free routing, or `replay`: forced experts) as one jitted
+    program, as the update step runs it (op by op, every primitive compiled for its
+    shapes, the module's forwards took several seconds of CPU)."""
+    if replay:
+        return jax.jit(
+            lambda p, tok, pos, seg, forced: policy_def.bind(p)(
+                tok, pos, seg, forced_experts_btlk=forced
+            )
+        )
+    return jax.jit(lambda p, tok, pos, seg: policy_def.bind(p)(tok, pos, seg))
+
+
 def _forward(models, params, batch, forced):
-    model = models.policy_def.bind(params)
-    return model(
-        batch["tokens"], batch["positions"], batch["segment_ids"], forced_experts_btlk=forced
-    )
+    args = (params, batch["tokens"], batch["positions"], batch["segment_ids"])
+    if forced is None:
+        return _jitted(models.policy_def, False)(*args)
+    return _jitted(models.policy_def, True)(*args, forced)
 
 
 def _with_router(params, fn):
@@ -93,10 +109,11 @@ def test_replayed_routing_and_logp_equal_the_samplers(setup):
     am = batch["action_mask"]
     real = batch["segment_ids"] != 0
     np.testing.assert_allclose(np.asarray(replay.out)[rec], np.asarray(free.out)[rec], atol=1e-5)
-    logp, _ = token_logp_entropy(replay.out, batch["tokens"])
+    logp, _ = jax.jit(token_logp_entropy)(replay.out, batch["tokens"])
     np.testing.assert_allclose(np.asarray(logp)[am], batch["rollout_logp"][am], atol=1e-4)
     # The update step's own pass (rl/passes.py) with replay gives the same log-probs.
-    out = policy_pass(models.policy_def.bind(models.policy), batch, replay=True)
+    pdef = models.policy_def
+    out = jax.jit(lambda p, b: policy_pass(pdef.bind(p), b, replay=True))(models.policy, batch)
     np.testing.assert_allclose(np.asarray(out["logp"])[am], batch["rollout_logp"][am], atol=1e-4)
     assert real.sum() == rec.sum() + len(trajs)
 
