@@ -52,7 +52,8 @@ def test_sweeps_pair_rows_per_task_and_share_table_5s_levels_points():
         assert (code.name, levels.name) == observation_signal.TASKS
         names = [p.name for s in (code, levels) for p in sweep.expand(s)]
         warm = [sweep.warm_start_name(s, seed) for s in (code, levels) for seed in s.seeds]
-        assert len(set(names)) == len(names) == 4 * len(code.seeds)
+        rows = 3 if mode == "smoke" else 4  # smoke: the code task's SAO row only
+        assert len(set(names)) == len(names) == rows * len(code.seeds)
         assert len(set(warm)) == len(warm)
     table5 = ablations.get_sweep("table=gae,mode=full")
     ours = {p.name: p for p in sweep.expand(observation_signal.sweeps("full")[1])}
@@ -136,7 +137,8 @@ def test_run_share_is_none_without_records_or_variance():
 @pytest.mark.slow
 def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir, shared_runs_dir):
     out = tmp_path / "out"
-    # the graded task's warm start and runs are the ablations and GAE smokes' (the pool's)
+    # the graded task's warm start and runs are the ablations and GAE smokes' (the pool's);
+    # the code task trains its warm start and SAO (smoke's code rows, configs/observation_signal.py)
     shared = ("warm_start__ablations__smoke__seed=0", "ablations__sao__seed=0")
     shared += ("ablations__cross_observation__seed=0",)
     SharedRuns(shared_runs_dir, jax_cache_dir).copy_into(tmp_path / "sweep", *shared)
@@ -146,7 +148,8 @@ def test_the_script_end_to_end_in_smoke_mode(tmp_path, jax_cache_dir, shared_run
     assert "Runs that did not finish" not in text
     for task in observation_signal.TASKS:
         for label in report.ROW_LABELS.values():
-            assert f"| {task} | {label} |" in text
+            assert f"| {task} | {label} |" in text  # the code task's cross row: no runs
+    assert "| levels | cross-observation GAE | 1/1 |" in text
     line = [x for x in text.splitlines() if x.startswith("| code | SAO")][-1]  # value jumps
     cells = [c.strip() for c in line.strip(" |").split("|")]
     jumps = cells[2 : 2 + len(report.JUMPS)]  # the obs/ metrics were logged; the share of
