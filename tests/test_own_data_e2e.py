@@ -12,7 +12,8 @@ with only the README's "Train on your own data" fields (one training process):
   start-up summary, writing samples.jsonl and W&B rows (a fake `wandb` package, offline),
   a workdir whose config.json holds the checkpoint's shapes and which keeps copies of the
   tokenizer and the checkpoint's config.json;
-* running it again does nothing (one line, exit 0, not a byte changed);
+* running it again from the same flags does nothing (one line, not a byte changed; in
+  process, through the entry points' flag parser);
 * the export works with the source folder moved away, keeps the source config.json's
   fields, and transformers loads it (model and tokenizer) with logits matching the JAX
   policy of the exported step.
@@ -24,6 +25,7 @@ refusal, tests/test_cli_errors.py's.
 
 import importlib.util
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -35,9 +37,11 @@ import numpy as np
 import pytest
 import tokenizers
 import torch
+from absl import flags
+from ml_collections import config_flags
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from sao_jax import export
+from sao_jax import cli, export, train
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.factory import policy_def
 from sao_jax.parallel.mesh import Sharder
@@ -182,13 +186,23 @@ def _wheel(tmp: pathlib.Path) -> pathlib.Path:
     return next((tmp / "dist").glob("sao_jax-*.whl"))
 
 
+def _parsed_config(argv: list[str]):
+    """The run config the entry points build from `argv` (their flag parser)."""
+    fv = flags.FlagValues()
+    argv = ["sao-train", *argv]
+    config_flags.DEFINE_config_file("config", None, "run config", flag_values=fv, sys_argv=argv)
+    cli.parse_config_flags(argv, flag_values=fv)
+    return fv.config
+
+
 def test_installed_entry_points_train_and_export_outside_the_checkout(
-    inputs, tmp_path, jax_cache_dir
+    inputs, tmp_path, jax_cache_dir, caplog, monkeypatch
 ):
     """One training process (the installed sao-train, outside the checkout, a fake wandb
-    on the path), its re-run, the export with the source checkpoint moved away (sao-export)
-    and a missing config file (exit 2); the checkout's `sao_jax.experiments` alias, in
-    process (the same modules as `python -m experiments.train`, tests/test_train.py)."""
+    on the path), its re-run from the same flags (in process), the export with the source
+    checkpoint moved away (sao-export) and a missing config file (exit 2); the checkout's
+    `sao_jax.experiments` alias, in process (the same modules as `python -m
+    experiments.train`, tests/test_train.py)."""
     for module in ("sao_jax.experiments.train", "sao_jax.experiments.export"):
         alias = importlib.util.find_spec(module)  # found, not imported
         assert pathlib.Path(alias.origin) == REPO / "experiments" / f"{module.split('.')[-1]}.py"
@@ -246,10 +260,13 @@ def test_installed_entry_points_train_and_export_outside_the_checkout(
     assert calls[0][0] == "init" and calls[0][1]["mode"] == "offline"
     assert [c[1] for c in calls if c[0] == "log"] == [0, 2, 2]  # eval, train, eval
     assert calls[-1] == ["finish"]
-    # Again: nothing to do, nothing written.
+    # Again, from the same flags (parsed as the entry points parse them), in process:
+    # nothing to do, nothing written (a run's process exiting 0: tests/test_train.py)
     before = _tree(workdir)
-    again = _run(cmd, outside, env)
-    assert "already finished at step 2 (train.total_steps=2): nothing to do" in again
+    monkeypatch.syspath_prepend(str(fake))  # train.wandb_project: the package is found
+    with caplog.at_level(logging.INFO, logger="sao_jax"):
+        assert train.run(_parsed_config(_flags(ckpt, data, *wandb)), workdir) == summary
+    assert "already finished at step 2 (train.total_steps=2): nothing to do" in caplog.text
     assert _tree(workdir) == before
 
     moved = ckpt.with_name(ckpt.name + "_moved")  # export from the workdir alone
