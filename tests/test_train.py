@@ -33,6 +33,8 @@ from sao_jax.parallel.mesh import sharder_from_config
 from sao_jax.rl import optim
 from sao_jax.run import accounting, value_pretrain
 from sao_jax.sampling import rollouts
+from sao_jax.sampling.backend import EngineDied
+from sao_jax.sampling.sampler import SamplerError
 from sao_jax.schema import ConfigError
 from tests import train_support as ts
 
@@ -312,12 +314,15 @@ def _damage(workdir, step: int) -> None:
 # After reading a damaged file tensorstore may report "Event loop is closed" (harmless,
 # docs/checkpointing.md).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_resume_more_steps_and_sigterm_match_uninterrupted(sync_run, target, tmp_path, caplog):
-    """One run resumed three times, each the same as the uninterrupted reference: after a
+def test_resume_more_steps_and_sigterm_match_uninterrupted(
+    sync_run, target, tmp_path, caplog, monkeypatch
+):
+    """One run resumed four times, each the same as the uninterrupted reference: after a
     death while writing checkpoint 2 (the reference's workdir without its later
     checkpoints, checkpoint 2's data damaged: it falls back to checkpoint 0), to
     train.total_steps=2 (finished); with more steps, until a real SIGTERM to this process
-    after step 3 (train.run's handler: it saves and returns); to the end. The entry
+    after step 3 (train.run's handler: it saves and returns); until the generation engine
+    dies at a take (the last completed step saved, the error raised); to the end. The entry
     point's exit 0 after SIGTERM, as a process: tests/test_distributed.py (two processes,
     one signalled, a second launch resumes) and tests/test_hangs.py (before the first
     checkpoint)."""
@@ -358,6 +363,26 @@ def test_resume_more_steps_and_sigterm_match_uninterrupted(sync_run, target, tmp
     assert stopped["interrupted"] is True and 3 <= stopped["steps"] < SYNC_TOTAL, stopped
     assert json.loads((workdir / accounting.SUMMARY_FILE).read_text())["interrupted"] is True
     assert ts.saved_steps(workdir)[-1] == stopped["steps"]
+
+    # the generation engine dies at a take (issue 44 item 7): the last completed step is
+    # checkpointed, the error ends the run, and the checkpoint resumes exactly
+    caplog.clear()
+    takes, die_at = [], 2 if stopped["steps"] + 1 < SYNC_TOTAL else 1
+    real_take = train.take_or_stop
+
+    def dying_take(*args):
+        takes.append(1)
+        if len(takes) == die_at:  # before the source is asked: as a take that failed
+            raise SamplerError("the generation engine died: test") from EngineDied("test")
+        return real_take(*args)
+
+    monkeypatch.setattr(train, "take_or_stop", dying_take)
+    with caplog.at_level(logging.INFO), pytest.raises(SamplerError, match="engine died"):
+        train.run(config, workdir)
+    monkeypatch.setattr(train, "take_or_stop", real_take)
+    died_at = stopped["steps"] + die_at - 1
+    assert f"the generation engine died: checkpoint of step {died_at}" in caplog.text
+    assert ts.saved_steps(workdir)[-1] == died_at
 
     resumed = train.run(config, workdir)  # total_steps is resumable
     stored = json.loads((workdir / checkpointing.CONFIG_FILE).read_text())
