@@ -195,6 +195,9 @@ def _parsed_config(argv: list[str]):
     return fv.config
 
 
+# its in-process re-run parses the config file with config_flags, which loads it with
+# importlib's deprecated load_module() (as tests/test_cli_errors.py notes)
+@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
 def test_installed_entry_points_train_and_export_outside_the_checkout(
     inputs, tmp_path, jax_cache_dir, caplog, monkeypatch
 ):
