@@ -143,7 +143,7 @@ def test_a_runs_backend_is_built_once_lent_to_each_source_and_closed_by_the_run(
     run.close()
     run.close()
     assert backend.closed and built == [0]
-    with pytest.raises(GenerationError, match="the run's backend is closed"):
+    with pytest.raises(GenerationError, match="the backend is closed"):
         run("weights", 4)
     assert backend_factory.RunBackend(run, native=True).sampler() is None
 

@@ -44,7 +44,7 @@ from sao_jax.sampling.backend import (
     GenHandle,
     GenRequest,
 )
-from sao_jax.sampling.backend_engine import BackendBuilder
+from sao_jax.sampling.backend_engine import BackendBuilder, SharedBackend
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.sampling.slots import EngineConfig
 from sao_jax.sampling.vllm_config import VllmConfig, vllm_config
@@ -159,21 +159,18 @@ def run_backend(config: ConfigDict, *, mdef: ModelDef, tokenizer, workdir, seed:
     return RunBackend(build, native=config.sampling.get("backend", "native") == "native")
 
 
-class RunBackend:
-    """A run's one generation backend, lent to its rollouts sources in turn.
-
-    Called as a BackendBuilder, `(params, version)`, it builds the backend with `build`
-    the first time; later calls hand it `params` when `version` is newer than the one it
-    serves (a source starting on weights it already serves, the RL loop's version 0 after
-    value pretraining's, publishes nothing); each call returns a `LentBackend`, the
-    caller's view. `close()` (the run's, once no source uses it) closes the backend."""
+class RunBackend(SharedBackend):
+    """A run's one generation backend, lent to its rollouts sources in turn: a
+    SharedBackend (sao_jax/sampling/backend_engine.py: built with `build` on the first
+    weights it is given, published to when a newer version comes, closed once) that,
+    called as a BackendBuilder `(params, version)`, serves that version (a source starting
+    on weights it already serves, the RL loop's version 0 after value pretraining's,
+    publishes nothing) and returns a `LentBackend`, the caller's view. `close()` (the
+    run's, once no source uses it) closes the backend."""
 
     def __init__(self, build: BackendBuilder, *, native: bool = False):
-        self._build = build
+        super().__init__(build)
         self.native = native  # sampling.backend='native': see sampler()
-        self._lock = threading.Lock()
-        self.backend: GenerationBackend | None = None
-        self._closed = False
 
     def sampler(self) -> BackendBuilder | None:
         """What the in-process rollouts generate with: None for 'native' (the sampler's
@@ -181,22 +178,11 @@ class RunBackend:
         return None if self.native else self
 
     def __call__(self, params: Params, version: int) -> LentBackend:
-        with self._lock:
-            if self._closed:
-                raise GenerationError("the run's backend is closed")
-            if self.backend is None:
-                self.backend = self._build(params, version)
-            elif self.backend.version is None or version > self.backend.version:
-                self.backend.publish(params, version)
-            return LentBackend(self.backend)
-
-    def close(self) -> None:
-        """Closes the backend (a vLLM server: its process group ends); idempotent."""
-        with self._lock:
-            self._closed = True
-            backend, self.backend = self.backend, None
-        if backend is not None:
-            backend.close()
+        self.serve(params, version)
+        backend = self.backend
+        if backend is None:  # closed meanwhile
+            raise GenerationError("the backend is closed")
+        return LentBackend(backend)
 
 
 class LentBackend:
