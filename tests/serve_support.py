@@ -144,6 +144,21 @@ def served(config, workdir: pathlib.Path, timeout: float):
     assert not thread.is_alive() and not errors, errors
 
 
+def calculator_call(info: dict, max_tokens: int = 3):
+    """One session of the server `info` (its gateway.json) and one tool-enabled chat call
+    through the `openai` client (no retries); the client's response."""
+    import openai
+
+    from sao_jax.text.harness_tokenizer import CALCULATOR_TOOL
+
+    _, _, s = http("POST", f"{info['base_url']}/sessions", {"task": 1}, info["api_key"])
+    client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+    return client.chat.completions.create(
+        model=info["model"], messages=[{"role": "user", "content": "what is 3 + 4?"}],
+        tools=[CALCULATOR_TOOL], max_tokens=max_tokens,
+    )  # fmt: skip
+
+
 def http(method: str, url: str, body=None, key: str | None = None, raw: bytes | None = None,
          headers=None):  # fmt: skip
     """(status, headers, decoded JSON or text) of one request."""

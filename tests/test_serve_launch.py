@@ -4,7 +4,6 @@ written whole once it accepts connections, a call answered, and on stop the live
 sessions' episodes written as dropped; init.kind='params' serves a saved warm start."""
 
 import jax
-import openai
 import pytest
 from flax import nnx
 
@@ -16,8 +15,7 @@ from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import init_params
 from sao_jax.schema import ConfigError
 from sao_jax.serve import launch
-from sao_jax.text.harness_tokenizer import CALCULATOR_TOOL
-from tests.serve_support import episodes, http, served
+from tests.serve_support import calculator_call, episodes, served
 
 
 def test_serve_harness_smoke(tmp_path):
@@ -28,12 +26,7 @@ def test_serve_harness_smoke(tmp_path):
         assert set(info) == {"base_url", "api_key", "port", "model", "pid"}
         assert info["base_url"] == f"http://127.0.0.1:{info['port']}/v1"
         assert (tmp_path / "tokenizer" / "chat_template.jinja").exists()
-        _, _, s = http("POST", f"{info['base_url']}/sessions", {"task": 1}, info["api_key"])
-        client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
-        r = client.chat.completions.create(
-            model=info["model"], messages=[{"role": "user", "content": "what is 3 + 4?"}],
-            tools=[CALCULATOR_TOOL], max_tokens=3,
-        )  # fmt: skip
+        r = calculator_call(info)
         assert r.usage.completion_tokens >= 1
     (ep,) = episodes(tmp_path)
     assert ep["dropped"] == "shutdown" and ep["calls"] == 1 and ep["reward"] is None

@@ -33,7 +33,6 @@ and the RL loop): the dying-server test kills the module's server once every oth
 on it has run.
 """
 
-import json
 import os
 import pathlib
 import re
@@ -42,7 +41,6 @@ import time
 
 import jax
 import numpy as np
-import openai
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -57,12 +55,11 @@ from sao_jax.sampling.sampler import AsyncSampler, SamplerError
 from sao_jax.sampling.vllm_config import VllmConfig
 from sao_jax.schema import ConfigDict
 from sao_jax.serve import launch
-from sao_jax.serve.gateway import GatewayConfig
 from sao_jax.serve.source import GatewayRollouts
-from sao_jax.text.harness_tokenizer import CALCULATOR_TOOL
 from sao_jax.text.tokenizer import load_tokenizer
+from tests import serve_support
 from tests.sampling_support import FakeTokenizer, TurnEnv, prompts
-from tests.serve_support import episodes, http
+from tests.serve_support import calculator_call, episodes
 
 pytestmark = pytest.mark.vllm  # in the default run; `pytest -m vllm` selects this module
 # |delta logp| bounds (nats), bf16 engine vs fp32 recomputation (module docstring); measured
@@ -295,33 +292,9 @@ def test_the_gateway_serves_vllms_tokens(served, tmp_path, monkeypatch):
     assert config.model.vocab_size == TINY["vocab_size"]  # the harness tokenizer's ids fit
     lend = backend_factory.RunBackend(lambda params, version: backend)
     monkeypatch.setattr(launch, "backend_builder", lambda config, **kw: lend)
-    stop = threading.Event()
-    errors = []
-
-    def run():
-        try:
-            launch.serve(config, tmp_path, GatewayConfig(), stop=stop)
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    path = tmp_path / "gateway.json"
-    deadline = time.monotonic() + 300
-    while not path.exists() and not errors and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not errors and path.exists(), errors
-    info = json.loads(path.read_text())
-    _, _, s = http("POST", f"{info['base_url']}/sessions", {"task": 1}, info["api_key"])
-    client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
-    r = client.chat.completions.create(
-        model=info["model"], messages=[{"role": "user", "content": "what is 3 + 4?"}],
-        tools=[CALCULATOR_TOOL], max_tokens=3,
-    )  # fmt: skip
-    assert r.usage.completion_tokens >= 1
-    stop.set()
-    thread.join(60)
-    assert not thread.is_alive() and not errors
+    with serve_support.served(config, tmp_path, timeout=300) as info:
+        r = calculator_call(info)
+        assert r.usage.completion_tokens >= 1
     (ep,) = episodes(tmp_path)
     (seg,) = ep["segments"]
     acts = [i for i, m in enumerate(seg["action_mask"]) if m]
