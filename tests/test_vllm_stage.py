@@ -1,7 +1,8 @@
 """The in-place vLLM weight sync's buffer, without vLLM (default suite, in process).
 
-backend_vllm.stage_weights writes models/hf.py's export (hf_entries) into one flat buffer;
-sampling/vllm_worker_ext.py's shared_tensors reads it back inside vLLM as torch views.
+sao_jax/sampling/weight_staging.py `stage_weights` writes models/hf.py's export (hf_entries)
+into one flat buffer; sampling/vllm_worker_ext.py's shared_tensors reads it back inside
+vLLM as torch views.
 Checked here on a tiny Qwen3-MoE (dense and sparse layers, tied embeddings): the tensors
 read back are bit for bit those save_hf_checkpoint writes (the same names, shapes and
 bf16 values: one export mapping), each aligned; a failed tensor leaves no buffer behind.
@@ -15,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from sao_jax.models import hf
-from sao_jax.sampling.backend_vllm import ALIGN, stage_weights, staged_size
 from sao_jax.sampling.vllm_worker_ext import shared_tensors
+from sao_jax.sampling.weight_staging import ALIGN, stage_weights, staged_size
 from tests.tiny_moe import save_tiny_moe
 
 

@@ -49,7 +49,6 @@ import contextlib
 import itertools
 import json
 import math
-import mmap
 import os
 import shutil
 import signal
@@ -60,8 +59,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
-
-import numpy as np
 
 from sao_jax.models import hf
 from sao_jax.models.config import ModelConfig
@@ -75,10 +72,10 @@ from sao_jax.sampling.backend import (
     RequestInterrupted,
 )
 from sao_jax.sampling.vllm_config import VllmConfig, check_python
+from sao_jax.sampling.weight_staging import stage_weights, staged_size
 
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_server.py")
 SHM = "/dev/shm"  # shared memory on Linux: a tmpfs whose files live in RAM
-ALIGN = 64  # bytes: each staged tensor starts on a cache line
 
 
 def free_port() -> int:
@@ -104,41 +101,6 @@ def server_command(
         f"--weight_sync={cfg.weight_sync}",
         f"--events_fd={events_fd}",
     ]
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def staged_size(entries) -> int:
-    """Bytes of the buffer `stage_weights` writes for `entries`."""
-    return sum(_aligned(e.nbytes) for e in entries)
-
-
-def stage_weights(entries, path: str, dtype: str) -> list[dict]:
-    """Writes `entries` (models/hf.py hf_entries, produced one at a time) into one flat
-    buffer file at `path`, each tensor ALIGN-byte aligned; returns the manifest
-    (name, dtype, shape, offset) that sampling/vllm_worker_ext.py reads. The file is
-    removed if a tensor fails."""
-    manifest, size = [], 0
-    for e in entries:
-        manifest.append(dict(name=e.name, dtype=dtype, shape=list(e.shape), offset=size))
-        size += _aligned(e.nbytes)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        with open(path, "w+b") as f:
-            f.truncate(max(size, 1))
-            with mmap.mmap(f.fileno(), max(size, 1)) as buf:
-                for e, t in zip(entries, manifest, strict=True):
-                    arr = np.ascontiguousarray(np.asarray(e.produce()).astype(e.dtype))
-                    if arr.shape != tuple(e.shape):
-                        raise ValueError(f"{e.name}: produced {arr.shape}, declared {e.shape}")
-                    buf[t["offset"] : t["offset"] + e.nbytes] = arr.reshape(-1).view(np.uint8)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        raise
-    return manifest
 
 
 class _Live:

@@ -2,7 +2,7 @@
 
 Shared by the GPU sync (weight_sync_nccl.py: one NCCL broadcast per payload) and the TPU
 sync (weight_sync_tpu.py: one reshard per payload). Both walk models/hf.py's `hf_entries`
-with `on_device=True`: the one export mapping the CPU sync (backend_vllm.stage_weights)
+with `on_device=True`: the one export mapping the CPU sync (weight_staging.stage_weights)
 and `save_hf_checkpoint` use, producing each Hugging Face tensor as a jax.Array on the
 params' devices (no host copy).
 
