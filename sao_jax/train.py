@@ -62,6 +62,7 @@ from sao_jax.run.sft import SFTTrainer, demo_batches
 from sao_jax.run.streams import stream_seed
 from sao_jax.sampling.backend import engine_died
 from sao_jax.sampling.backend_factory import run_backend
+from sao_jax.sampling.engine import generate_fns
 from sao_jax.sampling.rollouts import AsyncRollouts, SyncRollouts
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.sampling.trajectory import (
@@ -121,6 +122,10 @@ class Run:
         self.engine_cfg, self.sampler_cfg = configs_from_section(
             config.sampling, stream_seed(config.seed, "rollouts")
         )
+        # the native engine's compiled programs, built once: the evaluator's engines and
+        # every in-process sampler of the run (value pretraining's, the RL loop's) share
+        # them, so each program is traced and compiled once a run
+        self.fns = generate_fns(self.sampler_def, self.engine_cfg)
         self.chat = inputs.chat  # None: raw text prompts
         # The bounds of every rollouts take (RL loop and value pretraining): docs/checkpointing.md
         self.take_bounds = dict(
@@ -141,8 +146,10 @@ class Run:
             seed=stream_seed(config.seed, "eval"),
             max_env_errors=self.sampler_cfg.max_env_errors,
             stall_timeout_s=config.train.take_timeout_s,
+            fns=self.fns,
         )
-        self.pool = dict(device_context=self.placement.pool_context)  # rollouts' kwargs
+        # rollouts' kwargs
+        self.pool = dict(device_context=self.placement.pool_context, fns=self.fns)
         # sampling.backend (sao_jax/sampling/backend_factory.py): the run's one backend
         # (one vLLM server), lent to value pretraining's source, then the RL loop's, closed
         # by run(); the in-process rollouts generate with it (None: the sampler's own

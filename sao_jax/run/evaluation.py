@@ -25,7 +25,8 @@ import numpy as np
 from sao_jax import stop
 from sao_jax.envs.base import Env, Prompt
 from sao_jax.parallel.partition import ModelDef, Params
-from sao_jax.sampling.engine import Drop, Engine, EngineConfig
+from sao_jax.sampling.engine import Drop, Engine, EngineConfig, generate_fns
+from sao_jax.sampling.generate import GenerateFns
 from sao_jax.sampling.sampler import (
     ENV_FAILURES,
     DropStreak,
@@ -87,6 +88,7 @@ class Evaluator:
         seed: int = 0,
         max_env_errors: int = 8,
         stall_timeout_s: float | None = None,
+        fns: GenerateFns | None = None,
     ):
         if not prompts:
             raise ValueError("evaluation prompts: need at least one")
@@ -97,13 +99,12 @@ class Evaluator:
         self.max_env_errors = max_env_errors
         self.stall_timeout_s = stall_timeout_s
         self._tok, self._env_factory = tokenizer, env_factory
+        # one set of compiled programs for both (the temperature is traced, not static);
+        # `fns`: a run's, shared with its samplers (engine_cfg's slots and lengths)
+        fns = fns or generate_fns(policy_def, engine_cfg)
         greedy_cfg = dataclasses.replace(engine_cfg, temperature=0.0)
-        self.greedy = (
-            Engine.create(policy_def, tokenizer, env_factory, greedy_cfg) if greedy else None
-        )
-        self.sampled = (
-            Engine.create(policy_def, tokenizer, env_factory, engine_cfg) if sampled else None
-        )
+        self.greedy = Engine(fns, tokenizer, env_factory, greedy_cfg) if greedy else None
+        self.sampled = Engine(fns, tokenizer, env_factory, engine_cfg) if sampled else None
 
     def for_prompts(self, prompts: Sequence[Prompt], *, seed: int) -> Evaluator:
         """This evaluator on other prompts and sampling seed, sharing the compiled engines

@@ -64,7 +64,8 @@ from sao_jax.sampling.backend_engine import (
     SharedBackend,
     model_vocab,
 )
-from sao_jax.sampling.engine import Engine, EngineConfig, StepOutput
+from sao_jax.sampling.engine import Engine, EngineConfig, StepOutput, generate_fns
+from sao_jax.sampling.generate import GenerateFns
 from sao_jax.sampling.sampler import (
     AsyncSampler,
     DropStreak,
@@ -146,6 +147,7 @@ class AsyncRollouts:
         take_timeout_s: float = TAKE_TIMEOUT_S,
         device_context: Callable[[], contextlib.AbstractContextManager] | None = None,
         backend: BackendBuilder | None = None,
+        fns: GenerateFns | None = None,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
         self.group_size = group_size
@@ -161,6 +163,7 @@ class AsyncRollouts:
             config=sampler_cfg,
             device_context=device_context,
             backend=backend,
+            fns=fns,
         )
 
     def start(self) -> None:
@@ -222,6 +225,7 @@ class SyncRollouts:
         sharder=None,
         device_context: Callable[[], contextlib.AbstractContextManager] | None = None,
         backend: BackendBuilder | None = None,
+        fns: GenerateFns | None = None,
     ):
         self.prompts = RepeatPrompts(prompts, group_size) if group_size > 1 else prompts
         self.device_context = device_context or contextlib.nullcontext
@@ -231,9 +235,10 @@ class SyncRollouts:
         self._engine_args = (tokenizer, env_factory, engine_cfg)
         self.backend = None if backend is None else SharedBackend(backend)
         if self.backend is None:
-            self.engine = Engine.create(  # `sharder`: the pool's mesh (default: the model's)
-                policy_def, tokenizer, env_factory, engine_cfg, seed=seed, sharder=sharder
-            )
+            # `fns`: compiled programs shared with others (a run's evaluator); `sharder`:
+            # the pool's mesh (default: the model's)
+            fns = fns or generate_fns(policy_def, engine_cfg, sharder)
+            self.engine = Engine(fns, tokenizer, env_factory, engine_cfg, seed=seed)
         else:
             self.engine = None
             self._vocab = model_vocab(policy_def)
