@@ -228,6 +228,8 @@ class Run:
             critic, self.loaded_critic = value_pretrain.load_critic(
                 cfg.init.critic_path, cfg, models.critic_def, self.sharder
             )
+        elif models.critic is None:  # init.critic_path given, no critic used: none built
+            critic = None
         else:
             critic = critic_params_from_policy(policy, models.critic)
         return self.learner.new_state(policy, critic, stream_seed(cfg.seed, "update"))

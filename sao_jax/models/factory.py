@@ -13,11 +13,14 @@ from sao_jax.parallel.partition import ModelDef, Params, init_params
 
 
 class Models(NamedTuple):
+    """The defs and params; params None where a run loads both (init.kind='params' with
+    init.critic_path: sao_jax/run/inputs.py build_models builds no random init)."""
+
     cfg: ModelConfig
     policy_def: ModelDef
-    policy: Params
+    policy: Params | None
     critic_def: ModelDef
-    critic: Params
+    critic: Params | None
 
 
 def policy_def(cfg: ModelConfig, sharder: Sharder) -> ModelDef:

@@ -16,7 +16,7 @@ from sao_jax.data.pipeline import run_prompts
 from sao_jax.envs.registry import env_factory
 from sao_jax.models import hf
 from sao_jax.models.config import ModelConfig, run_overrides
-from sao_jax.models.factory import Models, init_models
+from sao_jax.models.factory import Models, critic_def, init_models, policy_def
 from sao_jax.run.streams import stream_seed
 from sao_jax.schema import ConfigDict, ConfigError
 from sao_jax.text.chat_template import run_chat_format
@@ -31,6 +31,10 @@ def build_models(config: ConfigDict, sharder, tokenizer) -> Models:
         cfg, pdef, policy = hf.load_hf_policy(config.init.hf_path, sharder=sharder, **run)
         _, cdef, critic = hf.load_hf_critic(config.init.hf_path, sharder=sharder, **run)
         models = Models(cfg, pdef, policy, cdef, critic)
+    elif config.init.kind == "params" and config.init.critic_path:
+        # both loaded by the warm start (sao_jax/train.py): no random init to build
+        cfg = ModelConfig.from_config(config.model)
+        models = Models(cfg, policy_def(cfg, sharder), None, critic_def(cfg, sharder), None)
     else:
         seed = stream_seed(config.seed, "model_init")
         models = init_models(ModelConfig.from_config(config.model), sharder, seed)
