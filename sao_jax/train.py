@@ -48,7 +48,6 @@ from sao_jax.parallel.mesh import Sharder
 from sao_jax.parallel.partition import ModelDef
 from sao_jax.parallel.placement import Placement, placement_from_config, trainer_sharder
 from sao_jax.parallel.reshard import cast_and_reshard
-from sao_jax.report import run_report
 from sao_jax.report.progress import Progress
 from sao_jax.report.samples import SampleWriter
 from sao_jax.report.startup import startup_lines
@@ -73,7 +72,6 @@ from sao_jax.sampling.trajectory import (
     round_up,
 )
 from sao_jax.schema import ConfigDict, ConfigError
-from sao_jax.serve.source import GatewayRollouts
 
 log = logging.getLogger("sao_jax")
 
@@ -379,6 +377,8 @@ class Run:
         cfg = self.config
         gateway = cfg.get("gateway")
         if gateway is not None and gateway.mode != "off":  # harness / live episodes
+            from sao_jax.serve.source import GatewayRollouts  # aiohttp: gateway runs only
+
             return GatewayRollouts(
                 gateway,
                 policy_def=self.sampler_def,
@@ -520,6 +520,8 @@ def _close(r: Run, workdir: pathlib.Path, t, summary: dict) -> dict:
     r.ckpt.close()
     r.writer.close()
     if t.report and distributed.is_primary() and summary.get("steps"):
+        from sao_jax.report import run_report  # matplotlib: imported by runs that plot
+
         run_report.write_report(workdir, summary=summary)
     text = json.dumps(acct.finite(summary), indent=2, sort_keys=True, allow_nan=False)
     if distributed.is_primary():

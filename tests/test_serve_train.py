@@ -40,6 +40,7 @@ from sao_jax.sampling.sampler import EnvErrorLimit
 from sao_jax.sampling.trajectory import Trajectory
 from sao_jax.schema import ConfigError
 from sao_jax.serve import harness_sandbox
+from sao_jax.serve import source as serve_source
 from sao_jax.serve.errors import ApiError
 from sao_jax.serve.harness import HarnessPool
 from sao_jax.serve.settings import HarnessConfig
@@ -146,7 +147,7 @@ def runs(tmp_path_factory, jax_cache_dir):
 
     box: dict = {}
     with ts.persistent_compilation_cache(jax_cache_dir), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train, "GatewayRollouts", Recording)
+        mp.setattr(serve_source, "GatewayRollouts", Recording)  # train.py imports it per run
         thread = threading.Thread(
             target=_interrupt, args=(box, workdir, plan_dir, sources), daemon=True
         )
