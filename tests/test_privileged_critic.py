@@ -114,13 +114,13 @@ def test_the_critic_reads_its_tokens_and_the_policy_reads_the_rollout():
     plain = pad_batch(trajs, length=32)
     hinted = pad_batch(trajs, length=32, critic_tokens=critic_ids)
     swapped = dict(plain, tokens=hinted["critic_tokens"])  # the critic's view as tokens
-    got = P.critic_pass(critic, hinted)["values"]
-    np.testing.assert_array_equal(got, P.critic_pass(critic, swapped)["values"])
-    assert np.abs(got - P.critic_pass(critic, plain)["values"]).max() > 1e-3  # hint read
-    np.testing.assert_array_equal(  # the policy never sees it
-        P.policy_pass(policy, hinted, replay=False)["logp"],
-        P.policy_pass(policy, plain, replay=False)["logp"],
-    )
+    # each pass jitted (one program per batch layout, not hundreds of op-by-op ones)
+    values = jax.jit(lambda b: P.critic_pass(critic, b)["values"])
+    logp = jax.jit(lambda b: P.policy_pass(policy, b, replay=False)["logp"])
+    got = values(hinted)
+    np.testing.assert_array_equal(got, values(swapped))
+    assert np.abs(got - values(plain)).max() > 1e-3  # hint read
+    np.testing.assert_array_equal(logp(hinted), logp(plain))  # the policy never sees it
     packed, _ = pack_batch(trajs, length=32, critic_tokens=critic_ids)
     real = hinted["segment_ids"] > 0  # packed values are 0 on padding, which nothing reads
-    np.testing.assert_allclose(P.critic_pass(critic, packed)["values"][real], got[real], atol=2e-5)
+    np.testing.assert_allclose(values(packed)[real], got[real], atol=2e-5)
