@@ -2,7 +2,7 @@
 
 A folder on PYTHONPATH holding this file makes every Python process started under it
 (pytest's workers, the training processes tests start) register a listener on JAX's
-duration events as soon as `jax._src.monitoring` is imported, without importing JAX
+duration events as soon as `jax.monitoring` (public) is imported, without importing JAX
 itself. At exit the process writes `$COMPILE_PROFILE_OUT/<pid>.json`: its argv, wall and
 CPU seconds, and per running test (`PYTEST_CURRENT_TEST`, inherited by subprocesses) the
 seconds and counts of each event and of each program's backend compile (a persistent
@@ -41,10 +41,11 @@ def _listener(event: str, duration: float, **kwargs) -> None:
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Registers the listener right after jax._src.monitoring is executed."""
+    """Registers the listener right after jax.monitoring (which `import jax` loads before
+    anything compiles) is executed."""
 
     def find_spec(self, name, path, target=None):
-        if name != "jax._src.monitoring":
+        if name != "jax.monitoring":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
