@@ -144,6 +144,7 @@ def learners():
     return out
 
 
+@pytest.mark.slow  # a module with one starts early (tests/conftest.py)
 def test_update_step_equals_per_layer_and_opt_state_is_per_run(learners):
     (l_per, new_per), (l_st, new_st) = learners[False], learners[True]
     s_per, s_st = new_per(), new_st()

@@ -405,6 +405,7 @@ def _ppo_config(**rl):
     return config
 
 
+@pytest.mark.slow  # a module with one starts early (tests/conftest.py)
 def test_ppo_loop_sharded_and_microbatched_equals_unsharded(ppo_reference, start):
     """Sharded and microbatched in one run (one program to compile, not two): batch and
     experts over 8 devices (one expert each), each minibatch of 16 rows in 2 microbatches
@@ -461,6 +462,7 @@ def test_brace_update_runs_finite_without_retrace(brace, brace_reference):
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.critic))
 
 
+@pytest.mark.slow  # a module with one starts early (tests/conftest.py)
 def test_brace_sharded_and_microbatched_equal_unsharded(brace_reference, start):
     """Sharded over 8 devices (data x fsdp x expert) and 2 microbatches of 8 rows (one per
     device) in one run (one program to compile, not two), against the whole batch on one

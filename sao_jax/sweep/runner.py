@@ -268,7 +268,8 @@ def run_jobs(
     or 'blocked' (its `after` job failed; not started). A failure never stops the other
     jobs. SIGTERM or SIGINT forwards SIGTERM to the running jobs, starts no other, waits
     for them to end and raises `SweepStopped` (exit 0); a job it stopped is neither done
-    nor failed.
+    nor failed. A job's end wakes the loop at once (a thread waits on each process);
+    `poll_s` bounds the wait otherwise (a stop signal is seen within it).
     """
     if parallel < 1:
         raise ValueError(f"parallel: must be >= 1, got {parallel}")
@@ -285,6 +286,7 @@ def run_jobs(
             side_file(job.workdir, FAILED_FILE).unlink(missing_ok=True)
     pending = [j for j in jobs if j.name not in status]
     running: list[tuple[Job, subprocess.Popen, float, list]] = []
+    ended = threading.Event()  # set by a job's waiter thread when its process exits
     stopping = False
     with _stop_on_signals() as stop:
         while pending or running:
@@ -295,11 +297,12 @@ def run_jobs(
                     proc.send_signal(signal.SIGTERM)
             while len(running) < parallel and (job := _next_ready(pending, status, log)):
                 pending.remove(job)
-                running.append((job, *_start(job, env, cwd)))
+                running.append((job, *_start(job, env, cwd, ended)))
                 log(f"[sweep] start {job.name}")
             if pending and not running:  # each waits on another pending job
                 raise ValueError(f"sweep: jobs wait on each other: {[j.name for j in pending]}")
-            time.sleep(poll_s)
+            ended.wait(poll_s)
+            ended.clear()  # every process that ended before this is seen by the polls below
             still = []
             for job, proc, t0, files in running:
                 rc = proc.poll()
@@ -334,7 +337,7 @@ def _next_ready(pending: list[Job], status: dict[str, str], log) -> Job | None:
     return None
 
 
-def _start(job: Job, env, cwd) -> tuple[subprocess.Popen, float, list]:
+def _start(job: Job, env, cwd, ended: threading.Event) -> tuple[subprocess.Popen, float, list]:
     side_file(job.workdir, POINT_FILE).parent.mkdir(parents=True, exist_ok=True)
     side_file(job.workdir, FAILED_FILE).unlink(missing_ok=True)
     side_file(job.workdir, POINT_FILE).write_text(json.dumps({"argv": job.argv}, indent=1))
@@ -342,6 +345,7 @@ def _start(job: Job, env, cwd) -> tuple[subprocess.Popen, float, list]:
     err = open(side_file(job.workdir, STDERR_FILE), "a")  # noqa: SIM115
     env = dict(os.environ if env is None else env)
     proc = subprocess.Popen(job.argv, stdout=out, stderr=err, env=env, cwd=cwd)
+    threading.Thread(target=lambda: (proc.wait(), ended.set()), daemon=True).start()
     return proc, time.time(), [out, err]
 
 
