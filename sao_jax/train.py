@@ -158,6 +158,7 @@ class Run:
             tokenizer=self.tokenizer,
             workdir=workdir,
             seed=stream_seed(config.seed, "rollouts"),
+            fns=self.fns,  # a native backend (the gateway's) runs the evaluator's programs
         )
         self.pool["backend"] = self.backend.sampler()
         t = config.train

@@ -17,6 +17,8 @@ from sao_jax.parallel.partition import init_params
 from sao_jax.sampling import backend_factory, backend_vllm
 from sao_jax.sampling.backend import GenerationError, GenHandle, GenRequest
 from sao_jax.sampling.backend_native import NativeBackend
+from sao_jax.sampling.engine import generate_fns
+from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.schema import ConfigError
 from tests import train_support as ts
 from tests.sampling_support import MODEL, FakeTokenizer
@@ -53,6 +55,16 @@ def test_native_runs_keep_the_samplers_engine_and_serve_the_native_backend(polic
         assert (backend.admit_gap_s, backend.admit_wait_s) == (0.05, 0.5)
     finally:
         backend.close()
+    # a training run's backend runs the run's programs (train.py: the evaluator's too)
+    fns = generate_fns(mdef, configs_from_section(c.sampling, 0)[0])
+    run = backend_factory.run_backend(c, **kw, fns=fns)
+    try:
+        lent = run(params, 0)
+        assert lent._engine.fns is fns
+        done = lent.submit(GenRequest((1, 2, 3), 4)).future.result(timeout=60)
+        assert 1 <= len(done.token_ids) <= 4
+    finally:
+        run.close()
 
 
 @pytest.mark.parametrize(

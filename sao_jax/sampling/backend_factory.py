@@ -45,6 +45,7 @@ from sao_jax.sampling.backend import (
     GenRequest,
 )
 from sao_jax.sampling.backend_engine import BackendBuilder, SharedBackend
+from sao_jax.sampling.generate import GenerateFns
 from sao_jax.sampling.sampler import configs_from_section
 from sao_jax.sampling.slots import EngineConfig
 from sao_jax.sampling.vllm_config import VllmConfig, vllm_config
@@ -66,17 +67,26 @@ def build_backend(
     workdir: str | os.PathLike | None = None,
     base_config: dict[str, Any] | None = None,
     admission: dict[str, float] | None = None,
+    fns: GenerateFns | None = None,
 ) -> GenerationBackend:
     """A `kind` backend ('native' | 'vllm') serving `params` as `version`, sampling with
     `engine_cfg`'s law and limits; the native one's admission windows `admission`
-    (`admit_gap_s`, `admit_wait_s`; None: its defaults); vLLM's knobs `vllm`, its files
-    under `workdir`."""
+    (`admit_gap_s`, `admit_wait_s`; None: its defaults) and compiled programs `fns` (the
+    run's, shared with its evaluator; None: its own); vLLM's knobs `vllm`, its files under
+    `workdir`."""
     if kind == "native":
         from sao_jax.sampling.backend_native import NativeBackend
 
         try:
             return NativeBackend(
-                mdef, params, tokenizer, engine_cfg, version=version, seed=seed, **(admission or {})
+                mdef,
+                params,
+                tokenizer,
+                engine_cfg,
+                version=version,
+                seed=seed,
+                fns=fns,
+                **(admission or {}),
             )
         except ValueError as e:  # the tokenizer's vocabulary does not fit the model's
             raise ConfigError(f"config field model.vocab_size: {e}") from None
@@ -116,9 +126,11 @@ def _base_config(config: ConfigDict) -> dict[str, Any] | None:
 
 
 def backend_builder(
-    config: ConfigDict, *, mdef: ModelDef, tokenizer, workdir, seed: int
+    config: ConfigDict, *, mdef: ModelDef, tokenizer, workdir, seed: int, fns=None
 ) -> BackendBuilder:
-    """`(params, version) -> backend` of the run config's `sampling.backend`."""
+    """`(params, version) -> backend` of the run config's `sampling.backend`; a native one
+    runs `fns` (GenerateFns of the same engine settings: a training run's, which its
+    evaluator and samplers share; None: its own)."""
     sampling = config.sampling
     kind = sampling.get("backend", "native")
     if kind == "vllm" and jax.process_count() > 1:  # the export writes on process 0 only
@@ -138,6 +150,7 @@ def backend_builder(
         workdir=workdir,
         base_config=_base_config(config),
         admission=_admission(config),
+        fns=fns,
     )
 
 
@@ -153,9 +166,13 @@ def _build_at(kind: str, params: Params, version: int, **kw) -> GenerationBacken
     return build_backend(kind, params=params, version=version, **kw)
 
 
-def run_backend(config: ConfigDict, *, mdef: ModelDef, tokenizer, workdir, seed: int) -> RunBackend:
+def run_backend(
+    config: ConfigDict, *, mdef: ModelDef, tokenizer, workdir, seed: int, fns=None
+) -> RunBackend:
     """The run's one backend of `sampling.backend` (`RunBackend`, module docstring)."""
-    build = backend_builder(config, mdef=mdef, tokenizer=tokenizer, workdir=workdir, seed=seed)
+    build = backend_builder(
+        config, mdef=mdef, tokenizer=tokenizer, workdir=workdir, seed=seed, fns=fns
+    )
     return RunBackend(build, native=config.sampling.get("backend", "native") == "native")
 
 

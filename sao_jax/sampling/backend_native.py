@@ -57,6 +57,7 @@ from sao_jax.sampling.backend import (
     GenResult,
 )
 from sao_jax.sampling.engine import Engine, EngineConfig, generate_fns
+from sao_jax.sampling.generate import GenerateFns
 from sao_jax.sampling.params_store import ParamsStore
 from sao_jax.sampling.slots import DropError, Slot
 
@@ -239,6 +240,7 @@ class NativeBackend:
         row_prefill: bool = True,
         sharder=None,
         clock: Callable[[], float] = time.monotonic,
+        fns: GenerateFns | None = None,
     ):
         check_admission(admit_gap_s, admit_wait_s)
         cfg = dataclasses.replace(cfg, max_turn_tokens=cfg.max_len)
@@ -252,7 +254,7 @@ class NativeBackend:
         self._admitting = False  # this engine step takes waiting requests into free slots
         self._admitted_now = 0  # requests this engine step took
         self._engine = _RequestEngine(
-            generate_fns(mdef, cfg, sharder), tokenizer, _OneTurn, cfg, seed=seed
+            fns or generate_fns(mdef, cfg, sharder), tokenizer, _OneTurn, cfg, seed=seed
         )
         self._engine.row_prefill = row_prefill
         self._store = ParamsStore()
