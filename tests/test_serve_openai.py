@@ -143,6 +143,28 @@ def test_streaming(native):
     assert text.rstrip().endswith("data: [DONE]")
 
 
+def test_only_streamed_calls_ask_the_backend_for_chunks(native, monkeypatch):
+    """A call that is not streamed passes no chunk callback (each chunk would wake the
+    event loop once per engine step and request: ~20 ms of a 32-call round's generation,
+    experiments/bench/gateway.py); a streamed one does, for both routes."""
+    server, gateway, *_ = native
+    submit, asked = gateway.backend.submit, []
+
+    def spy(request, on_tokens=None):
+        asked.append(on_tokens is not None)
+        return submit(request, on_tokens)
+
+    monkeypatch.setattr(gateway.backend, "submit", spy)
+    _, client = _session(server, gateway)
+    messages = [{"role": "user", "content": "chunks?"}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                        stream=True))  # fmt: skip
+    client.completions.create(model=MODEL, prompt="chunks?", max_tokens=3)
+    list(client.completions.create(model=MODEL, prompt="chunks?", max_tokens=3, stream=True))
+    assert asked == [False, True, False, True]
+
+
 def test_identical_body_is_a_retry(native):
     server, gateway, root, _ = native
     s, client = _session(server, gateway)

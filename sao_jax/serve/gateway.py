@@ -248,14 +248,16 @@ class Gateway:
         disconnected: Callable[[], bool],
         sampling: dict[str, float] | None = None,
     ) -> GenResult:
-        """Runs one backend request; `on_chunk` (a coroutine function) sees token chunks."""
+        """Runs one backend request; `on_chunk` (a coroutine function) sees token chunks.
+        Without one (a call that is not streamed) the backend reports no chunks: each
+        would wake this event loop once per engine step and request, for nothing."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         req = GenRequest(tuple(prompt), max_tokens, stop_strings=stop, **(sampling or {}))
+        report = None if on_chunk is None else (
+            lambda c: loop.call_soon_threadsafe(queue.put_nowait, c))  # fmt: skip
         try:
-            handle = self.backend.submit(
-                req, lambda c: loop.call_soon_threadsafe(queue.put_nowait, c)
-            )
+            handle = self.backend.submit(req, report)
         except BackendBusy as e:
             self.count("busy")
             raise ApiError(
@@ -266,13 +268,13 @@ class Gateway:
         fut = asyncio.wrap_future(handle.future)
         try:
             while not fut.done():
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, fut}, timeout=0.25,
+                getter = None if on_chunk is None else asyncio.ensure_future(queue.get())
+                await asyncio.wait({fut} if getter is None else {getter, fut}, timeout=0.25,
                                    return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-                if not getter.done():
+                if getter is not None and not getter.done():
                     getter.cancel()
                     await asyncio.gather(getter, return_exceptions=True)
-                if getter.done() and not getter.cancelled() and on_chunk is not None:
+                if getter is not None and getter.done() and not getter.cancelled():
                     await on_chunk(getter.result())
                 if not fut.done() and disconnected():
                     raise Disconnected()
@@ -363,9 +365,7 @@ class Gateway:
                 "model": self.cfg.model_name}  # fmt: skip
         view = StreamView(self.renderer, forced, req.stop, tools_allowed)
 
-        async def on_chunk(chunk):
-            if emit is None:
-                return
+        async def on_chunk(chunk):  # streaming only
             delta = view.advance(chunk.token_ids)
             lp = None
             if req.logprobs and not req.top_logprobs:  # top ones: at the end, all at once
@@ -380,7 +380,8 @@ class Gateway:
             first = {"index": 0, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None}  # fmt: skip
             await emit(sse({**head, "choices": [first]}))
-        result = await self.generate(prompt, max_tokens, req.stop, on_chunk, disconnected,
+        result = await self.generate(prompt, max_tokens, req.stop,
+                                     on_chunk if emit is not None else None, disconnected,
                                      applied)  # fmt: skip
         _, finish, reply = self.finish(forced, result, req.stop, chat=True,
                                           tools_allowed=tools_allowed)  # fmt: skip
@@ -461,17 +462,14 @@ class Gateway:
         created = int(time.time())
         head = {"id": cid, "object": "text_completion", "created": created,
                 "model": self.cfg.model_name}  # fmt: skip
-        sent = []
 
-        async def on_chunk(chunk):
-            if emit is None:
-                return
-            sent.extend(chunk.token_ids)
+        async def on_chunk(chunk):  # streaming only
             choice = {"text": self.renderer.text(chunk.token_ids), "index": 0,
                       "logprobs": None, "finish_reason": None}  # fmt: skip
             await emit(sse({**head, "choices": [choice]}))
 
-        result = await self.generate(prompt, max_tokens, req.stop, on_chunk, disconnected,
+        result = await self.generate(prompt, max_tokens, req.stop,
+                                     on_chunk if emit is not None else None, disconnected,
                                      applied)  # fmt: skip
         text, finish, _ = self.finish([], result, req.stop, chat=False, tools_allowed=False)
         top = await self.top_logprobs(prompt, result, req.logprobs or 0)
