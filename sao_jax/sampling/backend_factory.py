@@ -126,7 +126,13 @@ def _base_config(config: ConfigDict) -> dict[str, Any] | None:
 
 
 def backend_builder(
-    config: ConfigDict, *, mdef: ModelDef, tokenizer, workdir, seed: int, fns=None
+    config: ConfigDict,
+    *,
+    mdef: ModelDef,
+    tokenizer,
+    workdir,
+    seed: int,
+    fns: GenerateFns | None = None,
 ) -> BackendBuilder:
     """`(params, version) -> backend` of the run config's `sampling.backend`; a native one
     runs `fns` (GenerateFns of the same engine settings: a training run's, which its
@@ -167,7 +173,13 @@ def _build_at(kind: str, params: Params, version: int, **kw) -> GenerationBacken
 
 
 def run_backend(
-    config: ConfigDict, *, mdef: ModelDef, tokenizer, workdir, seed: int, fns=None
+    config: ConfigDict,
+    *,
+    mdef: ModelDef,
+    tokenizer,
+    workdir,
+    seed: int,
+    fns: GenerateFns | None = None,
 ) -> RunBackend:
     """The run's one backend of `sampling.backend` (`RunBackend`, module docstring)."""
     build = backend_builder(

@@ -68,6 +68,10 @@ ADMIT_WAIT_S = (
 )
 
 
+COUNTERS = ("submitted", "admissions", "finished", "dropped", "cancelled", "busy",
+            "callback_errors")  # fmt: skip
+
+
 def check_admission(admit_gap_s: float, admit_wait_s: float) -> None:
     """ValueError naming the field unless 0 <= admit_gap_s <= admit_wait_s."""
     if not admit_gap_s >= 0:
@@ -266,7 +270,8 @@ class NativeBackend:
         self._uids = itertools.count()
         self._closed = False
         self._error: BaseException | None = None
-        self.counters = collections.Counter()
+        # every counter reported from the start (stats() of a fresh backend has them at 0)
+        self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self._top = jax.jit(functools.partial(_top_logprobs, mdef))
         self._thread = threading.Thread(target=self._run, name="sao-native-backend", daemon=True)
         self._thread.start()

@@ -268,14 +268,17 @@ class Gateway:
         fut = asyncio.wrap_future(handle.future)
         try:
             while not fut.done():
-                getter = None if on_chunk is None else asyncio.ensure_future(queue.get())
-                await asyncio.wait({fut} if getter is None else {getter, fut}, timeout=0.25,
-                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-                if getter is not None and not getter.done():
-                    getter.cancel()
-                    await asyncio.gather(getter, return_exceptions=True)
-                if getter is not None and getter.done() and not getter.cancelled():
-                    await on_chunk(getter.result())
+                if on_chunk is None:
+                    await asyncio.wait({fut}, timeout=0.25)
+                else:
+                    getter = asyncio.ensure_future(queue.get())
+                    await asyncio.wait({getter, fut}, timeout=0.25,
+                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                    if not getter.done():
+                        getter.cancel()
+                        await asyncio.gather(getter, return_exceptions=True)
+                    if getter.done() and not getter.cancelled():
+                        await on_chunk(getter.result())
                 if not fut.done() and disconnected():
                     raise Disconnected()
             while not queue.empty():  # chunks reported before the result
