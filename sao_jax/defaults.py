@@ -321,6 +321,8 @@ def train_section() -> ConfigDict:
     c.log_every = 5  # steps between metric writes (device -> host only then)
     c.eval_every = 25  # steps between held-out evaluations (0 = only before/after)
     c.eval_sampled = True  # also report sampled pass@1 (greedy always)
+    c.eval_sampled_repeats = 1  # samples per held-out prompt in the sampled evaluation
+    # (its success is their mean: k samples a prompt divide its sampling variance by k)
     c.checkpoint_every = 25  # steps between checkpoints (0 = only at the end)
     c.keep_checkpoints = 3  # newest checkpoints kept (older ones deleted)
     c.async_checkpoints = True  # save in the background while training goes on

@@ -141,6 +141,7 @@ class Run:
             eval_prompts,
             self.engine_cfg,
             sampled=config.train.eval_sampled,
+            sampled_repeats=config.train.eval_sampled_repeats,
             seed=stream_seed(config.seed, "eval"),
             max_env_errors=self.sampler_cfg.max_env_errors,
             stall_timeout_s=config.train.take_timeout_s,

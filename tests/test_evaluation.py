@@ -1,7 +1,7 @@
 """Held-out evaluation (sao_jax/run/evaluation.py): one decoding mode alone, and an evaluator
 moved onto other prompts and seed (`for_prompts`, as sao_jax/run/rescore.py uses it) scores
 exactly what a fresh evaluator built for them scores, while sharing the compiled engines;
-success per difficulty level against a literal count."""
+success per difficulty level against a literal count; the sampled evaluation's repeats."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -76,3 +76,29 @@ def test_levels_are_scored_when_every_prompt_has_one(model):
         assert out[f"eval/{mode}_success"] == pytest.approx(sum(per) / 2)  # 4 prompts each
     plain = _evaluator(model, prompts(8), seed=0)(model[1], step=0)  # no level meta
     assert not any("_level" in k for k in plain)
+
+
+def test_sampled_repeats_sample_each_prompt_k_times(model):
+    """k repeats: k x the episodes, fresh samples (not one sample counted k times), the
+    greedy evaluation unchanged; k < 1 is refused."""
+    ps = prompts(6, seed=5)
+    once = _evaluator(model, ps, seed=2)(model[1], step=3)
+    ev = _evaluator(model, ps, seed=2, sampled_repeats=3)
+    runs, run = {}, ev._run
+
+    def spy(name, engine, params, version, episodes):
+        runs[name] = run(name, engine, params, version, episodes)[0]
+        return runs[name], []
+
+    ev._run = spy
+    thrice = ev(model[1], step=3)
+    assert thrice["eval/sampled_episodes"] == 18 and once["eval/sampled_episodes"] == 6
+    greedy = lambda out: {k: v for k, v in out.items() if k.startswith("eval/greedy_")}
+    assert greedy(thrice) == greedy(once) and len(runs["greedy"]) == 6
+    by_uid = {}
+    for t in runs["sampled"]:
+        by_uid.setdefault(t.prompt_uid, []).append(tuple(t.tokens))
+    assert sorted(map(len, by_uid.values())) == [3] * 6
+    assert any(len(set(v)) > 1 for v in by_uid.values())  # the repeats are fresh samples
+    with pytest.raises(ValueError, match="sampled_repeats=0"):
+        _evaluator(model, ps, seed=0, sampled_repeats=0)

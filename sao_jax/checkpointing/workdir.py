@@ -42,6 +42,7 @@ RESUMABLE_FIELDS = (
     "train.log_every",
     "train.eval_every",
     "train.eval_sampled",
+    "train.eval_sampled_repeats",
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.async_checkpoints",

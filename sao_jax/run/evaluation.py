@@ -84,6 +84,7 @@ class Evaluator:
         engine_cfg: EngineConfig,
         *,
         sampled: bool = True,
+        sampled_repeats: int = 1,
         greedy: bool = True,
         seed: int = 0,
         max_env_errors: int = 8,
@@ -94,6 +95,9 @@ class Evaluator:
             raise ValueError("evaluation prompts: need at least one")
         if not (sampled or greedy):
             raise ValueError("evaluation: neither greedy nor sampled decoding asked for")
+        if sampled_repeats < 1:
+            raise ValueError(f"evaluation sampled_repeats={sampled_repeats}: must be >= 1")
+        self.sampled_repeats = int(sampled_repeats)
         self.prompts, self.seed = list(prompts), seed
         self._levels = _levels(self.prompts)
         self.max_env_errors = max_env_errors
@@ -117,8 +121,11 @@ class Evaluator:
         return other
 
     def __call__(self, params: Params, version: int = 0, *, step: int = 0) -> dict[str, float]:
-        """Greedy and sampled pass@1. The sampling key depends on (seed, step) only, so an
-        evaluation after a resume samples exactly what the uninterrupted run sampled."""
+        """Greedy and sampled pass@1. The sampled evaluation runs every prompt
+        `sampled_repeats` times (independent samples; its success is their mean: pass@1
+        estimated from k samples a prompt, with k times fewer sampling-noise variance). The
+        sampling key depends on (seed, step) only, so an evaluation after a resume samples
+        exactly what the uninterrupted run sampled."""
         engines = {"greedy": self.greedy} if self.greedy is not None else {}
         if self.sampled is not None:  # a fresh engine sharing the compiled programs
             key = jax.random.fold_in(jax.random.key(self.seed), step)
@@ -126,14 +133,15 @@ class Evaluator:
             engines["sampled"] = Engine(s.fns, self._tok, self._env_factory, s.cfg, seed=key)
         out = {}
         for name, engine in engines.items():
-            trajs, drops = self._run(name, engine, params, version)
+            repeats = self.sampled_repeats if name == "sampled" else 1
+            trajs, drops = self._run(name, engine, params, version, self.prompts * repeats)
             out.update(summarize(trajs, len(drops), f"eval/{name}_"))
             if self._levels:
                 out.update(success_by_level(trajs, drops, self._levels, f"eval/{name}_"))
             out[f"eval/{name}_env_failures"] = float(self.check_env_failures(name, drops))
         return out
 
-    def _run(self, name: str, engine: Engine, params: Params, version: int):
+    def _run(self, name: str, engine: Engine, params: Params, version: int, prompts):
         """engine.run on the prompts, ended early by the env-failure streak and by a
         silence of stall_timeout_s (NoProgress), both naming the evaluation."""
         streak = DropStreak(self.max_env_errors, None, where=f"{name} evaluation: ")
@@ -155,16 +163,17 @@ class Evaluator:
             check()
 
         engine.env_calls.check = check
-        return engine.run(params, self.prompts, version, on_step=on_step)
+        return engine.run(params, prompts, version, on_step=on_step)
 
     def check_env_failures(self, name: str, drops: Sequence[Drop]) -> int:
         """The number of episodes the environment failed; EnvErrorLimit when they are at
         least max_env_errors and the majority of the evaluation."""
         failed = [d for d in drops if d.reason in ENV_FAILURES]
-        if len(failed) >= self.max_env_errors and 2 * len(failed) > len(self.prompts):
+        episodes = len(self.prompts) * (self.sampled_repeats if name == "sampled" else 1)
+        if len(failed) >= self.max_env_errors and 2 * len(failed) > episodes:
             raise EnvErrorLimit(
                 f"{name} evaluation: the environment failed {len(failed)} of "
-                f"{len(self.prompts)} episodes (sampling.max_env_errors="
+                f"{episodes} episodes (sampling.max_env_errors="
                 f"{self.max_env_errors}); last: {describe_drop(failed[-1])}"
             ) from failed[-1].error
         return len(failed)

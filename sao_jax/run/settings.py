@@ -227,6 +227,11 @@ def _check_train(config: ConfigDict) -> None:
         )
     for name in ("eval_every", "checkpoint_every"):
         require(t[name] >= 0, f"train.{name}", f"must be >= 0, got {t[name]}")
+    require(
+        t.eval_sampled_repeats >= 1,
+        "train.eval_sampled_repeats",
+        f"must be >= 1, got {t.eval_sampled_repeats}",
+    )
     require(t.take_timeout_s > 0, "train.take_timeout_s", "must be > 0")
     dump = t.token_dump_steps
     require(
