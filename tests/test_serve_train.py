@@ -15,7 +15,8 @@ tests/harness_faults.py), in this process, with the session's compilation cache:
   goes on to its last step.
 
 The timeout's process-group kill, the failure streak, the staleness cap and the sandbox
-are checked on their own too, without a model.
+are checked on their own too, without a model; a short run trains on harnesses launched
+in the sandbox.
 """
 
 from __future__ import annotations
@@ -484,3 +485,34 @@ def test_driver_runs_the_calculator_agent_in_the_sandbox(tmp_path):
         unix.stop()
         server.stop()
         backend.close()
+
+
+@pytest.mark.skipif(bool(harness_sandbox.unavailable()), reason="bubblewrap unavailable")
+def test_a_training_run_trains_on_sandboxed_harnesses(tmp_path, jax_cache_dir, monkeypatch):
+    """gateway.harness.sandbox in a training run (configs/harness.py's `sandbox`): every
+    harness is the unmodified calculator agent launched inside bubblewrap, reaching the
+    gateway through the run's Unix socket only, and the run trains its steps on their
+    episodes (the smoke geometry of the module's runs: their compiled programs)."""
+    config = _config(tmp_path)
+    smoke = load_config(f"{REPO}/configs/harness.py:smoke,sandbox").gateway.harness
+    config.gateway.harness.update(
+        command=smoke.command, sandbox=True, sandbox_paths=smoke.sandbox_paths, timeout_s=60.0
+    )
+    config.train.total_steps = 2
+    launches = []
+    command = harness_sandbox.command
+
+    def recorded(*args, **kwargs):
+        launches.append(kwargs)
+        return command(*args, **kwargs)
+
+    monkeypatch.setattr(harness_sandbox, "command", recorded)
+    workdir = tmp_path / "run"
+    with ts.persistent_compilation_cache(jax_cache_dir):
+        out = train.run(config, workdir)
+    assert out["steps"] == 2 and _trained_step(workdir) == 2
+    episodes = [json.loads(line) for line in (workdir / "episodes.jsonl").open()]
+    done = [e for e in episodes if e["dropped"] is None]
+    assert len(done) >= 2 * config.rl.batch_size and len(launches) >= len(done)
+    assert all(k["socket_dir"] is not None for k in launches)  # the run's Unix socket
+    assert all(e["calls"] >= 1 and e["segments"] for e in done)
