@@ -133,12 +133,13 @@ class Evaluator:
             engines["sampled"] = Engine(s.fns, self._tok, self._env_factory, s.cfg, seed=key)
         out = {}
         for name, engine in engines.items():
-            repeats = self.sampled_repeats if name == "sampled" else 1
-            trajs, drops = self._run(name, engine, params, version, self.prompts * repeats)
+            episodes = self.prompts * (self.sampled_repeats if name == "sampled" else 1)
+            trajs, drops = self._run(name, engine, params, version, episodes)
             out.update(summarize(trajs, len(drops), f"eval/{name}_"))
             if self._levels:
                 out.update(success_by_level(trajs, drops, self._levels, f"eval/{name}_"))
-            out[f"eval/{name}_env_failures"] = float(self.check_env_failures(name, drops))
+            failed = self.check_env_failures(name, drops, len(episodes))
+            out[f"eval/{name}_env_failures"] = float(failed)
         return out
 
     def _run(self, name: str, engine: Engine, params: Params, version: int, prompts):
@@ -165,11 +166,10 @@ class Evaluator:
         engine.env_calls.check = check
         return engine.run(params, prompts, version, on_step=on_step)
 
-    def check_env_failures(self, name: str, drops: Sequence[Drop]) -> int:
+    def check_env_failures(self, name: str, drops: Sequence[Drop], episodes: int) -> int:
         """The number of episodes the environment failed; EnvErrorLimit when they are at
         least max_env_errors and the majority of the evaluation."""
         failed = [d for d in drops if d.reason in ENV_FAILURES]
-        episodes = len(self.prompts) * (self.sampled_repeats if name == "sampled" else 1)
         if len(failed) >= self.max_env_errors and 2 * len(failed) > episodes:
             raise EnvErrorLimit(
                 f"{name} evaluation: the environment failed {len(failed)} of "
