@@ -17,12 +17,13 @@ answers a tool call from vLLM's tokens.
 Parity bounds: vLLM runs bf16 (fp32 MoE is refused on CPU), the JAX reference fp32 on the
 same bf16-rounded weights; bf16 activations carry a relative error of 2^-8 per rounding,
 which over two layers and logits of a few nats gives |delta logp| of a few 1e-2 (the
-median, PARITY_MEDIAN). A tail of ~0.5-0.7% of tokens is off by 0.25-1.5 nats: most
-likely a MoE top-2 choice that bf16 rounding flips (JAX's own bf16 pass routes 1.1% of
-these positions to other experts than its fp32 pass, a like rate), so the max is bounded
-loosely (PARITY_MAX) and the tail through p99 and DIS's keep rate. The update of the
-publication test moves the median log-prob by more than 4 x PARITY_P99, so a skipped
-sync fails.
+median, PARITY_MEDIAN). A tail of 0.7-0.9% of tokens is off by 0.25-2 nats: the tokens
+after a position where bf16 rounding flipped a MoE top-2 choice (proven by
+experiments/vllm_parity: every one of 116 tail tokens over six runs follows a flip, and
+replaying vLLM's own experts leaves no token over 0.13 nats; docs/vllm.md "Parity: where
+the tail comes from"). So the tail's share is bounded (PARITY_TAIL_SHARE), its size
+loosely (PARITY_MAX), and DIS's keep rate. The update of the publication test moves the
+median log-prob by more than 4 x PARITY_TAIL, so a skipped sync fails.
 
 The module is part of the default run (`make test` builds the vLLM env first); without
 the env every test FAILS with one line naming `make vllm-env` (a skip would check
@@ -42,9 +43,8 @@ import time
 import jax
 import numpy as np
 import pytest
-import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from experiments.vllm_parity.tiny import TINY, tiny_checkpoint
 from sao_jax import train
 from sao_jax.config import load_config
 from sao_jax.models import hf
@@ -63,42 +63,19 @@ from tests.serve_support import calculator_call, episodes
 
 pytestmark = pytest.mark.vllm  # in the default run; `pytest -m vllm` selects this module
 # |delta logp| bounds (nats), bf16 engine vs fp32 recomputation (module docstring); measured
-# over 32 x 64 sampled tokens: median 0.013, p99 0.154, max 1.51
+# by experiments/vllm_parity over six runs of 32 (one of 64) x 64 sampled tokens: median
+# 0.013-0.014, tokens over 0.25: 0.68-0.93%, max 1.49-1.95, DIS keep rate 0.9941-0.9961
 PARITY_MEDIAN = 0.05
-PARITY_P99 = 0.25
-PARITY_MAX = 2.0  # ~0.7% of tokens are off by 0.25-1.5 nats (module docstring)
-DIS_KEEP = 0.99  # the DIS keep rate's bound (measured 0.9956)
+PARITY_TAIL = 0.25  # the bf16 noise stays under it; beyond it only tokens after a flip
+PARITY_TAIL_SHARE = 0.02  # of the tokens beyond PARITY_TAIL (measured <= 0.93%)
+PARITY_MAX = 3.0  # a routing flip moves a token by up to ~2 nats (measured <= 1.95)
+DIS_KEEP = 0.985  # the DIS keep rate's bound (measured 0.9941-0.9971)
 DIS_BAND = (0.7, 6.0)  # rl.losses.dis's kept ratio band (docs/method.md, section 2)
 # seconds from an engine's SIGKILL to the rollouts' SamplerError: the exit is seen when its
 # events pipe closes (at once), the takes poll every 0.05 s (generous: a loaded box)
 DEATH_S = 10.0
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VLLM_PYTHON = os.environ.get("SAO_VLLM_PYTHON") or str(REPO / ".vllm-venv/bin/python")
-TINY = dict(
-    vocab_size=512,  # the harness tokenizer's ids fit (non-canonical tokenization test)
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=64,
-    intermediate_size=64,
-    moe_intermediate_size=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    max_position_embeddings=256,
-)
-
-
-def _tiny_checkpoint(path, seed=0):
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY)).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.2 * noise)
-    model.save_pretrained(path)
 
 
 def _logp_of(mdef, params, ids):
@@ -125,7 +102,7 @@ def served(tmp_path_factory):
     from sao_jax.sampling.backend_vllm import VllmBackend
 
     src = str(tmp_path_factory.mktemp("tiny"))
-    _tiny_checkpoint(src)
+    tiny_checkpoint(src)
     cfg, mdef, params = hf.load_hf_policy(src)
     cfg_vllm = VllmConfig(python=VLLM_PYTHON, kv_cache_gib=1, max_num_seqs=8)
     workdir = str(tmp_path_factory.mktemp("vllm"))
@@ -183,9 +160,11 @@ def test_parity_distribution_and_dis_keep_rate(served):
     print(
         f"parity over {delta.size} tokens ({wall:.1f} s): |delta logp| median {med:.4f} "
         f"p99 {p99:.4f} max {top:.4f}; ratio in [{ratio.min():.4f}, {ratio.max():.4f}]; "
-        f"DIS keep rate {keep:.4f}; tokens over {PARITY_P99}: {np.sum(delta > PARITY_P99)}"
+        f"DIS keep rate {keep:.4f}; tokens over {PARITY_TAIL}: {np.sum(delta > PARITY_TAIL)}"
     )
-    assert med < PARITY_MEDIAN and p99 < PARITY_P99 and top < PARITY_MAX and keep >= DIS_KEEP
+    tail_share = np.mean(delta > PARITY_TAIL)
+    assert med < PARITY_MEDIAN and tail_share <= PARITY_TAIL_SHARE
+    assert top < PARITY_MAX and keep >= DIS_KEEP
 
 
 def test_a_non_canonical_tokenization_reaches_the_engine_unchanged(served):
@@ -255,7 +234,7 @@ def test_publication_moves_the_engine_to_the_new_weights(served):
     print(f"update moved log-probs by median {np.median(moved):.2f}, max {moved.max():.2f}; "
           f"engine vs new weights median {np.median(off):.4f} max {off.max():.4f}")  # fmt: skip
     assert np.median(off) < PARITY_MEDIAN and off.max() < PARITY_MAX
-    assert np.median(moved) > 4 * PARITY_P99  # a skipped sync fails
+    assert np.median(moved) > 4 * PARITY_TAIL  # a skipped sync fails
 
 
 def test_cancel_frees_the_request(served):

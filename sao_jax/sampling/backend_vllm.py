@@ -85,6 +85,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_env(cfg: VllmConfig) -> dict[str, str]:
+    """The environment a vLLM process of this run gets: `cfg.omp_threads` unbound OpenMP
+    threads, `cfg.kv_cache_gib` of KV space, a free (or `cfg.port`) port, the engine core
+    in the process itself, and no PYTHONPATH (nothing of this environment leaks in)."""
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(cfg.omp_threads),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib),
+        VLLM_PORT=str(cfg.port or free_port()),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
+    env.pop("PYTHONPATH", None)
+    return env
+
+
 def server_command(
     python: str, cfg: VllmConfig, path: str, max_len: int, version: int, events_fd: int
 ) -> list[str]:
@@ -412,15 +428,7 @@ class VllmBackend:
         """Starts the server on the checkpoint at `path` and waits until it is ready."""
         cfg = self.cfg
         read_fd, write_fd = os.pipe()
-        env = dict(
-            os.environ,
-            OMP_NUM_THREADS=str(cfg.omp_threads),
-            VLLM_CPU_OMP_THREADS_BIND="nobind",
-            VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib),
-            VLLM_PORT=str(cfg.port or free_port()),
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine in the server's process
-        )
-        env.pop("PYTHONPATH", None)  # nothing of this environment leaks into vLLM's
+        env = server_env(cfg)
         cmd = server_command(self._python, cfg, path, self.max_len, version, write_fd)
         with self._lock:
             self._error = None

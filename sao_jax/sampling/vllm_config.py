@@ -224,7 +224,9 @@ def check_sampling(section: ConfigDict | dict, cfg: VllmConfig) -> None:
     if section.get("record_routing", False):
         raise ConfigError(
             "config field sampling.record_routing: vLLM does not report the experts each "
-            "token chose (routing replay needs sampling.backend='native')"
+            "token chose on CPU (its routed-experts capture needs Model Runner V2, which "
+            "needs Triton, absent from its CPU build); routing replay needs "
+            "sampling.backend='native' (docs/vllm.md, 'Parity')"
         )
     max_len = section.get("max_len", 0)
     if cfg.max_model_len and cfg.max_model_len < max_len:
