@@ -15,6 +15,7 @@ scripted backend for what only vLLM does (a publication that interrupts requests
 """
 
 import concurrent.futures
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -197,11 +198,18 @@ class _Scripted:
 
     max_len, eos_id = 64, 2
 
-    def __init__(self, burst: int, failure=RequestInterrupted):
+    def __init__(self, burst: int, failure=RequestInterrupted, layers: int = 0):
         self.burst, self.failure = burst, failure
+        self.layers = layers  # > 0: report routing as the vLLM backend does (record_routing)
         self.version = 0
         self.requests: list[GenRequest] = []
+        self.computed: list[range] = []  # the positions each request computed (layers > 0)
         self._open: list[GenHandle] = []
+
+    @staticmethod
+    def experts(position: int, request: int, layers: int) -> list[list[int]]:
+        """The script's experts [L, 2] of `position` computed by request number `request`."""
+        return [[(position + request) % 4, (position + request + 1) % 4]] * layers
 
     def submit(self, request, on_tokens=None):
         self.requests.append(request)
@@ -212,7 +220,12 @@ class _Scripted:
             ids.append(5 + len(ctx) % 4)
             ctx.append(ids[-1])
         n = len(ids)
-        on_tokens(GenChunk(ids, [-1.0] * n, [-1.0] * n, [self.version] * n))
+        routing = None
+        if self.layers:  # the prompt's positions and the sampled tokens fed back
+            r, computed = len(self.requests) - 1, range(len(request.prompt_ids) + n - 1)
+            routing = (list(computed), [self.experts(p, r, self.layers) for p in computed])
+            self.computed.append(computed)
+        on_tokens(GenChunk(ids, [-1.0] * n, [-1.0] * n, [self.version] * n, routing))
         if n == request.max_tokens:
             handle.future.set_result(
                 GenResult(ids, [-1.0] * n, [-1.0] * n, [self.version] * n, "length", {})
@@ -264,6 +277,39 @@ def test_an_interrupted_turn_continues_from_its_streamed_tokens():
     np.testing.assert_array_equal(traj.tokens[traj.action_mask], np.asarray(want)[traj.action_mask])
     assert traj.num_turns == 2 and traj.terminated
     assert eng.stats()["resubmitted"] == 1
+
+
+def test_routing_records_keep_each_positions_first_computation():
+    """record_routing on a backend that reports experts (the vLLM backend's
+    `record_routing`): every position but the last holds the experts of the first request
+    that computed it, through a publication's resubmission and the next turn's request
+    (which compute the earlier positions again, routed otherwise here)."""
+    scripted = _Scripted(burst=3, layers=2)
+    cfg = dataclasses.replace(CFG, record_routing=True)
+    eng = BackendEngine(SharedBackend(lambda p, v: scripted), FakeTokenizer(), TurnEnv, cfg,
+                        vocab_size=32, routing_lk=(2, 2), poll_s=0.01)  # fmt: skip
+    it = _one_prompt()
+    eng.step(None, 0, lambda: next(it, None))
+    eng.step(None, 1, lambda: None)  # interrupted: asked again from its 3 tokens
+    scripted.burst = 100
+    finished = []
+    for _ in range(10):
+        finished += eng.step(None, 1, lambda: None).finished
+        if finished:
+            break
+    (traj,) = finished
+    assert len(scripted.requests) == 3 and traj.experts.shape == (len(traj.tokens), 2, 2)
+    first = {}  # position -> the first request that computed it
+    for r, computed in enumerate(scripted.computed):
+        for p in computed:
+            first.setdefault(p, r)
+    n = len(traj.tokens)
+    want = np.asarray([_Scripted.experts(p, first[p], 2) for p in range(n - 1)])
+    np.testing.assert_array_equal(traj.experts[: n - 1], want)
+    assert (traj.experts[n - 1] == -1).all()  # never fed: no record (batch padding)
+    with pytest.raises(ValueError, match="no MoE layers"):
+        BackendEngine(SharedBackend(lambda p, v: scripted), FakeTokenizer(), TurnEnv, cfg,
+                      vocab_size=32)  # fmt: skip
 
 
 def test_a_failed_backend_ends_the_step_naming_it():

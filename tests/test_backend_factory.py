@@ -89,7 +89,11 @@ def test_vllm_runs_build_the_vllm_backend_with_the_runs_settings(policy, tmp_pat
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     c = _vllm(sampling__temperature=0.7, sampling__top_p=0.9, sampling__vllm__max_num_seqs=3,
+              sampling__record_routing=True, rl__routing_replay=True,
               init__kind="hf", init__hf_path=str(hf_dir))  # fmt: skip
+    replay = _vllm(sampling__record_routing=True, rl__routing_replay=True)
+    with pytest.raises(ConfigError, match=r"sampling\.vllm\.python: .* has no vllm"):
+        config_lib.validate(replay)  # routing replay on vLLM rollouts passes every other check
     kw = dict(mdef=mdef, tokenizer=FakeTokenizer(), workdir=tmp_path, seed=5)
     assert isinstance(backend_factory.run_backend(c, **kw).sampler(), backend_factory.RunBackend)
     build = backend_factory.backend_builder(c, **kw)
@@ -103,6 +107,15 @@ def test_vllm_runs_build_the_vllm_backend_with_the_runs_settings(policy, tmp_pat
     assert a["base_config"] == {"eos_token_id": 2, "bos_token_id": 1}
     assert a["workdir"] != b["workdir"] and a["workdir"].startswith(str(tmp_path / "vllm"))
     assert a["decode"]([5, 6]) == FakeTokenizer().decode([5, 6])  # the run's stop strings
+    assert a["record_routing"] and not _vllm().sampling.record_routing
+
+
+def test_a_gateway_run_with_routing_records_is_refused_naming_the_field():
+    """The gateway's episodes carry no routing records: replay would force pad experts."""
+    with pytest.raises(ConfigError, match=r"config field sampling\.record_routing: gateway"):
+        config_lib.validate(
+            _config(gateway__mode="live", sampling__record_routing=True, rl__routing_replay=True)
+        )
 
 
 class _Recorded:
@@ -168,7 +181,6 @@ def test_a_runs_backend_is_built_once_lent_to_each_source_and_closed_by_the_run(
         ({"model__head_dim": 16}, r"model\.head_dim: 16 is not 64"),
         ({"sampling__vllm__dtype": "float32"}, r"sampling\.vllm\.dtype: float32 MoE"),
         ({"sampling__top_k": 20}, r"sampling\.top_k: .*set top_k=0"),
-        ({"sampling__record_routing": True}, r"sampling\.record_routing: vLLM does not"),
         ({"sampling__vllm__max_model_len": 64}, r"sampling\.vllm\.max_model_len: 64 < "),
         ({}, r"sampling\.vllm\.python: .* has no vllm package; run `make vllm-env`"),
     ],

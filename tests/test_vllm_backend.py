@@ -108,7 +108,8 @@ def served(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("vllm"))
     start = time.perf_counter()
     # max_len: the gateway test's chat prompt with a tool is 292 harness tokens
-    backend = VllmBackend(cfg_vllm, cfg, params, workdir=workdir, max_len=512, decode=_letters)
+    backend = VllmBackend(cfg_vllm, cfg, params, workdir=workdir, max_len=512, decode=_letters,
+                          record_routing=True)  # fmt: skip
     print(f"vLLM start {time.perf_counter() - start:.1f} s")
     # the reference reads the weights vLLM got (bf16-rounded), in fp32
     _, _, exported = hf.load_hf_policy(os.path.join(workdir, "weights", "v0"))
@@ -132,9 +133,12 @@ def test_token_ids_round_trip_and_logps_match_jax(served):
     assert np.median(delta) < PARITY_MEDIAN and delta.max() < PARITY_MAX, delta
 
 
-def _logp_batch(mdef, params, ids):
-    """log_softmax(logits[:, t - 1])[ids[:, t]] for t >= 1, fp32 ([B, T - 1])."""
-    logits = jax.jit(lambda p, t: mdef.bind(p)(t).out)(params, np.asarray(ids, np.int32))
+def _logp_batch(mdef, params, ids, forced=None):
+    """log_softmax(logits[:, t - 1])[ids[:, t]] for t >= 1, fp32 ([B, T - 1]); `forced`
+    [B, T, L, k]: replay these experts (rl.routing_replay's path)."""
+    logits = jax.jit(lambda p, t, f: mdef.bind(p)(t, forced_experts_btlk=f).out)(
+        params, np.asarray(ids, np.int32), forced
+    )
     logp = jax.nn.log_softmax(np.asarray(logits, np.float32), axis=-1)
     return np.take_along_axis(logp[:, :-1], np.asarray(ids)[:, 1:, None], axis=-1)[..., 0]
 
@@ -165,6 +169,17 @@ def test_parity_distribution_and_dis_keep_rate(served):
     tail_share = np.mean(delta > PARITY_TAIL)
     assert med < PARITY_MEDIAN and tail_share <= PARITY_TAIL_SHARE
     assert top < PARITY_MAX and keep >= DIS_KEEP
+    # record_routing: each request reports the experts of every position it computed (the
+    # prompt's and the sampled tokens fed back), once, in the batch vLLM decoded them in;
+    # replayed, they leave no tail (the tail is routing flips: docs/vllm.md "Parity")
+    for r in results:
+        positions, _ = r.routing
+        assert positions == list(range(ids.shape[1] - 1)), positions[:12]
+    forced = np.asarray([r.routing[1] + r.routing[1][-1:] for r in results])  # [32, 72, L, k]
+    replayed = np.abs(got - _logp_batch(mdef, exported, ids, forced)[:, 7:])
+    print(f"replaying vLLM's experts: |delta logp| median {np.median(replayed):.4f} "
+          f"max {replayed.max():.4f}")  # fmt: skip
+    assert np.median(replayed) < PARITY_MEDIAN and replayed.max() < PARITY_TAIL
 
 
 def test_a_non_canonical_tokenization_reaches_the_engine_unchanged(served):
@@ -385,6 +400,8 @@ def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):
     # queue with version-0 episodes the cap then drops (155 generated for 16 trained)
     config.sampling.queue_size = 8
     config.init.kind, config.sft.steps = "random", 0  # ~57 s of wall, 8 s CPU less
+    # routing replay on vLLM's experts (the parity test shows what it removes)
+    config.sampling.record_routing, config.rl.routing_replay = True, True
     config.train.update(total_steps=2, eval_every=0, checkpoint_every=0)
     start = time.perf_counter()
     summary = train.run(config, tmp_path / "w")
@@ -406,4 +423,5 @@ def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):
             assert np.all(np.isfinite(t.rollout_logp)) and np.all(
                 t.rollout_logp[t.action_mask] <= 0
             )
+            assert (t.experts[:-1] >= 0).all()  # every position fed to vLLM is recorded
     assert min(t.min_version for t in taken[1]) >= 1  # the cap: sampled after a publication

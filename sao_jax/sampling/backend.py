@@ -108,6 +108,9 @@ class GenChunk:
     rollout_logp: list[float]
     sampled_logp: list[float]
     versions: list[int]
+    # (positions, experts [m][L_moe][k]) the engine computed since the previous chunk, when
+    # the backend records routing (sampling.record_routing; prompt positions included)
+    routing: tuple[list[int], list] | None = None
 
 
 @dataclasses.dataclass
@@ -120,6 +123,7 @@ class GenResult:
     versions: list[int]
     finish_reason: str  # one of FINISH_REASONS
     sampling: dict[str, Any]  # the values the tokens were sampled with
+    routing: tuple[list[int], list] | None = None  # every chunk's, in order (GenChunk)
 
 
 class GenHandle:

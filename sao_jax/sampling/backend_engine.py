@@ -60,9 +60,13 @@ from sao_jax.sampling.slots import TURN_ENDED, Drop, EngineConfig, StepOutput
 BackendBuilder = Callable[[Params, int], GenerationBackend]  # (params, version) -> backend
 
 
-def model_vocab(mdef: ModelDef) -> int:
-    """The vocabulary size of the policy `mdef` describes."""
-    return nnx.merge(mdef.graphdef, mdef.abstract).cfg.vocab_size
+def model_facts(mdef: ModelDef) -> dict[str, Any]:
+    """What a BackendEngine checks and records of the policy `mdef` describes: its
+    `vocab_size` and `routing_lk` (MoE layers, experts per token; None without MoE)."""
+    cfg = nnx.merge(mdef.graphdef, mdef.abstract).cfg
+    moe = len(cfg.moe_layers)
+    routing_lk = (moe, cfg.num_experts_per_tok) if moe else None
+    return dict(vocab_size=cfg.vocab_size, routing_lk=routing_lk)
 
 
 class SharedBackend:
@@ -113,6 +117,7 @@ class _Turn:
         self._chunks: list[GenChunk] = []
         self._done = False
         self.received = 0  # tokens handed to the engine so far
+        self.routing: list[tuple[list[int], list]] = []  # the chunks' routing, not yet kept
 
     def on_tokens(self, chunk: GenChunk) -> None:  # the backend's thread
         with self._wake:
@@ -137,6 +142,7 @@ class _Turn:
         with self._wake:
             chunks, self._chunks = self._chunks, []
             done = self._done
+        self.routing += [c.routing for c in chunks if c.routing is not None]
         out = [
             (t, r, p, v)
             for c in chunks
@@ -157,15 +163,21 @@ class _Turn:
         return out, error, True
 
 
+def _keep_routing(sl, turn: _Turn) -> None:
+    """The turn's routing records into the slot (Slot.record_experts); those of positions
+    the slot does not hold yet stay with the turn."""
+    pending = [sl.record_experts(pos, experts) for pos, experts in turn.routing]
+    turn.routing = [rest for rest in pending if rest is not None]
+
+
 class _NoPrograms:
     """What Engine.__init__ reads of its compiled programs (GenerateFns): this engine has
     none, its tokens come from the backend."""
 
-    record_routing = False
-    routing_shape = None
     shards = 1
 
-    def __init__(self, cfg: EngineConfig, vocab_size: int):
+    def __init__(self, cfg: EngineConfig, vocab_size: int, routing_lk: tuple[int, int] | None):
+        self.record_routing, self.routing_shape = routing_lk is not None, routing_lk
         self.num_slots, self.max_len = cfg.num_slots, cfg.max_len
         self.steps, self.per_token_keys = cfg.steps_per_sync, cfg.per_token_keys
         self.layout = cfg.layout
@@ -177,9 +189,11 @@ class BackendEngine(Engine):
 
     Args:
       backend: the SharedBackend of the sampler (or of the synchronous rollouts).
-      tokenizer, env_factory, cfg: as the Engine's. The KV layout and routing records
-        are the native engine's and are ignored here.
-      vocab_size: the policy's (prompt and observation ids are checked against it).
+      tokenizer, env_factory, cfg: as the Engine's. The KV layout is the native engine's
+        and is ignored here; `cfg.record_routing` keeps the experts the backend reports
+        for each position (GenChunk.routing; the vLLM backend's `record_routing`).
+      vocab_size, routing_lk: the policy's (model_facts): prompt and observation ids are
+        checked against the first; the second shapes the routing records.
       poll_s: the longest a step waits for tokens.
     """
 
@@ -191,10 +205,15 @@ class BackendEngine(Engine):
         cfg: EngineConfig,
         *,
         vocab_size: int,
+        routing_lk: tuple[int, int] | None = None,
         poll_s: float = 0.05,
     ):
-        cfg = dataclasses.replace(cfg, kv_layout="dense", record_routing=False)
-        super().__init__(_NoPrograms(cfg, vocab_size), tokenizer, env_factory, cfg)
+        if cfg.record_routing and routing_lk is None:
+            raise ValueError("cfg.record_routing=True but the policy has no MoE layers")
+        routing_lk = routing_lk if cfg.record_routing else None
+        cfg = dataclasses.replace(cfg, kv_layout="dense")
+        programs = _NoPrograms(cfg, vocab_size, routing_lk)
+        super().__init__(programs, tokenizer, env_factory, cfg)
         self.shared = backend
         self.poll_s = poll_s
         self._wake = threading.Condition()
@@ -245,10 +264,13 @@ class BackendEngine(Engine):
         `_advance`, for streamed tokens."""
         sl, turn = self._slots[s], self._turns[s]
         records, error, ended = turn.take()
+        _keep_routing(sl, turn)
         kept = 0
         for token, rollout_logp, sampled_logp, version in records:
             sl.append_action(int(token), sampled_logp, rollout_logp, int(version))
             sl.written = sl.n
+            if turn.routing:  # positions of tokens appended just now
+                _keep_routing(sl, turn)
             kept += 1
             if self._turn_ended(sl, int(token)):
                 self._close_turn(s)

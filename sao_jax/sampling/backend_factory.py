@@ -108,6 +108,7 @@ def build_backend(
             seed=seed,
             base_config=base_config,
             decode=getattr(tokenizer, "decode", None),
+            record_routing=engine_cfg.record_routing,
         )
     raise ConfigError(f"config field sampling.backend: {kind!r} is not one of native, vllm")
 

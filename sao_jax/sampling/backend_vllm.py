@@ -102,10 +102,17 @@ def server_env(cfg: VllmConfig) -> dict[str, str]:
 
 
 def server_command(
-    python: str, cfg: VllmConfig, path: str, max_len: int, version: int, events_fd: int
+    python: str,
+    cfg: VllmConfig,
+    path: str,
+    max_len: int,
+    version: int,
+    events_fd: int,
+    record_routing: bool = False,
 ) -> list[str]:
     """The command line of vllm_server.py on the checkpoint at `path`
-    (`--weight_sync` picks the server's worker extension)."""
+    (`--weight_sync` picks the server's worker extension; `--record_routing` reports the
+    experts of every position)."""
     return [
         python,
         SERVER,
@@ -116,6 +123,7 @@ def server_command(
         f"--version={version}",
         f"--weight_sync={cfg.weight_sync}",
         f"--events_fd={events_fd}",
+        *(["--record_routing"] if record_routing else []),
     ]
 
 
@@ -129,6 +137,7 @@ class _Live:
         self.ids: list[int] = []
         self.logp: list[float] = []
         self.versions: list[int] = []
+        self.routing: tuple[list[int], list] | None = None  # with record_routing
 
 
 def stop_string_end(decode, before: list[int], new: list[int], stops) -> int | None:
@@ -184,8 +193,10 @@ class VllmBackend:
         seed: int = 0,
         base_config: dict | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        record_routing: bool = False,
     ):
         self._python = check_python(cfg)
+        self.record_routing = record_routing
         self._decode = decode  # ids -> text: requests' stop strings (None: refused)
         self.cfg = cfg
         self.model_cfg = model_cfg
@@ -429,7 +440,9 @@ class VllmBackend:
         cfg = self.cfg
         read_fd, write_fd = os.pipe()
         env = server_env(cfg)
-        cmd = server_command(self._python, cfg, path, self.max_len, version, write_fd)
+        cmd = server_command(
+            self._python, cfg, path, self.max_len, version, write_fd, self.record_routing
+        )
         with self._lock:
             self._error = None
         self._ready = threading.Event()
@@ -588,8 +601,14 @@ class VllmBackend:
         live.ids += ids
         live.logp += logp
         live.versions += [version] * len(ids)
-        if ids and live.on_tokens is not None:
-            live.on_tokens(GenChunk(list(ids), list(logp), sampled, [version] * len(ids)))
+        routing = event.get("routing")
+        if routing is not None:
+            routing = (routing["positions"], routing["experts"])
+            have = live.routing or ([], [])
+            live.routing = (have[0] + routing[0], have[1] + routing[1])
+        if (ids or routing) and live.on_tokens is not None:
+            chunk = GenChunk(list(ids), list(logp), sampled, [version] * len(ids), routing)
+            live.on_tokens(chunk)
         if finish is not None:
             self.counters[finish] += 1
             live.handle.future.set_result(
@@ -600,6 +619,7 @@ class VllmBackend:
                     versions=live.versions,
                     finish_reason=finish,
                     sampling=live.sampling,
+                    routing=live.routing,
                 )
             )
 

@@ -62,7 +62,7 @@ from sao_jax.sampling.backend_engine import (
     BackendBuilder,
     BackendEngine,
     SharedBackend,
-    model_vocab,
+    model_facts,
 )
 from sao_jax.sampling.engine import Engine, EngineConfig, StepOutput, generate_fns
 from sao_jax.sampling.generate import GenerateFns
@@ -241,7 +241,7 @@ class SyncRollouts:
             self.engine = Engine(fns, tokenizer, env_factory, engine_cfg, seed=seed)
         else:
             self.engine = None
-            self._vocab = model_vocab(policy_def)
+            self._model_facts = model_facts(policy_def)
         self._key = jax.random.key(seed)
         self.group_size = group_size
         self._params: Params | None = None
@@ -274,7 +274,7 @@ class SyncRollouts:
         key = jax.random.fold_in(jax.random.fold_in(self._key, self._version), self._draws)
         self._draws += 1
         if self.backend is not None:
-            return BackendEngine(self.backend, *self._engine_args, vocab_size=self._vocab)
+            return BackendEngine(self.backend, *self._engine_args, **self._model_facts)
         return Engine(self.engine.fns, *self._engine_args, seed=key)
 
     def take(self, n: int, timeout: float | None = None) -> list[Trajectory]:

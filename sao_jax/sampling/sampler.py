@@ -70,7 +70,7 @@ from sao_jax.sampling.backend_engine import (
     BackendBuilder,
     BackendEngine,
     SharedBackend,
-    model_vocab,
+    model_facts,
 )
 from sao_jax.sampling.engine import Engine, EngineConfig, generate_fns
 from sao_jax.sampling.generate import GenerateFns
@@ -188,7 +188,7 @@ class AsyncSampler:
             )
         # None: the workers' own engines; else one backend they all generate with
         self._backend = None if backend is None else SharedBackend(backend)
-        self._vocab = None if backend is None else model_vocab(mdef)
+        self._model_facts = None if backend is None else model_facts(mdef)
         if backend is None:
             self._fns = fns or generate_fns(mdef, engine, sharder)  # sharder: the pool's mesh
         self._tok, self._env_factory = tokenizer, env_factory
@@ -423,7 +423,7 @@ class AsyncSampler:
                 engine = Engine(self._fns, self._tok, self._env_factory, self.engine_cfg, seed=key)
             else:
                 engine = BackendEngine(self._backend, self._tok, self._env_factory,
-                                       self.engine_cfg, vocab_size=self._vocab,
+                                       self.engine_cfg, **self._model_facts,
                                        poll_s=self.cfg.poll_s)  # fmt: skip
             with self._lock:
                 self._engines.append(engine)

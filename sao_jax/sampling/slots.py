@@ -157,6 +157,27 @@ class Slot:
         )
         self.n += 1
 
+    def record_experts(self, positions: list[int], experts_mlk):
+        """An engine's experts [m, L_moe, k] for `positions`: kept where the position is
+        one of this slot's tokens and has no record yet (the first computation of a
+        position is the one its tokens were sampled under). Returns the positions past
+        the slot's tokens and their experts (a streamed token not appended yet), or None."""
+        pos = np.asarray(positions, np.int64)
+        if self.experts is None or pos.size == 0:
+            return None
+        experts = np.asarray(experts_mlk, np.int64)
+        if experts.shape != (pos.size, *self.experts.shape[1:]):
+            raise ValueError(
+                f"routing: experts of shape {experts.shape} for {pos.size} positions, "
+                f"want [m, {', '.join(map(str, self.experts.shape[1:]))}]"
+            )
+        later = pos >= self.n
+        inside = (pos >= 0) & ~later
+        held, got = pos[inside], experts[inside]
+        fresh = self.experts[held, 0, 0] < 0
+        self.experts[held[fresh]] = got[fresh]
+        return (pos[later], experts[later]) if later.any() else None
+
     def finish(self, *, terminated: bool, outcome: float, truncation: str | None) -> Trajectory:
         n = self.n
         errors = [i.get("error") for i in self.infos if i.get("error")]

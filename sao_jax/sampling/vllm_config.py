@@ -221,13 +221,6 @@ def check_sampling(section: ConfigDict | dict, cfg: VllmConfig) -> None:
             "config field sampling.top_k: the vllm backend samples with temperature and "
             "top_p only; set top_k=0"
         )
-    if section.get("record_routing", False):
-        raise ConfigError(
-            "config field sampling.record_routing: vLLM does not report the experts each "
-            "token chose on CPU (its routed-experts capture needs Model Runner V2, which "
-            "needs Triton, absent from its CPU build); routing replay needs "
-            "sampling.backend='native' (docs/vllm.md, 'Parity')"
-        )
     max_len = section.get("max_len", 0)
     if cfg.max_model_len and cfg.max_model_len < max_len:
         raise ConfigError(

@@ -17,6 +17,11 @@ Events: {"op": "ready", "version"}, {"op": "tokens", "id", "token_ids", "logp", 
 finish None | 'stop' | 'length' | 'cancelled'),
 {"op": "synced", "version", "seconds", "interrupted"}, {"op": "nccl_ready", "ranks"},
 {"op": "error", "id", "message"}.
+With `--record_routing` (sampling.record_routing) a tokens event also carries `routing`:
+{"positions", "experts" [m][L_moe][k]}, the positions its request computed since its
+previous event (prompt positions included) and the experts vLLM routed each to
+(vllm_worker_routing.py); prefix caching is then off, so every position is computed, and
+reported, by every request that holds it.
 A request's first tokens event also carries `prompt_ids`: the prompt's ids as vLLM holds
 them (its `prompt_token_ids`), for the caller to check that nothing re-tokenized them.
 
@@ -76,13 +81,15 @@ class Server:
       version: the weights the engine starts with.
     """
 
-    def __init__(self, engine, make_request, emit, version: int):
+    def __init__(self, engine, make_request, emit, version: int, take_routing=None):
         self.engine = engine
         self.make_request = make_request
         self.emit = emit
         self.version = version
+        self.take_routing = take_routing  # a worker function (record_routing) or None
         self.sent: dict[str, int] = {}  # request id -> tokens already sent
         self.echoed: set[str] = set()  # requests whose prompt ids were sent back
+        self.routing: dict[str, tuple[list, list]] = {}  # id -> (positions, experts) unsent
 
     def run(self, commands: queue.Queue) -> None:
         """Serves until a shutdown command."""
@@ -120,6 +127,7 @@ class Server:
                 self.engine.abort_request([cmd["id"]])
                 del self.sent[cmd["id"]]
                 self.echoed.discard(cmd["id"])
+                self.routing.pop(cmd["id"], None)
                 self.emit(
                     op="tokens",
                     id=cmd["id"],
@@ -141,6 +149,7 @@ class Server:
             self.engine.abort_request(interrupted)
         self.sent.clear()
         self.echoed.clear()
+        self.routing.clear()
         infos = self.engine.collective_rpc(method, args=args)
         if not self.engine.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset after a sync")
@@ -148,8 +157,16 @@ class Server:
         self.emit(op="synced", version=self.version, interrupted=interrupted, **infos[0])
 
     def step(self) -> None:
-        """One engine step; its new tokens as events."""
-        for out in self.engine.step():
+        """One engine step; its new tokens as events (with `record_routing`, each with the
+        experts of the positions its request computed since its last event)."""
+        outputs = self.engine.step()
+        if self.take_routing is not None:
+            for rid, (pos, experts) in self.engine.collective_rpc(self.take_routing)[0].items():
+                if rid in self.sent:  # else: cancelled or interrupted meanwhile
+                    have = self.routing.setdefault(rid, ([], []))
+                    have[0].extend(pos)
+                    have[1].extend(experts)
+        for out in outputs:
             rid = out.request_id
             if rid not in self.sent:
                 continue
@@ -158,6 +175,9 @@ class Server:
             ids = list(completion.token_ids[n:])
             logp = [completion.logprobs[i][tok].logprob for i, tok in enumerate(ids, start=n)]
             extra = {}
+            if rid in self.routing:
+                pos, experts = self.routing.pop(rid)
+                extra["routing"] = {"positions": pos, "experts": experts}
             if rid not in self.echoed:  # the prompt vLLM holds, once per request
                 self.echoed.add(rid)
                 extra["prompt_ids"] = list(out.prompt_token_ids)
@@ -188,6 +208,7 @@ def main() -> None:
     parser.add_argument("--version", type=int, default=0)
     parser.add_argument("--weight_sync", choices=sorted(WORKER_EXTENSIONS), default="inplace")
     parser.add_argument("--events_fd", type=int, required=True)
+    parser.add_argument("--record_routing", action="store_true")
     args = parser.parse_args()
     events = os.fdopen(args.events_fd, "w", buffering=1)
 
@@ -224,10 +245,22 @@ def main() -> None:
         skip_tokenizer_init=True,
         seed=0,
         worker_extension_cls=WORKER_EXTENSIONS[args.weight_sync],
+        # recording routing: every request computes every position (a cached prefix from
+        # another episode would have no experts to report)
+        **({"enable_prefix_caching": False} if args.record_routing else {}),
     )
+    take = None
+    if args.record_routing:
+        try:  # this file's folder (on the server's sys.path), as the worker extensions
+            from vllm_worker_routing import capture_routing, take_routing
+        except ImportError as e:
+            raise SystemExit(f"vllm_server: {e}: run sao_jax/sampling/vllm_server.py") from e
+
+        llm.llm_engine.collective_rpc(capture_routing)
+        take = take_routing
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=_read_commands, args=(commands,), daemon=True).start()
-    Server(llm.llm_engine, make_request, emit, args.version).run(commands)
+    Server(llm.llm_engine, make_request, emit, args.version, take).run(commands)
 
 
 if __name__ == "__main__":  # vLLM may start processes with spawn: they import this file

@@ -146,6 +146,12 @@ def _check_gateway(config: ConfigDict) -> None:
             f"{g.mode!r} serves from one backend on the trainer's devices: needs "
             "sampling.placement='colocated'",
         )
+        require(
+            not config.sampling.get("record_routing", False),
+            "sampling.record_routing",
+            f"gateway.mode={g.mode!r}: the gateway's episodes carry no routing records "
+            "(routing replay trains on in-process rollouts only)",
+        )
     if g.mode == "harness" and h.sandbox:
         from sao_jax.serve.harness_sandbox import unavailable
 
