@@ -182,6 +182,53 @@ def test_parity_distribution_and_dis_keep_rate(served):
     assert np.median(replayed) < PARITY_MEDIAN and replayed.max() < PARITY_TAIL
 
 
+def _law_logp(logits, ids, temperature, top_p):
+    """log q(ids[t]) with q = softmax of logits[t - 1] / temperature cut to its nucleus:
+    in descending order a token is kept iff the mass ranked before it is < top_p
+    (docs/sampling.md), fp64 ([T - 1])."""
+    out = []
+    for t in range(1, len(ids)):
+        x = np.asarray(logits[t - 1], np.float64) / temperature
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
+        kept = np.zeros_like(p, bool)
+        kept[order[before < top_p]] = True
+        out.append(np.log(p[ids[t]] / p[kept].sum()) if kept[ids[t]] else -np.inf)
+    return np.asarray(out)
+
+
+def test_sampled_logp_is_the_log_prob_under_the_law_drawn_from(served):
+    """temperature 0.7, top_p 0.9: each token's `sampled_logp` (the server's, beside vLLM's
+    sampler: vllm_worker_sampled.py) against the learner's tempered, truncated law on the
+    same tokens, replaying vLLM's experts (no routing flip in the way); `rollout_logp`
+    stays the raw law's, what DIS reads."""
+    backend, _, mdef, _, exported = served
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(1, TINY["vocab_size"], size=(4, 8)).tolist()
+    law = dict(temperature=0.7, top_p=0.9)
+    handles = [backend.submit(GenRequest(tuple(p), max_tokens=32, **law)) for p in prompts]
+    results = [h.future.result(timeout=120) for h in handles]
+    deltas, raws = [], []
+    for p, r in zip(prompts, results, strict=True):
+        ids = p + r.token_ids
+        forced = np.asarray([r.routing[1] + r.routing[1][-1:]])
+        logits = jax.jit(lambda q, t, f: mdef.bind(q)(t, forced_experts_btlk=f).out)(
+            exported, np.asarray([ids], np.int32), forced
+        )[0]
+        want = _law_logp(np.asarray(logits), ids, **law)[len(p) - 1 :]
+        deltas.append(np.abs(np.asarray(r.sampled_logp) - want))
+        raws.append(np.asarray(r.sampled_logp) - np.asarray(r.rollout_logp))
+    delta, raw = np.concatenate(deltas), np.concatenate(raws)
+    print(f"sampled_logp at T 0.7, top_p 0.9 over {delta.size} tokens: |delta| median "
+          f"{np.median(delta):.4f} max {delta.max():.4f}; sampled - rollout median "
+          f"{np.median(raw):.3f}")  # fmt: skip
+    assert np.all(np.isfinite(delta)) and np.median(delta) < PARITY_MEDIAN
+    assert delta.max() < PARITY_TAIL
+    assert np.median(raw) > 4 * PARITY_MEDIAN  # a sharper, cut law: not the raw log-prob
+
+
 def test_a_non_canonical_tokenization_reaches_the_engine_unchanged(served):
     """A word fed as one id per character (ids the harness tokenizer never produces from
     its text): vLLM holds exactly these ids (its prompt_token_ids) and continues from

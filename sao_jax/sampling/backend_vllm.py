@@ -9,9 +9,10 @@ its stdin, events on a pipe of their own (vLLM's logs go to `<workdir>/vllm.log`
   come back as ids (the server runs without a tokenizer, so nothing is re-tokenized).
 * `rollout_logp`: vLLM's log-prob of each sampled token under the raw logits
   (log_softmax at temperature 1 over the full vocabulary, vLLM's default
-  `logprobs_mode`), the value the learner recomputes. `sampled_logp` is the same value
-  at temperature 1 without truncation, 0 under greedy, and NaN for other laws (not yet
-  reported by this backend: docs/vllm.md, what remains).
+  `logprobs_mode`), the value the learner recomputes. `sampled_logp`, log q(token)
+  under the law it was drawn from: the same value at temperature 1 without truncation,
+  0 under greedy, and for other laws the value the server computes beside vLLM's
+  sampler (sampling/vllm_worker_sampled.py; NaN only where none was reported).
 * `publish(params, version)` with `sampling.vllm.weight_sync='inplace'` (the default):
   the params go through models/hf.py's `hf_entries` (the one export mapping: Hugging
   Face names, shapes, `sampling.vllm.dtype`) into one flat buffer in shared memory
@@ -136,6 +137,7 @@ class _Live:
         self.sampling = sampling
         self.ids: list[int] = []
         self.logp: list[float] = []
+        self.sampled: list[float] = []
         self.versions: list[int] = []
         self.routing: tuple[list[int], list] | None = None  # with record_routing
 
@@ -153,7 +155,8 @@ def stop_string_end(decode, before: list[int], new: list[int], stops) -> int | N
 
 def sampled_logp(rollout_logp: float, temperature: float, top_p: float) -> float:
     """log q(token) under the law it was sampled with, where it follows from the raw
-    log-prob: the same at temperature 1 without truncation, 0 under greedy, else NaN."""
+    log-prob: the same at temperature 1 without truncation, 0 under greedy, else NaN
+    (the server reports those laws' values itself: vllm_worker_sampled.py)."""
     if temperature == 0:
         return 0.0
     if temperature == 1 and top_p == 1:
@@ -597,7 +600,12 @@ class VllmBackend:
                         self._send(op="cancel", id=event["id"])  # its 'cancelled' ignored
             if finish is not None:
                 del self._live[event["id"]]
-        sampled = [sampled_logp(lp, **live.sampling) for lp in logp]
+        reported = event.get("sampled_logp") or [None] * len(logp)
+        sampled = [
+            sampled_logp(lp, **live.sampling) if got is None else got
+            for lp, got in zip(logp, reported, strict=False)  # a stop string cut `logp`
+        ]
+        live.sampled += sampled
         live.ids += ids
         live.logp += logp
         live.versions += [version] * len(ids)
@@ -615,7 +623,7 @@ class VllmBackend:
                 GenResult(
                     token_ids=live.ids,
                     rollout_logp=live.logp,
-                    sampled_logp=[sampled_logp(lp, **live.sampling) for lp in live.logp],
+                    sampled_logp=live.sampled,
                     versions=live.versions,
                     finish_reason=finish,
                     sampling=live.sampling,

@@ -14,7 +14,8 @@ and speaks JSON lines: commands on stdin, events on the file descriptor `--event
 
 Events: {"op": "ready", "version"}, {"op": "tokens", "id", "token_ids", "logp", "version",
 "finish"} (the new tokens since the last event, each one's log-prob under the raw logits,
-finish None | 'stop' | 'length' | 'cancelled'),
+finish None | 'stop' | 'length' | 'cancelled'; and `sampled_logp`, each one's log-prob
+under the law it was drawn from, where that is not the raw one: vllm_worker_sampled.py),
 {"op": "synced", "version", "seconds", "interrupted"}, {"op": "nccl_ready", "ranks"},
 {"op": "error", "id", "message"}.
 With `--record_routing` (sampling.record_routing) a tokens event also carries `routing`:
@@ -81,12 +82,15 @@ class Server:
       version: the weights the engine starts with.
     """
 
-    def __init__(self, engine, make_request, emit, version: int, take_routing=None):
+    def __init__(
+        self, engine, make_request, emit, version: int, take_routing=None, take_sampled=None
+    ):
         self.engine = engine
         self.make_request = make_request
         self.emit = emit
         self.version = version
         self.take_routing = take_routing  # a worker function (record_routing) or None
+        self.take_sampled = take_sampled  # a worker function: {id: sampled_logp} or None
         self.sent: dict[str, int] = {}  # request id -> tokens already sent
         self.echoed: set[str] = set()  # requests whose prompt ids were sent back
         self.routing: dict[str, tuple[list, list]] = {}  # id -> (positions, experts) unsent
@@ -160,6 +164,9 @@ class Server:
         """One engine step; its new tokens as events (with `record_routing`, each with the
         experts of the positions its request computed since its last event)."""
         outputs = self.engine.step()
+        sampled = {}
+        if self.take_sampled is not None:
+            sampled = self.engine.collective_rpc(self.take_sampled)[0]
         if self.take_routing is not None:
             for rid, (pos, experts) in self.engine.collective_rpc(self.take_routing)[0].items():
                 if rid in self.sent:  # else: cancelled or interrupted meanwhile
@@ -175,6 +182,8 @@ class Server:
             ids = list(completion.token_ids[n:])
             logp = [completion.logprobs[i][tok].logprob for i, tok in enumerate(ids, start=n)]
             extra = {}
+            if rid in sampled and ids:  # this step's token: its law's log-prob
+                extra["sampled_logp"] = [None] * (len(ids) - 1) + [sampled[rid]]
             if rid in self.routing:
                 pos, experts = self.routing.pop(rid)
                 extra["routing"] = {"positions": pos, "experts": experts}
@@ -249,18 +258,23 @@ def main() -> None:
         # another episode would have no experts to report)
         **({"enable_prefix_caching": False} if args.record_routing else {}),
     )
-    take = None
-    if args.record_routing:
-        try:  # this file's folder (on the server's sys.path), as the worker extensions
-            from vllm_worker_routing import capture_routing, take_routing
-        except ImportError as e:
-            raise SystemExit(f"vllm_server: {e}: run sao_jax/sampling/vllm_server.py") from e
+    try:  # this file's folder (on the server's sys.path), as the worker extensions
+        from vllm_worker_routing import capture_routing, internal_to_external, take_routing
+        from vllm_worker_sampled import install_sampled_logp, take_sampled_logp
+    except ImportError as e:
+        raise SystemExit(f"vllm_server: {e}: run sao_jax/sampling/vllm_server.py") from e
 
+    def take_sampled(worker) -> dict[str, float]:
+        return {internal_to_external(k): v for k, v in take_sampled_logp(worker).items()}
+
+    llm.llm_engine.collective_rpc(install_sampled_logp)
+    if args.record_routing:
         llm.llm_engine.collective_rpc(capture_routing)
-        take = take_routing
+    take = take_routing if args.record_routing else None
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=_read_commands, args=(commands,), daemon=True).start()
-    Server(llm.llm_engine, make_request, emit, args.version, take).run(commands)
+    server = Server(llm.llm_engine, make_request, emit, args.version, take, take_sampled)
+    server.run(commands)
 
 
 if __name__ == "__main__":  # vLLM may start processes with spawn: they import this file

@@ -1,15 +1,21 @@
-"""sampling.record_routing on vLLM (sao_jax/sampling/vllm_worker_routing.py, vllm_server.py's
-`routing` events) without vLLM: a forward's rows filed by request, the layers stacked, and
-the server's events carrying each request's positions and experts. The capture on vLLM's
-real routers runs in tests/test_vllm_backend.py (the parity test replays it)."""
+"""What the vLLM server's workers record beside the tokens, without vLLM:
+sampling.record_routing (sao_jax/sampling/vllm_worker_routing.py: a forward's rows filed
+by request, the layers stacked, the server's events carrying each request's positions and
+experts) and `sampled_logp` under the drawn law (vllm_worker_sampled.py's computation
+against a literal one; the server's events carrying it). On vLLM's real routers and
+sampler: tests/test_vllm_backend.py (the parity test replays the routing; the sampled
+log-probs against the learner's tempered, truncated law)."""
 
+import math
 import types
 
 import numpy as np
 import pytest
+import torch
 
 from sao_jax.sampling.vllm_server import Server
 from sao_jax.sampling.vllm_worker_routing import internal_to_external, split_rows, stack_layers
+from sao_jax.sampling.vllm_worker_sampled import processed_logp
 
 
 def test_a_forwards_rows_are_filed_by_request_and_position():
@@ -79,10 +85,28 @@ class _Engine:
         return [fn(self)]
 
 
-def test_the_servers_events_carry_each_requests_routing():
+def test_the_sampled_tokens_log_prob_is_under_the_tempered_cut_law():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.5, 3.0, 0.0]])
+    sampled, temp = torch.tensor([1, 2]), torch.tensor([0.5, 2.0])
+
+    def keep_top2(x, k, p):  # a cut standing in for vLLM's apply_top_k_top_p
+        assert k is None and p.shape == (2,)
+        low = x.topk(2, dim=-1).values[:, -1:]
+        return x.masked_fill(x < low, -float("inf"))
+
+    got = processed_logp(logits, sampled, temp, None, torch.tensor([0.9, 0.9]), keep_top2)
+    # row 0: logits / 0.5 = [4, 2, 0, -2], kept {0, 1}: log e^2 / (e^4 + e^2)
+    # row 1: logits / 2 = [.25, .25, 1.5, 0], kept {2} and a tie at .25 (both kept)
+    want = [2 - math.log(math.exp(4) + math.exp(2)),
+            1.5 - math.log(math.exp(1.5) + 2 * math.exp(0.25))]  # fmt: skip
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+
+
+def test_the_servers_events_carry_each_requests_routing_and_sampled_logp():
     events = []
     server = Server(_Engine(), lambda cmd: (None, None), lambda **e: events.append(e), 0,
-                    take_routing=lambda engine: engine.routing)  # fmt: skip
+                    take_routing=lambda engine: engine.routing,
+                    take_sampled=lambda engine: {"r0": -0.5})  # fmt: skip
     server.handle({"op": "generate", "id": "r0"})
     server.step()
     server.step()
@@ -92,3 +116,4 @@ def test_the_servers_events_carry_each_requests_routing():
         {"positions": [2], "experts": [[[2, 3]]]},
     ]
     assert tokens[-1]["finish"] == "length" and not server.routing
+    assert [e["sampled_logp"] for e in tokens] == [[-0.5], [-0.5]]  # one token a step
