@@ -28,7 +28,9 @@ inprocess (the same stages and task, RL on the in-process `Env` sampler instead 
 gateway: the demo's descriptive row), warm=DIR (start from another run's warm start,
 DIR/warm_start: the rows of one seed share it; the critic is pretrained again, since a
 gateway run's pretrained critic is refused by an in-process run: its recorded
-sampling.backend differs), seed=N.
+sampling.backend differs), seed=N, vllm (the gateway's rollouts by vLLM's CPU build,
+`make vllm-env` first, on a model of the shapes its CPU kernels take: docs/vllm.md;
+`smoke,vllm` is tests/test_vllm_backend.py's harness run).
 """
 
 import pathlib
@@ -36,12 +38,15 @@ import shlex
 
 from sao_jax.config import parse_arg
 from sao_jax.configs import base
+from sao_jax.sampling.vllm_config import use_vllm
 
 AGENT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "harness" / "calculator_agent.py"
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, smoke=False, live=False, sandbox=False, inprocess=False, warm="", seed=0)
+    arg = parse_arg(
+        arg, smoke=False, live=False, sandbox=False, inprocess=False, warm="", seed=0, vllm=False
+    )
     c = base.get_config()
     c.seed = arg.seed
     c.init.kind = "sft"  # warm start on the agent's demonstrations (the server serves init as is)
@@ -111,4 +116,6 @@ def get_config(arg=None):
         c.train.update(eval_sampled=False, report=False, progress=False, length_bucket=1024)
         c.gateway.harness.processes = 2
         c.gateway.harness.timeout_s = 120.0
+    if arg.vllm:  # after smoke: the gateway's backend is vLLM (use_vllm: its CPU shapes)
+        use_vllm(c)
     return c

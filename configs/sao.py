@@ -23,6 +23,7 @@ sampling.backend='vllm' on a model of the shapes its CPU kernels take, docs/vllm
 
 from sao_jax.config import ConfigDict, parse_arg
 from sao_jax.configs import base
+from sao_jax.sampling.vllm_config import use_vllm
 
 
 def get_config(arg=None):
@@ -79,13 +80,9 @@ def get_config(arg=None):
         # 32 its longest rollout reaches, so a run compiles its update once (of a smoke run's
         # ~100 s, the second bucket's trace and compile took ~40).
         c.train.length_bucket = c.sampling.max_len
-    if arg.vllm:  # after smoke: these shapes are what vLLM's CPU kernels take
-        # hidden and expert widths multiples of 32, head_dim 64, every layer MoE (the
-        # shapes tests/test_vllm_backend.py checks); evaluation stays on the native engine
-        c.model.update(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
-        c.model.update(head_dim=64, moe_intermediate_size=32, num_experts=4, mlp_only_layers=())
-        c.sampling.backend = "vllm"
-        c.sampling.vllm.max_num_seqs = c.sampling.num_slots  # every episode decodes at once
+    if arg.vllm:  # after smoke: the shapes vLLM's CPU kernels take (use_vllm); evaluation
+        # stays on the native engine
+        use_vllm(c)
         if not arg.smoke:  # vLLM on 2 CPU cores is ~10x slower than the native engine here
             c.value_pretrain.steps = 40
     return c

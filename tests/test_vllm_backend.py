@@ -34,6 +34,7 @@ and the RL loop): the dying-server test kills the module's server once every oth
 on it has run.
 """
 
+import json
 import os
 import pathlib
 import re
@@ -472,3 +473,27 @@ def test_async_sao_updates_on_vllm_rollouts(tmp_path, monkeypatch):
             )
             assert (t.experts[:-1] >= 0).all()  # every position fed to vLLM is recorded
     assert min(t.min_version for t in taken[1]) >= 1  # the cap: sampled after a publication
+
+
+def test_a_harness_run_trains_on_vllm_rollouts_through_the_gateway(tmp_path):
+    """configs/harness.py:smoke,vllm: the gateway in front of a vLLM server of the run (the
+    same factory, one server), the calculator agent as harness processes through the real
+    `openai` client, two async SAO updates on their episodes; every call's tokens and
+    log-probs are vLLM's and the server is gone when the run returns."""
+    config = load_config(f"{REPO}/configs/harness.py:smoke,vllm")
+    config.sampling.vllm.python = VLLM_PYTHON
+    config.train.total_steps = 2
+    # batch 2 over the 8 fake devices: 2-way data, 4-way tensor (2 / 1 heads replicated)
+    config.mesh.shape = (2, 1, 1, -1)
+    heads = ("q_heads", "kv_heads", "act_heads", "act_kv_heads")
+    config.mesh.rules = tuple((n, None if n in heads else a) for n, a in config.mesh.rules)
+    start = time.perf_counter()
+    summary = train.run(config, tmp_path / "w")
+    print(f"harness run on vLLM {time.perf_counter() - start:.0f} s; {summary['counters']}")
+    assert summary["steps"] == 2 and not summary["interrupted"]
+    episodes = [json.loads(line) for line in (tmp_path / "w" / "episodes.jsonl").open()]
+    done = [e for e in episodes if e["dropped"] is None]
+    assert len(done) >= 2 * config.rl.batch_size and all(e["calls"] >= 1 for e in done)
+    assert not list((tmp_path / "w").rglob("vllm/*/weights/v*"))  # closed: nothing left
+    log = next((tmp_path / "w").rglob("vllm.log")).read_text()
+    assert "Qwen3MoeForCausalLM" in log  # the rollouts came from vLLM's engine

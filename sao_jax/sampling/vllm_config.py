@@ -192,6 +192,18 @@ def _model_dims(config: ConfigDict) -> tuple[dict, str]:
     return config.model.to_dict(), "model."
 
 
+def use_vllm(c: ConfigDict) -> None:
+    """A run config's `vllm` variant (configs/sao.py, configs/harness.py): rollouts by
+    vLLM's CPU build, on a small MoE of the shapes its CPU kernels take (`check_model`:
+    hidden 64, expert width 32, head_dim 64; 2 / 1 heads, 4 experts, every layer MoE, as
+    tests/test_vllm_backend.py's model), every episode decoding at once."""
+    c.model.update(hidden_size=2 * CPU_MULTIPLE, num_attention_heads=2, num_key_value_heads=1)
+    c.model.update(head_dim=CPU_HEAD_DIM, moe_intermediate_size=CPU_MULTIPLE, num_experts=4)
+    c.model.mlp_only_layers = ()
+    c.sampling.backend = "vllm"
+    c.sampling.vllm.max_num_seqs = c.sampling.num_slots
+
+
 def check_model(config: ConfigDict, cfg: VllmConfig) -> None:
     """ConfigError naming the field when vLLM's CPU kernels refuse the policy's shapes."""
     dims, where = _model_dims(config)
