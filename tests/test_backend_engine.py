@@ -252,10 +252,9 @@ def _one_prompt():
     return iter(prompts(1, seed=5, turns=2))
 
 
-def test_an_interrupted_turn_continues_from_its_streamed_tokens():
-    scripted = _Scripted(burst=3)
-    eng = BackendEngine(SharedBackend(lambda p, v: scripted), FakeTokenizer(), TurnEnv, CFG,
-                        vocab_size=32, poll_s=0.01)  # fmt: skip
+def _interrupted_episode(scripted, eng):
+    """One 2-turn episode whose first request streams 3 tokens of version 0 and is then
+    interrupted by publishing version 1 (asked again from its 3 tokens); its trajectory."""
     it = _one_prompt()
     eng.step(None, 0, lambda: next(it, None))  # 3 tokens of version 0, request open
     eng.step(None, 1, lambda: None)  # publication: interrupted
@@ -266,6 +265,14 @@ def test_an_interrupted_turn_continues_from_its_streamed_tokens():
         if finished:
             break
     (traj,) = finished
+    return traj
+
+
+def test_an_interrupted_turn_continues_from_its_streamed_tokens():
+    scripted = _Scripted(burst=3)
+    eng = BackendEngine(SharedBackend(lambda p, v: scripted), FakeTokenizer(), TurnEnv, CFG,
+                        vocab_size=32, poll_s=0.01)  # fmt: skip
+    traj = _interrupted_episode(scripted, eng)
     first, second = scripted.requests[:2]
     n = len(first.prompt_ids)
     assert second.prompt_ids == first.prompt_ids + tuple(int(t) for t in traj.tokens[n : n + 3])
@@ -288,16 +295,7 @@ def test_routing_records_keep_each_positions_first_computation():
     cfg = dataclasses.replace(CFG, record_routing=True)
     eng = BackendEngine(SharedBackend(lambda p, v: scripted), FakeTokenizer(), TurnEnv, cfg,
                         vocab_size=32, routing_lk=(2, 2), poll_s=0.01)  # fmt: skip
-    it = _one_prompt()
-    eng.step(None, 0, lambda: next(it, None))
-    eng.step(None, 1, lambda: None)  # interrupted: asked again from its 3 tokens
-    scripted.burst = 100
-    finished = []
-    for _ in range(10):
-        finished += eng.step(None, 1, lambda: None).finished
-        if finished:
-            break
-    (traj,) = finished
+    traj = _interrupted_episode(scripted, eng)
     assert len(scripted.requests) == 3 and traj.experts.shape == (len(traj.tokens), 2, 2)
     first = {}  # position -> the first request that computed it
     for r, computed in enumerate(scripted.computed):
