@@ -20,8 +20,9 @@ BACKENDS = {"jaxlib": "jax", "tensorstore": "orbax-checkpoint"}
 # the rollout gateway with the OpenAI client; experiments/bench/peers.py times google-tunix
 # (the `bench` extra of pyproject.toml, never a library dependency)
 # torch, openai: tests and examples; tunix: the peers bench; vllm: sao_jax/sampling/
-# vllm_server.py, run by vLLM's own environment (make vllm-env; docs/vllm.md)
-DEV_ONLY_IMPORTS = {"torch", "openai", "tunix", "vllm"}
+# vllm_server.py, run by vLLM's own environment (make vllm-env; docs/vllm.md); transformers:
+# experiments/vllm_parity/tiny.py builds its model with it
+DEV_ONLY_IMPORTS = {"torch", "openai", "tunix", "vllm", "transformers"}
 
 
 def _packages_on_disk() -> set[str]:

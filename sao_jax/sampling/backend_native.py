@@ -513,6 +513,11 @@ class NativeBackend:
         if not live.handle.future.done():
             live.handle.future.set_result(
                 GenResult(
-                    *dataclasses.astuple(chunk), "cancelled", self.sampling_of(live.handle.request)
+                    chunk.token_ids,
+                    chunk.rollout_logp,
+                    chunk.sampled_logp,
+                    chunk.versions,
+                    "cancelled",
+                    self.sampling_of(live.handle.request),
                 )
             )

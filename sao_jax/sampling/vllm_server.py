@@ -47,6 +47,7 @@ runs without vLLM against a stand-in engine (tests/test_weight_payloads.py).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import queue
@@ -258,19 +259,19 @@ def main() -> None:
         # another episode would have no experts to report)
         **({"enable_prefix_caching": False} if args.record_routing else {}),
     )
-    try:  # this file's folder (on the server's sys.path), as the worker extensions
-        from vllm_worker_routing import capture_routing, internal_to_external, take_routing
-        from vllm_worker_sampled import install_sampled_logp, take_sampled_logp
-    except ImportError as e:
-        raise SystemExit(f"vllm_server: {e}: run sao_jax/sampling/vllm_server.py") from e
+    # this file's folder's worker functions (on the server's sys.path: siblings, not
+    # packages, imported by name as vLLM imports the worker extensions)
+    routing = importlib.import_module("vllm_worker_routing")
+    sampled = importlib.import_module("vllm_worker_sampled")
 
     def take_sampled(worker) -> dict[str, float]:
-        return {internal_to_external(k): v for k, v in take_sampled_logp(worker).items()}
+        taken = sampled.take_sampled_logp(worker)
+        return {routing.internal_to_external(k): v for k, v in taken.items()}
 
-    llm.llm_engine.collective_rpc(install_sampled_logp)
+    llm.llm_engine.collective_rpc(sampled.install_sampled_logp)
     if args.record_routing:
-        llm.llm_engine.collective_rpc(capture_routing)
-    take = take_routing if args.record_routing else None
+        llm.llm_engine.collective_rpc(routing.capture_routing)
+    take = routing.take_routing if args.record_routing else None
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=_read_commands, args=(commands,), daemon=True).start()
     server = Server(llm.llm_engine, make_request, emit, args.version, take, take_sampled)
