@@ -41,6 +41,11 @@ its stdin, events on a pipe of their own (vLLM's logs go to `<workdir>/vllm.log`
   request ends with 'stop' at the token whose decoded completion first holds one (kept,
   as the native backend keeps it), and is aborted in vLLM; without `decode` they are
   refused (GenerationError).
+* `record_routing` (sampling.record_routing): the server reports, with each tokens event,
+  the experts vLLM routed every position its request computed to
+  (vllm_worker_routing.py); each chunk carries them (`GenChunk.routing`) and the result
+  the request's whole record, for rl.routing_replay (docs/vllm.md "Routing replay on
+  vLLM rollouts").
 """
 
 from __future__ import annotations
