@@ -617,8 +617,10 @@ class VllmBackend:
         routing = event.get("routing")
         if routing is not None:
             routing = (routing["positions"], routing["experts"])
-            have = live.routing or ([], [])
-            live.routing = (have[0] + routing[0], have[1] + routing[1])
+            if live.routing is None:
+                live.routing = ([], [])
+            live.routing[0].extend(routing[0])  # in place: one copy of each event's rows
+            live.routing[1].extend(routing[1])
         if (ids or routing) and live.on_tokens is not None:
             chunk = GenChunk(list(ids), list(logp), sampled, [version] * len(ids), routing)
             live.on_tokens(chunk)
